@@ -243,17 +243,21 @@ class _LifecycleStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Lifecy
     """LIFECYCLE_STATE_JOINING: Init is forming the group."""
     LIFECYCLE_STATE_READY: _LifecycleState.ValueType  # 3
     """LIFECYCLE_STATE_READY: joined, no update in flight."""
-    LIFECYCLE_STATE_RECEIVING: _LifecycleState.ValueType  # 4
+    LIFECYCLE_STATE_PREPARING: _LifecycleState.ValueType  # 4
+    """LIFECYCLE_STATE_PREPARING: a Prepare stream is being read and validated;
+    nothing is armed yet.
+    """
+    LIFECYCLE_STATE_RECEIVING: _LifecycleState.ValueType  # 5
     """LIFECYCLE_STATE_RECEIVING: an update is prepared and buckets are being
     received.
     """
-    LIFECYCLE_STATE_RECEIVED: _LifecycleState.ValueType  # 5
+    LIFECYCLE_STATE_RECEIVED: _LifecycleState.ValueType  # 6
     """LIFECYCLE_STATE_RECEIVED: every declared bucket has arrived; waiting for
     Complete (or for more buckets via Update).
     """
-    LIFECYCLE_STATE_APPLYING: _LifecycleState.ValueType  # 6
+    LIFECYCLE_STATE_APPLYING: _LifecycleState.ValueType  # 7
     """LIFECYCLE_STATE_APPLYING: Complete is applying the weights."""
-    LIFECYCLE_STATE_FAILED: _LifecycleState.ValueType  # 7
+    LIFECYCLE_STATE_FAILED: _LifecycleState.ValueType  # 8
     """LIFECYCLE_STATE_FAILED: the last update failed or was cancelled and the
     group was left; see last_error. Init starts over.
     """
@@ -269,17 +273,21 @@ LIFECYCLE_STATE_JOINING: LifecycleState.ValueType  # 2
 """LIFECYCLE_STATE_JOINING: Init is forming the group."""
 LIFECYCLE_STATE_READY: LifecycleState.ValueType  # 3
 """LIFECYCLE_STATE_READY: joined, no update in flight."""
-LIFECYCLE_STATE_RECEIVING: LifecycleState.ValueType  # 4
+LIFECYCLE_STATE_PREPARING: LifecycleState.ValueType  # 4
+"""LIFECYCLE_STATE_PREPARING: a Prepare stream is being read and validated;
+nothing is armed yet.
+"""
+LIFECYCLE_STATE_RECEIVING: LifecycleState.ValueType  # 5
 """LIFECYCLE_STATE_RECEIVING: an update is prepared and buckets are being
 received.
 """
-LIFECYCLE_STATE_RECEIVED: LifecycleState.ValueType  # 5
+LIFECYCLE_STATE_RECEIVED: LifecycleState.ValueType  # 6
 """LIFECYCLE_STATE_RECEIVED: every declared bucket has arrived; waiting for
 Complete (or for more buckets via Update).
 """
-LIFECYCLE_STATE_APPLYING: LifecycleState.ValueType  # 6
+LIFECYCLE_STATE_APPLYING: LifecycleState.ValueType  # 7
 """LIFECYCLE_STATE_APPLYING: Complete is applying the weights."""
-LIFECYCLE_STATE_FAILED: LifecycleState.ValueType  # 7
+LIFECYCLE_STATE_FAILED: LifecycleState.ValueType  # 8
 """LIFECYCLE_STATE_FAILED: the last update failed or was cancelled and the
 group was left; see last_error. Init starts over.
 """

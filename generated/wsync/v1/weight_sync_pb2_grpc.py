@@ -155,7 +155,8 @@ class WeightSyncServiceServicer:
         Precondition: state RECEIVING or RECEIVED and update_id equal to the
         update in flight. On any failure the update is abandoned, the weight
         version is unchanged, the state becomes FAILED and the group is left
-        (call Init again). Not idempotent.
+        (call Init again). Calling Complete for an update that already failed
+        (state FAILED) returns that update's error. Not idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,8 +202,13 @@ class WeightSyncServiceServicer:
         marked dirty (streaming apply), the state becomes FAILED and the group is
         left, because collectives already posted cannot be matched any more.
 
-        Allowed in every state. Idempotent: with no update in flight (or
-        update_id naming another update) it succeeds with cancelled = false.
+        Cancelling during PREPARING ends that Prepare with ABORTED; nothing was
+        armed, so the state goes back to READY and the group is kept.
+
+        Allowed in every state except APPLYING (the apply is short and cannot be
+        undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
+        flight (or update_id naming another update) it succeeds with
+        cancelled = false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -106,7 +106,8 @@ class WeightSyncServiceStub:
     Precondition: state RECEIVING or RECEIVED and update_id equal to the
     update in flight. On any failure the update is abandoned, the weight
     version is unchanged, the state becomes FAILED and the group is left
-    (call Init again). Not idempotent.
+    (call Init again). Calling Complete for an update that already failed
+    (state FAILED) returns that update's error. Not idempotent.
     """
     Pause: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.PauseRequest, _weight_sync_pb2.PauseResponse]
     """Pause stops admitting new generation requests; `mode` says what happens
@@ -136,8 +137,13 @@ class WeightSyncServiceStub:
     marked dirty (streaming apply), the state becomes FAILED and the group is
     left, because collectives already posted cannot be matched any more.
 
-    Allowed in every state. Idempotent: with no update in flight (or
-    update_id naming another update) it succeeds with cancelled = false.
+    Cancelling during PREPARING ends that Prepare with ABORTED; nothing was
+    armed, so the state goes back to READY and the group is kept.
+
+    Allowed in every state except APPLYING (the apply is short and cannot be
+    undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
+    flight (or update_id naming another update) it succeeds with
+    cancelled = false.
     """
     Leave: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.LeaveRequest, _weight_sync_pb2.LeaveResponse]
     """Leave tears down this engine's side of the weight-sync group so that a
@@ -213,7 +219,8 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     Precondition: state RECEIVING or RECEIVED and update_id equal to the
     update in flight. On any failure the update is abandoned, the weight
     version is unchanged, the state becomes FAILED and the group is left
-    (call Init again). Not idempotent.
+    (call Init again). Calling Complete for an update that already failed
+    (state FAILED) returns that update's error. Not idempotent.
     """
     Pause: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.PauseRequest, _weight_sync_pb2.PauseResponse]  # type: ignore[assignment]
     """Pause stops admitting new generation requests; `mode` says what happens
@@ -243,8 +250,13 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     marked dirty (streaming apply), the state becomes FAILED and the group is
     left, because collectives already posted cannot be matched any more.
 
-    Allowed in every state. Idempotent: with no update in flight (or
-    update_id naming another update) it succeeds with cancelled = false.
+    Cancelling during PREPARING ends that Prepare with ABORTED; nothing was
+    armed, so the state goes back to READY and the group is kept.
+
+    Allowed in every state except APPLYING (the apply is short and cannot be
+    undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
+    flight (or update_id naming another update) it succeeds with
+    cancelled = false.
     """
     Leave: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.LeaveRequest, _weight_sync_pb2.LeaveResponse]  # type: ignore[assignment]
     """Leave tears down this engine's side of the weight-sync group so that a
@@ -341,7 +353,8 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         Precondition: state RECEIVING or RECEIVED and update_id equal to the
         update in flight. On any failure the update is abandoned, the weight
         version is unchanged, the state becomes FAILED and the group is left
-        (call Init again). Not idempotent.
+        (call Init again). Calling Complete for an update that already failed
+        (state FAILED) returns that update's error. Not idempotent.
         """
 
     @_abc_1.abstractmethod
@@ -395,8 +408,13 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         marked dirty (streaming apply), the state becomes FAILED and the group is
         left, because collectives already posted cannot be matched any more.
 
-        Allowed in every state. Idempotent: with no update in flight (or
-        update_id naming another update) it succeeds with cancelled = false.
+        Cancelling during PREPARING ends that Prepare with ABORTED; nothing was
+        armed, so the state goes back to READY and the group is kept.
+
+        Allowed in every state except APPLYING (the apply is short and cannot be
+        undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
+        flight (or update_id naming another update) it succeeds with
+        cancelled = false.
         """
 
     @_abc_1.abstractmethod
