@@ -142,6 +142,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self._last_error: pb.ErrorDetail | None = None
         self._updates_completed = 0
         self._preparing_cancel: threading.Event | None = None
+        self._dirty_paused = False  # the engine is paused because of dirty weights, not by an operator
         specs = adapter.parameter_specs()
         self._devices = list(adapter.worker_devices())
         self._engine_info = pb.EngineInfo(
@@ -199,12 +200,19 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 err.message,
             )
             if upd.header.streaming and applied:
-                self._dirty = True
-                if not self.adapter.is_paused():
-                    self.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
+                self._mark_dirty(upd)
                 log.error("streaming update failed half-way: weights are dirty, the engine stays paused")
             elif upd.auto_paused:
                 self.adapter.resume()
+
+    def _mark_dirty(self, upd: _Update) -> None:
+        """Flag half-updated weights and keep the engine paused until an update succeeds."""
+        self._dirty = True
+        if not self.adapter.is_paused():
+            self.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
+            self._dirty_paused = True
+        elif upd.auto_paused:
+            self._dirty_paused = True  # our own freeze now holds because of the dirt
 
     def _on_receiver_event(self, r: WorkerReceiver) -> None:
         with self._lock:
@@ -566,9 +574,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 self._fail(upd, err)
                 if not upd.header.streaming:
                     # A staged apply that broke half-way is as dirty as a streaming one.
-                    self._dirty = True
-                    if not self.adapter.is_paused():
-                        self.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
+                    self._mark_dirty(upd)
             raise err from e
         done = time.monotonic()
         with self._lock:
@@ -579,8 +585,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             self._updates_completed += 1
             self._update = None
             self.lifecycle.fire(Event.APPLIED)
-            if upd.auto_paused:
+            if upd.auto_paused or self._dirty_paused:
                 self.adapter.resume()
+            self._dirty_paused = False
         last = max((r.last_arrival_at or done) for r in upd.receivers) if upd.receivers else done
         armed = upd.armed_at or upd.started
         r0 = upd.receivers[0] if upd.receivers else None
@@ -618,6 +625,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             already = self.adapter.is_paused()
             if self._update is not None:
                 self._update.auto_paused = False  # the operator's pause now holds after the update
+            self._dirty_paused = False
         try:
             outcome = self.adapter.pause(mode, timeout)
         except TimeoutError as e:
@@ -654,6 +662,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 )
             was_paused = self.adapter.is_paused()
             resumed = self.adapter.resume() if was_paused else 0
+            self._dirty_paused = False
             if self._dirty:
                 log.warning("resumed with dirty weights (forced by the operator)")
         return pb.ResumeResponse(was_paused=was_paused, resumed_requests=resumed)
