@@ -73,9 +73,7 @@ def main() -> int:
         init = pb.InitRequest(master_address="127.0.0.1", master_port=a.port, rank_offset=1, world_size=2)
         init.timeout.FromMilliseconds(int(a.timeout * 1000))
         fut = stub.Init.future(init, timeout=a.timeout + 10)  # ask the engine before blocking in the join
-        group = join_group(
-            master_address="127.0.0.1", master_port=a.port, rank=0, world_size=2, timeout_s=a.timeout
-        )
+        group = join_group(master_address="127.0.0.1", master_port=a.port, rank=0, world_size=2, timeout_s=a.timeout)
         fut.result()
     buckets = plan(tensors, a.bucket_bytes)
     layout = pb.BUCKET_LAYOUT_FLATTENED if a.layout == "flattened" else pb.BUCKET_LAYOUT_INDIVIDUAL
@@ -124,12 +122,8 @@ def main() -> int:
             for name, _ in b:
                 wait_work(group.broadcast(tensors[name].contiguous()), time.monotonic() + a.timeout)
     try:
-        done = stub.Complete(
-            pb.CompleteRequest(update_id=prep.update_id, flush_cache=True), timeout=a.timeout
-        )
-        out.update(
-            ok=True, weight_version=done.weight_version, tensors=done.tensor_count, bytes=done.bytes_received
-        )
+        done = stub.Complete(pb.CompleteRequest(update_id=prep.update_id, flush_cache=True), timeout=a.timeout)
+        out.update(ok=True, weight_version=done.weight_version, tensors=done.tensor_count, bytes=done.bytes_received)
     except grpc.RpcError as e:
         out.update(ok=False, code=e.code().name, details=e.details())  # type: ignore[attr-defined]
     print(json.dumps(out), flush=True)

@@ -26,9 +26,7 @@ NORM = "model.norm.weight"  # bf16 [64] in the tiny preset
 EMB = "model.embed_tokens.weight"  # bf16 [1000, 64]
 
 
-def t(
-    name: str = NORM, dtype: str = "bfloat16", shape: list[int] | None = None, offset: int = 0
-) -> pb.TensorSpec:
+def t(name: str = NORM, dtype: str = "bfloat16", shape: list[int] | None = None, offset: int = 0) -> pb.TensorSpec:
     return pb.TensorSpec(name=name, dtype=dtype, shape=[64] if shape is None else shape, offset_bytes=offset)
 
 
@@ -37,9 +35,7 @@ def b(index: int, size: int, *tensors: pb.TensorSpec) -> pb.PrepareRequest:
 
 
 def h(count: int = 1, total: int = 128, **kw: object) -> pb.PrepareRequest:
-    return pb.PrepareRequest(
-        header=pb.PrepareHeader(weight_version="bad", bucket_count=count, total_bytes=total, **kw)
-    )  # type: ignore[arg-type]
+    return pb.PrepareRequest(header=pb.PrepareHeader(weight_version="bad", bucket_count=count, total_bytes=total, **kw))  # type: ignore[arg-type]
 
 
 L1 = "model.layers.1.input_layernorm.weight"
@@ -211,9 +207,7 @@ class Joined:
         port = free_port()
         req = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
         fut = self.stub.Init.future(req, timeout=60)  # type: ignore[attr-defined]
-        self.trainer = join_group(
-            master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=60
-        )
+        self.trainer = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=60)
         fut.result()
 
     def __iter__(self) -> Iterator[object]:

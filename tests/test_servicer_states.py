@@ -75,9 +75,7 @@ class Harness:
         port = free_port()
         self.init_req = self.init_request(port)
         fut = self.stub.Init.future(self.init_req, timeout=60)  # type: ignore[attr-defined]
-        self.trainer = join_group(
-            master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=30
-        )
+        self.trainer = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=30)
         resp: pb.InitResponse = fut.result()
         return resp
 

@@ -185,9 +185,7 @@ def test_prepare_then_no_broadcast_times_out_at_group_timeout() -> None:
         spec.tensors.add(name="model.norm.weight", dtype="bfloat16", shape=[64])
         header = pb.PrepareHeader(weight_version="never", bucket_count=1, total_bytes=128)
         t0 = time.monotonic()
-        prep = stub.Prepare(
-            iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=spec)]), timeout=10
-        )
+        prep = stub.Prepare(iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=spec)]), timeout=10)
         with pytest.raises(grpc.RpcError) as e:
             stub.Complete(pb.CompleteRequest(update_id=prep.update_id), timeout=30)
         waited = time.monotonic() - t0
@@ -251,13 +249,9 @@ def test_health_and_token_auth() -> None:
                 stub.GetStatus(pb.GetStatusRequest(), timeout=10)
             assert code_of(e.value) == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as e:
-                stub.Prepare(
-                    iter([pb.PrepareRequest(header=pb.PrepareHeader(weight_version="x"))]), timeout=10
-                )
+                stub.Prepare(iter([pb.PrepareRequest(header=pb.PrepareHeader(weight_version="x"))]), timeout=10)
             assert code_of(e.value) == grpc.StatusCode.UNAUTHENTICATED
-            ok = stub.GetStatus(
-                pb.GetStatusRequest(), timeout=10, metadata=(("authorization", "Bearer s3cret"),)
-            )
+            ok = stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=(("authorization", "Bearer s3cret"),))
             assert ok.state == State.UNINITIALIZED.value
             srv.stop(1)
             assert (
@@ -282,9 +276,7 @@ def test_grpcurl_lists_describes_and_calls_via_reflection() -> None:
     with tensor_server("tiny") as (srv, _, _stub):
 
         def run(*args: str) -> str:
-            r = subprocess.run(
-                [grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=60, env=ENV
-            )
+            r = subprocess.run([grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=60, env=ENV)
             assert r.returncode == 0, r.stderr
             return r.stdout
 

@@ -47,9 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
         from wsync_grpc.tensor_engine import TensorEngine
 
         tensors = synthetic.build(args.synthetic, dtype=dtype, seed=args.seed)
-        engine = TensorEngine(
-            tensors, aliases=synthetic.aliases(args.synthetic), name=f"synthetic-{args.synthetic}"
-        )
+        engine = TensorEngine(tensors, aliases=synthetic.aliases(args.synthetic), name=f"synthetic-{args.synthetic}")
     else:
         from wsync_grpc.generation_service import add_generation_service
         from wsync_grpc.reference_engine import ReferenceEngine
@@ -86,9 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         srv.address,
     )
     if args.host not in ("127.0.0.1", "::1", "localhost") and not token:
-        log.warning(
-            "serving on %s without a token: anyone who reaches the port can change the weights", args.host
-        )
+        log.warning("serving on %s without a token: anyone who reaches the port can change the weights", args.host)
     if args.port_file:
         write_port_file(args.port_file, srv.port)
     stopped = threading.Event()
@@ -113,9 +109,7 @@ def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str | bytes], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def _call(
-    args: argparse.Namespace, fn: Callable[[weight_sync_pb2_grpc.WeightSyncServiceStub], Message]
-) -> int:
+def _call(args: argparse.Namespace, fn: Callable[[weight_sync_pb2_grpc.WeightSyncServiceStub], Message]) -> int:
     with _channel(args) as ch:
         stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
         try:
@@ -160,9 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port; 0 picks a free one")
     s.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
     src = s.add_mutually_exclusive_group()
-    src.add_argument(
-        "--model", default=None, help="local Hugging Face directory (default: SmolLM2-135M-Instruct)"
-    )
+    src.add_argument("--model", default=None, help="local Hugging Face directory (default: SmolLM2-135M-Instruct)")
     src.add_argument("--synthetic", help="serve a synthetic tensor-only model (tiny, 0.25gb, 1gb, ...)")
     s.add_argument("--seed", type=int, default=0, help="seed of the synthetic model's values")
     s.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="served dtype")
@@ -199,9 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stop admitting generation requests",
         lambda a: _bind("Pause", _pause_request(a)),
     )
-    pa.add_argument(
-        "--mode", choices=sorted(_MODES), default="abort", help="what happens to requests in flight"
-    )
+    pa.add_argument("--mode", choices=sorted(_MODES), default="abort", help="what happens to requests in flight")
     pa.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to drain in mode wait")
     r = rpc(
         "resume",
@@ -209,9 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         lambda a: _bind("Resume", pb.ResumeRequest(force=a.force)),
     )
     r.add_argument("--force", action="store_true", help="resume even with dirty (half-updated) weights")
-    c = rpc(
-        "cancel", "abandon the update in flight", lambda a: _bind("Cancel", pb.CancelRequest(reason=a.reason))
-    )
+    c = rpc("cancel", "abandon the update in flight", lambda a: _bind("Cancel", pb.CancelRequest(reason=a.reason)))
     c.add_argument("--reason", default="cancelled by operator")
     rpc("leave", "leave the weight-sync group", lambda a: _bind("Leave", pb.LeaveRequest()))
     k = rpc(

@@ -196,9 +196,7 @@ def join_group(
         )
     except RuntimeError as e:
         if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-            raise GroupTimeout(
-                f"no store at {master_address}:{master_port} within {timeout_s:g} s: {_short(e)}"
-            ) from e
+            raise GroupTimeout(f"no store at {master_address}:{master_port} within {timeout_s:g} s: {_short(e)}") from e
         raise GroupError(f"store at {master_address}:{master_port}: {_short(e)}") from e
     prefix = PrefixStore(group_name or DEFAULT_GROUP_NAME, store)
     remaining = datetime.timedelta(seconds=max(0.1, timeout_s - (time.monotonic() - start)))

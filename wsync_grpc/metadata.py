@@ -179,8 +179,7 @@ class UpdateValidator:
         if h.total_bytes > self._max_bytes:
             raise InvalidArgument(
                 "TOO_MANY_BYTES",
-                f"header.total_bytes {h.total_bytes} exceeds what the model could take "
-                f"({self._max_bytes} bytes)",
+                f"header.total_bytes {h.total_bytes} exceeds what the model could take ({self._max_bytes} bytes)",
             )
         self.header = UpdateHeader(
             update_id=h.update_id or uuid.uuid4().hex,
@@ -282,9 +281,7 @@ class UpdateValidator:
         try:
             dtype = parse_dtype(t.dtype)
         except ValueError as e:
-            raise InvalidArgument(
-                "UNSUPPORTED_DTYPE", f"tensor {_show(name)}: {e}", bucket=idx, tensor=name
-            ) from None
+            raise InvalidArgument("UNSUPPORTED_DTYPE", f"tensor {_show(name)}: {e}", bucket=idx, tensor=name) from None
         if not can_convert(dtype, spec.dtype):
             raise InvalidArgument(
                 "DTYPE_MISMATCH",
@@ -315,8 +312,7 @@ class UpdateValidator:
             if offset % esize:
                 raise InvalidArgument(
                     "MISALIGNED_OFFSET",
-                    f"tensor {_show(name)} starts at byte {offset}, not a multiple of its "
-                    f"{esize}-byte element size",
+                    f"tensor {_show(name)} starts at byte {offset}, not a multiple of its {esize}-byte element size",
                     bucket=idx,
                     tensor=name,
                 )
@@ -349,8 +345,7 @@ class UpdateValidator:
         if self.bytes_declared != self.header.total_bytes:
             raise InvalidArgument(
                 "TOTAL_BYTES_MISMATCH",
-                f"the header announced {self.header.total_bytes} bytes but the buckets add up to "
-                f"{self.bytes_declared}",
+                f"the header announced {self.header.total_bytes} bytes but the buckets add up to {self.bytes_declared}",
             )
 
     def check_more_buckets(self, count: int) -> None:

@@ -236,9 +236,7 @@ class WorkerReceiver(threading.Thread):
                 if t.load
             ]
         else:
-            named = [
-                (t.canonical, buf) for t, buf in zip(bucket.tensors, posted.buffers, strict=True) if t.load
-            ]
+            named = [(t.canonical, buf) for t, buf in zip(bucket.tensors, posted.buffers, strict=True) if t.load]
         if self.streaming:
             with self.adapter.weights_lock():
                 self.tensors_applied += self.adapter.load_weights(self.worker, named)

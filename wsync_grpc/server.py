@@ -160,9 +160,7 @@ def build_server(
     return WsyncServer(server, bound, f"{shown}:{bound}", servicer, health_servicer)
 
 
-def stop_on_signals(
-    server: WsyncServer, grace: float = 5.0, on_stop: Callable[[], None] | None = None
-) -> None:
+def stop_on_signals(server: WsyncServer, grace: float = 5.0, on_stop: Callable[[], None] | None = None) -> None:
     """Stop ``server`` gracefully on SIGTERM or SIGINT (health NOT_SERVING, then ``stop(grace)``).
 
     Must be called from the main thread.

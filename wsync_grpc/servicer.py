@@ -283,9 +283,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         if not 1 <= r.master_port <= 65535:
             raise InvalidArgument("INVALID_PORT", f"master_port {r.master_port} is not in 1..65535")
         if r.rank_offset < 1:
-            raise InvalidArgument(
-                "INVALID_RANK_OFFSET", "rank_offset must be at least 1 (rank 0 is the trainer)"
-            )
+            raise InvalidArgument("INVALID_RANK_OFFSET", "rank_offset must be at least 1 (rank 0 is the trainer)")
         workers = len(self._devices)
         if r.world_size < r.rank_offset + workers:
             raise InvalidArgument(
@@ -440,9 +438,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     v.check_more_buckets(len(buckets) + 1)
                     buckets.append(v.bucket_message(msg.bucket))
                 else:
-                    raise InvalidArgument(
-                        "EMPTY_MESSAGE", "a PrepareRequest carried neither header nor bucket"
-                    )
+                    raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried neither header nor bucket")
         except grpc.RpcError as e:  # the client went away mid-stream
             raise Aborted("STREAM_BROKEN", f"the Prepare stream broke before it ended: {e}") from None
         v.finish_stream()
@@ -497,17 +493,13 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             v.header = upd.header
             v.buckets_declared = len(upd.feed)
             v.bytes_declared = upd.bytes
-            v._seen = {
-                t.canonical: t.name for i in range(len(upd.feed)) for t in _declared(upd.feed, i).tensors
-            }
+            v._seen = {t.canonical: t.name for i in range(len(upd.feed)) for t in _declared(upd.feed, i).tensors}
             new = [v.bucket_message(b) for b in request.buckets]
             upd.feed.extend(new)
             upd.tensors += sum(len(b.tensors) for b in new)
             upd.bytes += sum(b.size_bytes for b in new)
             self.lifecycle.fire(Event.MORE_BUCKETS)
-            return pb.UpdateResponse(
-                update_id=upd.header.update_id, bucket_count=len(upd.feed), total_bytes=upd.bytes
-            )
+            return pb.UpdateResponse(update_id=upd.header.update_id, bucket_count=len(upd.feed), total_bytes=upd.bytes)
 
     # ----------------------------------------------------------------- Complete
 
@@ -518,23 +510,15 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             state = self.lifecycle.check(Rpc.COMPLETE)
             if state == State.FAILED:
                 failed = self._failed_update
-                if (
-                    failed is not None
-                    and failed.error is not None
-                    and request.update_id == failed.header.update_id
-                ):
+                if failed is not None and failed.error is not None and request.update_id == failed.header.update_id:
                     raise failed.error
-                raise FailedPrecondition(
-                    "WRONG_STATE", "Complete is not allowed in state FAILED: no such update"
-                )
+                raise FailedPrecondition("WRONG_STATE", "Complete is not allowed in state FAILED: no such update")
             upd = self._current(request.update_id)
             if upd.completing:
                 raise Aborted("COMPLETE_IN_PROGRESS", "Complete is already running for this update")
             upd.completing = True
             upd.feed.close()
-            timeout = seconds(
-                request.timeout, self._groups[0].timeout_s if self._groups else DEFAULT_TIMEOUT_S
-            )
+            timeout = seconds(request.timeout, self._groups[0].timeout_s if self._groups else DEFAULT_TIMEOUT_S)
         deadline = time.monotonic() + timeout
         for r in upd.receivers:
             if not r.done.wait(max(0.0, deadline - time.monotonic())):
@@ -802,7 +786,5 @@ def _receive_error(e: BaseException, timeout_s: float) -> WsyncError:
     if isinstance(e, GroupError):
         if str(e) == "cancelled":
             return Aborted("UPDATE_CANCELLED", "the update was cancelled")
-        return Unavailable(
-            "PEER_LOST", f"the weight-sync group broke while receiving (did the trainer die?): {e}"
-        )
+        return Unavailable("PEER_LOST", f"the weight-sync group broke while receiving (did the trainer die?): {e}")
     return as_wsync_error(e)

@@ -1,0 +1,71 @@
+"""Shared fixtures. transformers (the ``engine`` extra) is imported lazily: tests that do not
+use these fixtures run without it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct directory (converts the GGUF once per cache, ~30 s)."""
+    pytest.importorskip("transformers")
+    from wsync_grpc.models import ensure_smollm2_dir
+
+    try:
+        return ensure_smollm2_dir()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir: Path) -> Any:
+    """SmolLM2's tokenizer (vocabulary 49152, chat template), from local files."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+
+
+def build_tiny_llama(vocab_size: int = 49152, seed: int = 0, tie: bool = True) -> Any:
+    """A tiny random LlamaForCausalLM (hidden 64, 2 layers, context 512), identical for a given seed.
+
+    Generating with ``model.generate`` on SmolLM2 chat prompts needs an explicit all-ones
+    ``attention_mask``: pad and end-of-turn share id 2, so the default mask hides ``<|im_end|>``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.2,  # wide logits: varied greedy tokens, no near-ties between code paths
+    )
+    torch.manual_seed(seed)
+    model: Any = LlamaForCausalLM(config)
+    return model.eval()
+
+
+@pytest.fixture
+def make_tiny_llama(smollm2_tokenizer: Any) -> Callable[..., Any]:
+    """``make_tiny_llama(seed=0, tie=True)``: :func:`build_tiny_llama` with SmolLM2's vocabulary."""
+    return functools.partial(build_tiny_llama, len(smollm2_tokenizer))
+
+
+@pytest.fixture
+def tiny_llama(make_tiny_llama: Callable[..., Any]) -> Any:
+    """A fresh tiny random Llama (seed 0, tied embeddings) with SmolLM2's vocabulary."""
+    return make_tiny_llama()

@@ -1,0 +1,358 @@
+"""Trainer-side bucket planning and packing (pure torch, no gRPC).
+
+A weight update travels as *buckets*. In the flattened layout
+(``wsync.v1.BUCKET_LAYOUT_FLATTENED``, SGLang's ``flattened_bucket`` load
+format) a bucket is one contiguous ``uint8`` buffer of ``size_bytes`` holding
+its tensors at aligned byte offsets, sent with one broadcast. In the
+individual layout (``BUCKET_LAYOUT_INDIVIDUAL``, SGLang's default
+``update_weights_from_distributed``) every tensor is its own broadcast, in its
+wire dtype and shape; buckets then only group the metadata (and bound the
+engine's memory in streaming apply).
+
+:func:`plan_buckets` turns ``named_parameters()`` / ``state_dict()`` into a
+list of :class:`Bucket`; :meth:`Bucket.spec` builds the ``wsync.v1.BucketSpec``
+message for either layout; :func:`pack_bucket` fills a flat buffer;
+:func:`wire_tensor` gives the tensor the individual layout broadcasts;
+:func:`unpack_bucket` views a received flat buffer as tensors (what an engine
+does on its side).
+
+Sizes are in bytes throughout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.dtypes import dtype_name, element_size
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+"""Default bucket capacity, in bytes (256 MiB).
+
+Provisional: the benchmarks (``bench/``) will tune it. Larger buckets mean
+fewer collectives and less per-bucket overhead; smaller ones mean less trainer
+memory for the double buffer (two buckets) and less engine memory in
+streaming apply (about two buckets per worker).
+"""
+
+DEFAULT_ALIGNMENT = 256
+"""Default byte alignment of every tensor's offset inside a flat bucket.
+
+256 bytes is what CUDA allocations guarantee, so a tensor viewed out of a
+bucket is as aligned as a freshly allocated one. The engines accept at most
+4096 bytes of padding per tensor (``wsync_grpc.metadata.PADDING_PER_TENSOR``),
+so alignments above 4096 are refused by them.
+"""
+
+DEFAULT_MAX_SPEC_BYTES = 2 * 1024 * 1024
+"""Default bound on one bucket's metadata (its serialized ``BucketSpec``), in bytes (2 MiB).
+
+Every bucket travels as one Prepare message; gRPC servers refuse messages
+above 4 MiB by default, which a bucket of tens of thousands of small tensors
+(a large MoE) would exceed. The bound is checked with an upper estimate of
+each ``TensorSpec``'s size, so real messages stay below it.
+"""
+
+
+def _spec_bytes_bound(name: str, ndim: int) -> int:
+    """An upper bound of one ``TensorSpec``'s serialized size inside a ``BucketSpec``, in bytes.
+
+    Field tags and lengths (at most 3 bytes each for these sizes), the name,
+    the dtype name (at most 13 characters), each dimension as a varint (at
+    most 10 bytes), the offset (at most 10 bytes) and the repeated-field
+    wrapper.
+    """
+    return len(name.encode()) + 10 * ndim + 48
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor's place in a bucket.
+
+    Attributes:
+        name: the name it is sent under (Hugging Face naming).
+        dtype: the wire dtype (after any conversion asked of :func:`plan_buckets`).
+        shape: its shape; ``()`` for a scalar.
+        offset_bytes: where it starts inside the bucket's flat buffer, in bytes
+            (a multiple of the alignment and of the element size).
+        nbytes: its size on the wire, in bytes (``numel * element_size(dtype)``).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset_bytes: int
+    nbytes: int
+
+    @property
+    def end_bytes(self) -> int:
+        """One past its last byte inside the flat buffer."""
+        return self.offset_bytes + self.nbytes
+
+    def spec(self, layout: int = pb.BUCKET_LAYOUT_FLATTENED) -> pb.TensorSpec:
+        """Build its ``wsync.v1.TensorSpec``.
+
+        The name/dtype/shape fields are the same as SGLang's
+        ``UpdateWeightsFromDistributedReqInput.names/dtypes/shapes``; the
+        dtype is torch's own name (``"bfloat16"``). ``offset_bytes`` is 0 in
+        the individual layout, where the contract ignores it.
+        """
+        offset = self.offset_bytes if layout != pb.BUCKET_LAYOUT_INDIVIDUAL else 0
+        return pb.TensorSpec(name=self.name, dtype=dtype_name(self.dtype), shape=list(self.shape), offset_bytes=offset)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of a planned update.
+
+    Attributes:
+        index: position in the update, from 0.
+        size_bytes: length of the flat buffer, in bytes: the end of its last
+            tensor (no trailing padding). Padding sits only between tensors.
+        tensors: its tensors, in the order they were given to :func:`plan_buckets`.
+    """
+
+    index: int
+    size_bytes: int
+    tensors: tuple[PlannedTensor, ...]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Sum of the tensors' sizes, in bytes (``size_bytes`` minus padding)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def wire_bytes(self, layout: int = pb.BUCKET_LAYOUT_FLATTENED) -> int:
+        """Bytes this bucket puts on the wire in ``layout``, in bytes.
+
+        Flattened: ``size_bytes`` (padding included). Individual: the sum of
+        the tensors' sizes, which is what the contract requires the
+        ``BucketSpec.size_bytes`` of that layout to be.
+        """
+        return self.payload_bytes if layout == pb.BUCKET_LAYOUT_INDIVIDUAL else self.size_bytes
+
+    def spec(self, layout: int = pb.BUCKET_LAYOUT_FLATTENED) -> pb.BucketSpec:
+        """Build the ``wsync.v1.BucketSpec`` message for ``layout`` (a ``pb.BucketLayout`` value).
+
+        ``BUCKET_LAYOUT_UNSPECIFIED`` means flattened, as in the contract.
+        """
+        return pb.BucketSpec(
+            index=self.index,
+            size_bytes=self.wire_bytes(layout),
+            tensors=[t.spec(layout) for t in self.tensors],
+        )
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def _identity(t: torch.Tensor) -> tuple[object, ...] | None:
+    """A key equal for two tensors that are the same bytes (tied weights), or None."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+        return None
+    return (t.device, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    alignment: int = DEFAULT_ALIGNMENT,
+    dtype: torch.dtype | None = None,
+    *,
+    max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
+) -> list[Bucket]:
+    """Plan the buckets of one update.
+
+    Tensors keep their order and are packed greedily: each starts at the
+    first offset after the previous one that is a multiple of both
+    ``alignment`` and its element size; when it would end past
+    ``bucket_bytes`` a new bucket starts. A tensor larger than
+    ``bucket_bytes`` gets a bucket of its own. Only metadata is read (dtype,
+    shape, storage), so ``meta`` tensors can be planned too.
+
+    Tied or duplicated tensors, i.e. the same storage, storage offset, shape,
+    stride and dtype (``state_dict()`` lists a tied ``lm_head.weight`` and
+    ``model.embed_tokens.weight`` as the same tensor), are planned once,
+    under the first name; engines resolve tied aliases themselves.
+
+    Args:
+        named_tensors: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()``
+            or ``model.state_dict().items()``.
+        bucket_bytes: capacity of a bucket, in bytes (> 0).
+        alignment: byte alignment of every tensor offset (>= 1). Engines accept
+            at most 4096.
+        dtype: if given (a floating dtype), floating tensors are sent in it
+            (e.g. fp32 master weights sent as ``torch.bfloat16``); other
+            tensors keep theirs. The plan records the wire dtype.
+        max_spec_bytes: bound on each bucket's serialized metadata, in bytes
+            (see :data:`DEFAULT_MAX_SPEC_BYTES`); a bucket also closes when
+            the next tensor's metadata would pass it.
+
+    Returns:
+        The buckets, indexed from 0; ``[]`` when there is nothing to send.
+
+    Raises:
+        ValueError: a name appears twice for different tensors, a
+            non-positive ``bucket_bytes`` or ``alignment``, a non-floating
+            ``dtype``, or a dtype weight sync does not support.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if alignment < 1:
+        raise ValueError(f"alignment must be at least 1, got {alignment}")
+    if max_spec_bytes <= 0:
+        raise ValueError(f"max_spec_bytes must be positive, got {max_spec_bytes}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype to convert into, got {dtype}")
+    if dtype is not None:
+        dtype_name(dtype)  # refuse an unsupported wire dtype up front
+
+    buckets: list[Bucket] = []
+    current: list[PlannedTensor] = []
+    end = 0  # end of the current bucket's last tensor
+    meta = 0  # upper bound of the current bucket's serialized metadata
+    seen_names: set[str] = set()
+    seen_tensors: set[tuple[object, ...]] = set()
+
+    def close() -> None:
+        nonlocal current, end, meta
+        if current:
+            buckets.append(Bucket(len(buckets), end, tuple(current)))
+        current = []
+        end = 0
+        meta = 0
+
+    for name, tensor in named_tensors:
+        if name in seen_names:
+            raise ValueError(f"tensor name {name!r} appears twice")
+        seen_names.add(name)
+        key = _identity(tensor)
+        if key is not None:
+            if key in seen_tensors:
+                continue  # tied: already planned under its first name
+            seen_tensors.add(key)
+        wire = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+        dtype_name(wire)  # ValueError for dtypes weight sync does not carry
+        esize = element_size(wire)
+        nbytes = tensor.numel() * esize
+        step = math.lcm(alignment, esize)
+        offset = _align_up(end, step)
+        spec_bytes = _spec_bytes_bound(name, tensor.dim())
+        if current and (offset + nbytes > bucket_bytes or meta + spec_bytes > max_spec_bytes):
+            close()
+            offset = 0
+        current.append(PlannedTensor(name, wire, tuple(tensor.shape), offset, nbytes))
+        end = offset + nbytes
+        meta += spec_bytes
+        if nbytes > bucket_bytes:
+            close()  # oversized: alone in its bucket
+    close()
+    return buckets
+
+
+def total_wire_bytes(buckets: Iterable[Bucket], layout: int = pb.BUCKET_LAYOUT_FLATTENED) -> int:
+    """Sum of :meth:`Bucket.wire_bytes` over ``buckets``: the header's ``total_bytes``, in bytes."""
+    return sum(b.wire_bytes(layout) for b in buckets)
+
+
+def _typed_slice(flat: torch.Tensor, t: PlannedTensor) -> torch.Tensor:
+    """View bytes ``t.offset_bytes .. t.end_bytes`` of ``flat`` as ``t`` (no copy)."""
+    return flat[t.offset_bytes : t.end_bytes].view(t.dtype).view(t.shape)
+
+
+def pack_bucket(
+    bucket: Bucket,
+    tensors_by_name: Mapping[str, torch.Tensor],
+    out: torch.Tensor,
+    *,
+    zero_padding: bool = False,
+) -> torch.Tensor:
+    """Copy each of ``bucket``'s tensors into its byte range of ``out``; return ``out``.
+
+    Each tensor is written through a view of its byte range in the wire
+    dtype (``Tensor.copy_``), which converts the dtype, makes a
+    non-contiguous source contiguous and crosses devices in one pass, with
+    no temporary. With equal dtypes the bytes are copied bit for bit.
+
+    Padding bytes between tensors are left as they are unless
+    ``zero_padding`` is true: receivers never read them, and not touching
+    them saves a pass over a reused buffer. Zero them when the buffer's
+    bytes are compared or hashed as a whole.
+
+    Args:
+        bucket: the planned bucket.
+        tensors_by_name: the tensors, by the names planned (extra names are
+            ignored); each must have the planned shape.
+        out: a 1-D ``torch.uint8`` tensor of exactly ``bucket.size_bytes``
+            elements, contiguous, on the device the broadcast runs on.
+        zero_padding: also zero the padding bytes.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: ``out`` has the wrong dtype, size or layout, or a tensor's
+            shape differs from the plan.
+        KeyError: a planned tensor is missing from ``tensors_by_name``.
+    """
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous 1-D uint8 tensor, got {out.dtype} {tuple(out.shape)}")
+    if out.numel() != bucket.size_bytes:
+        raise ValueError(f"out holds {out.numel()} bytes but bucket {bucket.index} needs {bucket.size_bytes}")
+    prev_end = 0
+    with torch.no_grad():
+        for t in bucket.tensors:
+            src = tensors_by_name[t.name]
+            if tuple(src.shape) != t.shape:
+                raise ValueError(f"tensor {t.name!r} has shape {tuple(src.shape)}, planned {t.shape}")
+            if zero_padding and t.offset_bytes > prev_end:
+                out[prev_end : t.offset_bytes].zero_()
+            if t.nbytes:
+                _typed_slice(out, t).copy_(src.detach())
+            prev_end = t.end_bytes
+    return out
+
+
+def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """View a flat bucket buffer as its tensors (no copy): name -> tensor of the wire dtype and shape.
+
+    The inverse of :func:`pack_bucket`, and what an engine does with a
+    received buffer.
+
+    Raises:
+        ValueError: ``flat`` is not a 1-D uint8 tensor of ``bucket.size_bytes`` elements.
+    """
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != bucket.size_bytes:
+        raise ValueError(
+            f"flat must be a 1-D uint8 tensor of {bucket.size_bytes} bytes, got {flat.dtype} {tuple(flat.shape)}"
+        )
+    return {t.name: _typed_slice(flat, t) for t in bucket.tensors}
+
+
+def wire_tensor(planned: PlannedTensor, tensor: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """The tensor the individual layout broadcasts for ``planned``: contiguous, in the wire dtype.
+
+    Returns ``tensor`` itself (detached, no copy) when it already is
+    contiguous, of the wire dtype and on ``device``; a converted copy
+    otherwise.
+
+    Args:
+        planned: the planned tensor.
+        tensor: the trainer's tensor.
+        device: where the broadcast runs; ``None`` keeps ``tensor``'s device.
+
+    Raises:
+        ValueError: ``tensor``'s shape differs from the plan.
+    """
+    if tuple(tensor.shape) != planned.shape:
+        raise ValueError(f"tensor {planned.name!r} has shape {tuple(tensor.shape)}, planned {planned.shape}")
+    target = torch.device(device) if device is not None else tensor.device
+    return tensor.detach().to(device=target, dtype=planned.dtype).contiguous()
