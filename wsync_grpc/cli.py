@@ -97,7 +97,12 @@ def _serve(args: argparse.Namespace) -> int:
     srv.wait()
     stopped.wait(args.grace + 10)
     log.info("stopped")
-    return 0
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is released above; skip interpreter finalization, which would destruct
+    # left process groups whose collectives may still be posted (see group._PARKED).
+    os._exit(0)
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:

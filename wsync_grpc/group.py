@@ -11,6 +11,7 @@ ranks, never global ranks.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
@@ -29,6 +30,30 @@ DEFAULT_GROUP_NAME = "weight_sync_group"
 
 DEFAULT_TIMEOUT_S = 120.0
 """Join and per-collective timeout when the caller gives none, in seconds."""
+
+
+_PARKED: list[Any] = []
+"""Process groups that were left while a collective was still posted on them.
+
+Destroying a gloo process group joins its worker threads, which blocks until a
+posted receive completes or times out; if that happened in whatever thread
+dropped the last reference (a gRPC handler, garbage collection, shutdown), that
+thread could stall for the whole group timeout. Such groups are parked here
+and released by a reaper thread once their pending collectives have ended
+(they end with an error as soon as the peer closes its side, at the latest at
+the group timeout)."""
+
+
+def _park(pg: Any, pending: list[dist.Work]) -> None:
+    _PARKED.append(pg)
+
+    def reap() -> None:
+        for work in pending:
+            with contextlib.suppress(Exception):
+                work.get_future().wait()
+        _PARKED.remove(pg)  # the destructor runs here, with nothing pending
+
+    threading.Thread(target=reap, name="wsync-group-reaper", daemon=True).start()
 
 
 class GroupError(RuntimeError):
@@ -78,6 +103,7 @@ class WeightSyncGroup:
     _store: Store
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _destroyed: bool = False
+    _pending: list[dist.Work] = field(default_factory=list)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Post a broadcast of ``tensor`` from group rank ``src``; returns the pending work.
@@ -96,25 +122,33 @@ class WeightSyncGroup:
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             work: dist.Work = self._pg.broadcast([tensor], opts)
-            return work
         except RuntimeError as e:
             raise GroupError(f"broadcast could not be posted: {e}") from e
+        with self._lock:
+            self._pending = [w for w in self._pending if not w.is_completed()]
+            self._pending.append(work)
+        return work
 
     def destroy(self) -> None:
         """Leave the group. Idempotent.
 
         Collectives still pending on other threads fail or time out on their
-        own; the process-group object is kept alive by their work handles.
+        own; until they have, the process group is parked (see ``_PARKED``).
         """
         with self._lock:
             if self._destroyed:
                 return
             self._destroyed = True
+            pending = [w for w in self._pending if not w.is_completed()]
+            self._pending = []
+            pg, self._pg = self._pg, None
         if self.backend == "nccl":
             try:
-                self._pg.shutdown()
+                pg.shutdown()
             except (RuntimeError, AttributeError) as e:  # pragma: no cover - GPU only
                 log.warning("NCCL shutdown: %s", e)
+        if pending:
+            _park(pg, pending)
 
     @property
     def destroyed(self) -> bool:
@@ -139,6 +173,8 @@ def wait_work(work: dist.Work, deadline: float, cancelled: threading.Event | Non
     try:
         work.wait()
     except RuntimeError as e:
+        if "timed out" in str(e).lower():  # gloo's own per-collective timeout fired first
+            raise GroupTimeout(f"the collective timed out: {_short(e)}") from e
         raise GroupError(f"collective failed: {_short(e)}") from e
 
 

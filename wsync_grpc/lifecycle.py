@@ -99,6 +99,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.RECEIVING, Event.ALL_RECEIVED): S.RECEIVED,
     (S.RECEIVED, Event.APPLY): S.APPLYING,
     (S.APPLYING, Event.APPLIED): S.READY,
+    (S.PREPARING, Event.FAIL): S.FAILED,  # a receiver failed while being armed
     (S.RECEIVING, Event.FAIL): S.FAILED,
     (S.RECEIVED, Event.FAIL): S.FAILED,
     (S.APPLYING, Event.FAIL): S.FAILED,

@@ -174,7 +174,7 @@ class GenerationHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (``None``: forever) for the end; return :meth:`done`."""
-        return self._req.done.wait(timeout)
+        return self._req.done.wait(None if timeout is None else _bounded(timeout))
 
     @property
     def admitted(self) -> bool:
@@ -201,7 +201,7 @@ class GenerationHandle:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                self._engine._cond.wait(remaining)
+                self._engine._cond.wait(_bounded(remaining))
             return len(self._req.generated) >= n
 
     def cancel(self) -> bool:
@@ -221,7 +221,7 @@ class GenerationHandle:
             RuntimeError: the forward pass failed (the cause is chained).
         """
         req = self._req
-        if not req.done.wait(max(0.0, req.deadline - time.monotonic())):
+        if not req.done.wait(_bounded(req.deadline - time.monotonic())):
             self._engine._expire(req)
         req.done.wait()
         if req.error is not None:
@@ -628,7 +628,7 @@ class ReferenceEngine:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        self._cond.wait(remaining)
+        self._cond.wait(_bounded(remaining))
         return True
 
     def _finish_locked(self, req: _Request, reason: FinishReason) -> None:
@@ -725,7 +725,7 @@ class ReferenceEngine:
                 self._rr += 1
                 return req
             pending = [r.deadline for r in (*self._waiting, *self._running)]
-            self._cond.wait(max(0.0, min(pending) - now) + 0.001 if pending else None)
+            self._cond.wait(_bounded(min(pending) - now + 0.001) if pending else None)
 
     def _step(self, req: _Request) -> None:
         """Run one decode step of ``req`` under the weights lock and record its token."""
@@ -778,6 +778,11 @@ class ReferenceEngine:
             out = self._model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = int(torch.argmax(out.logits[0, -1]).item())
         return token, out.past_key_values
+
+
+def _bounded(seconds: float) -> float:
+    """``seconds`` clipped to what ``threading`` waits accept (0 to ``threading.TIMEOUT_MAX``)."""
+    return min(max(0.0, seconds), threading.TIMEOUT_MAX)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[object, ...]:

@@ -54,7 +54,7 @@ from wsync_grpc.group import (
 )
 from wsync_grpc.lifecycle import Event, Lifecycle, Rpc, State
 from wsync_grpc.metadata import Bucket, UpdateHeader, UpdateValidator, validate_transport
-from wsync_grpc.receiver import BucketFeed, WorkerReceiver
+from wsync_grpc.receiver import BucketFeed, BufferPool, WorkerReceiver
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,16 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     Args:
         adapter: the engine.
         prepare_timeout_s: bound on arming the receivers at Prepare, in seconds.
+        keep_buffers: keep receive buffers between updates (see
+            :class:`~wsync_grpc.receiver.BufferPool`). ``None`` (default): keep
+            them on CPU workers, where fresh memory costs page faults on every
+            update; not on CUDA workers, where torch's caching allocator
+            already reuses freed blocks and the KV cache wants the memory.
     """
 
-    def __init__(self, adapter: EngineAdapter, *, prepare_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, adapter: EngineAdapter, *, prepare_timeout_s: float = 30.0, keep_buffers: bool | None = None
+    ) -> None:
         self.adapter = adapter
         self.lifecycle = Lifecycle()
         self.prepare_timeout_s = prepare_timeout_s
@@ -145,6 +152,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self._dirty_paused = False  # the engine is paused because of dirty weights, not by an operator
         specs = adapter.parameter_specs()
         self._devices = list(adapter.worker_devices())
+        self._pools = [BufferPool(d, d.type == "cpu" if keep_buffers is None else keep_buffers) for d in self._devices]
         self._engine_info = pb.EngineInfo(
             name=adapter.name,
             parameter_count=sum(s.numel for s in specs.values()),
@@ -186,7 +194,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             upd.feed.close()
             applied = any(r.tensors_applied for r in upd.receivers)
             for r in upd.receivers:
-                r.release()
+                # A receive may still be posted into these buffers: never reuse them.
+                r.release(reuse=r.done.is_set() and r.error is None)
             self._leave_groups()
             self.lifecycle.fire(Event.FAIL)
             self._update = None
@@ -455,6 +464,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 flattened=upd.header.flattened,
                 streaming=upd.header.streaming,
                 cancel=upd.cancel,
+                pool=self._pools[i],
                 on_event=self._on_receiver_event,
             )
             upd.receivers.append(r)
@@ -563,7 +573,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         done = time.monotonic()
         with self._lock:
             for r in upd.receivers:
-                r.release()
+                r.release(reuse=True)
             self._weight_version = upd.header.weight_version
             self._dirty = False
             self._updates_completed += 1
