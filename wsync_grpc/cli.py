@@ -127,7 +127,7 @@ def _call(args: argparse.Namespace, fn: Callable[[weight_sync_pb2_grpc.WeightSyn
                 file=sys.stderr,
             )
             return 1
-    print(json_format.MessageToJson(reply, always_print_fields_with_no_presence=True))
+    print(json_format.MessageToJson(reply, always_print_fields_with_no_presence=True, preserving_proto_field_name=True))
     return 0
 
 
@@ -142,7 +142,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"error: {call.code().name}: {call.details()}", file=sys.stderr)
             return 1
     if args.json:
-        print(json_format.MessageToJson(reply))
+        print(json_format.MessageToJson(reply, preserving_proto_field_name=True))
     else:
         print(reply.text)
     return 0
