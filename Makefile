@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/wsync/v1/*.proto)
 PYTEST_ARGS ?=
+PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
 .PHONY: venv proto check-proto lint typecheck test check demo bench soak clean
 
@@ -40,8 +41,8 @@ check-proto: proto
 
 lint: $(STAMP)
 	$(VENV)/bin/buf lint
-	$(VENV)/bin/ruff check wsync_grpc tests bench examples
-	$(VENV)/bin/ruff format --check wsync_grpc tests bench examples
+	$(VENV)/bin/ruff check $(PY_DIRS)
+	$(VENV)/bin/ruff format --check $(PY_DIRS)
 
 ## breaking: compare the contract against main (run on a branch)
 breaking: $(STAMP)
