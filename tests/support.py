@@ -46,18 +46,13 @@ def tensor_server(
         srv.stop(0.5)
 
 
+def _stub_trainer_cmd(target: str, port: int, args: tuple[str, ...]) -> list[str]:
+    return [sys.executable, str(ROOT / "tests" / "stub_trainer.py"), "--target", target, "--port", str(port), *args]
+
+
 def run_stub_trainer(target: str, port: int, *args: str, timeout: float = 120) -> dict[str, object]:
     """Run ``tests/stub_trainer.py`` to the end; return its last JSON line."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "tests" / "stub_trainer.py"),
-        "--target",
-        target,
-        "--port",
-        str(port),
-        *args,
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    r = subprocess.run(_stub_trainer_cmd(target, port, args), capture_output=True, text=True, timeout=timeout, env=ENV)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"stub trainer printed nothing (rc {r.returncode}): {r.stderr[-3000:]}"
     result: dict[str, object] = json.loads(lines[-1])
@@ -66,16 +61,9 @@ def run_stub_trainer(target: str, port: int, *args: str, timeout: float = 120) -
 
 def start_stub_trainer(target: str, port: int, *args: str) -> subprocess.Popen[str]:
     """Start ``tests/stub_trainer.py`` in the background."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "tests" / "stub_trainer.py"),
-        "--target",
-        target,
-        "--port",
-        str(port),
-        *args,
-    ]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(
+        _stub_trainer_cmd(target, port, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
 
 
 def status(stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> pb.GetStatusResponse:
