@@ -56,6 +56,10 @@ test: $(STAMP)
 
 check: lint check-proto typecheck test
 
+## soak: the long fault-tolerance runs (random RPC sequences, syncs under generation load); minutes
+soak: $(STAMP)
+	$(PY) -m pytest -m soak $(PYTEST_ARGS)
+
 ## demo: two engines serving SmolLM2, a trainer syncing after every step
 demo: $(STAMP)
 	$(PY) -m wsync_grpc.demo

@@ -12,6 +12,20 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect ``soak`` tests (minutes long) unless the ``-m`` expression names them (``make soak``).
+
+    Not ``addopts = -m "not soak"``: any ``-m`` given on the command line would replace it, so
+    ``pytest -m slow`` would run the slow soak tests too.
+    """
+    if "soak" in (config.getoption("markexpr") or ""):
+        return  # the expression decides (-m soak, -m "soak or slow", -m "not soak")
+    soak = [item for item in items if item.get_closest_marker("soak") is not None]
+    if soak:
+        config.hook.pytest_deselected(items=soak)
+        items[:] = [item for item in items if item.get_closest_marker("soak") is None]
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (converts the GGUF once per cache, ~30 s)."""

@@ -299,7 +299,13 @@ def test_errors() -> None:
 
 
 def test_default_bucket_size_and_empty_plan() -> None:
-    assert DEFAULT_BUCKET_BYTES == 256 * 1024 * 1024
+    # Meta tensors: planned by size without allocating the default-sized buckets.
+    n = int(DEFAULT_BUCKET_BYTES * 0.4) // 4
+    small = [(f"t{i}", torch.empty(n, dtype=torch.float32, device="meta")) for i in range(2)]
+    assert len(plan_buckets(small)) == 1  # two 40 % tensors share the default bucket
+    n = int(DEFAULT_BUCKET_BYTES * 0.6) // 4
+    large = [(f"t{i}", torch.empty(n, dtype=torch.float32, device="meta")) for i in range(2)]
+    assert len(plan_buckets(large)) == 2
     assert plan_buckets([]) == []
 
 

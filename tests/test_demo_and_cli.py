@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def test_demo_one_step_syncs_smollm2_into_two_engines() -> None:
     assert out.count("all 272 tensor checksums match") == 2
     assert out.count("greedy (step-1): same") == 2
     assert out.count("stopped (exit 0)") == 2  # engines shut down cleanly on SIGTERM
-    assert "sync step-1: 3 buckets, 538.1 MB to 2 engines" in out
+    assert re.search(r"sync step-1: \d+ buckets, 538\.1 MB to 2 engines", out), out[-3000:]
 
 
 def _wsync(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

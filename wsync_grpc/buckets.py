@@ -21,6 +21,7 @@ Sizes are in bytes throughout.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,13 +31,33 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.dtypes import dtype_name, element_size
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
-"""Default bucket capacity, in bytes (256 MiB).
+DEFAULT_BUCKET_BYTES = 1024 * 1024 * 1024
+"""Default bucket capacity, in bytes (1 GiB), chosen from ``make bench`` (``BENCHMARKS.md``).
 
-Provisional: the benchmarks (``bench/``) will tune it. Larger buckets mean
-fewer collectives and less per-bucket overhead; smaller ones mean less trainer
-memory for the double buffer (two buckets) and less engine memory in
-streaming apply (about two buckets per worker).
+Each bucket is one Prepare message and one collective. The control plane
+decides: gRPC streams cost about 0.15 ms per message on the engine, so a
+32B dense model (579 tensors) takes ~260 buckets and ~50 ms to prepare at
+256 MiB (its MLP matrices are 283 MB each, one bucket apiece) but ~70
+buckets and under 20 ms at 1 GiB, and a 100k-tensor MoE ~4,800 buckets and
+~2.5 s at 256 MiB but ~1,200 buckets and ~1.3 s at 1 GiB. Throughput does
+not suffer once the first and last buckets are small (see
+:data:`DEFAULT_RAMP_BYTES`): end-to-end rates from 64 MiB to 1 GiB buckets
+differ by less than the run-to-run noise, and 16 MiB buckets are slower.
+The cost is memory: the trainer packs into two buckets, and an engine with
+streaming apply receives into about two (2 GiB at this size; staged apply
+holds the whole update anyway). Lower it where that memory is short.
+"""
+
+DEFAULT_RAMP_BYTES = 32 * 1024 * 1024
+"""Size of the first and last buckets a :class:`~wsync_grpc.client.TrainerClient` plans, in bytes (32 MiB).
+
+Buckets double from it up to the bucket capacity, and halve back down to it
+at the end of the update (``plan_buckets(ramp_bytes=...)``). Before the first
+broadcast the trainer must pack a whole bucket, and after the last one the
+engine must apply a whole bucket, with nothing else in flight: with full
+buckets of the default size those two steps cost about 20% of a 1 GB sync on
+a 2-core CPU host; with a 32 MiB ramp they cost a few milliseconds. The price
+is a handful of extra buckets (about ``2 * log2(bucket_bytes / ramp_bytes)``).
 """
 
 DEFAULT_ALIGNMENT = 256
@@ -139,26 +160,27 @@ class Bucket:
 
         ``BUCKET_LAYOUT_UNSPECIFIED`` means flattened, as in the contract.
         """
-        return pb.BucketSpec(
-            index=self.index,
-            size_bytes=self.wire_bytes(layout),
-            tensors=[t.spec(layout) for t in self.tensors],
-        )
+        individual = layout == pb.BUCKET_LAYOUT_INDIVIDUAL
+        msg = pb.BucketSpec(index=self.index, size_bytes=self.wire_bytes(layout))
+        add = msg.tensors.add  # appending in place: ~30% faster than building a list of TensorSpec
+        for t in self.tensors:
+            add(name=t.name, dtype=dtype_name(t.dtype), shape=t.shape, offset_bytes=0 if individual else t.offset_bytes)
+        return msg
 
 
 def _align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
-def _identity(t: torch.Tensor) -> tuple[object, ...] | None:
+def _identity(t: torch.Tensor, shape: tuple[int, ...]) -> tuple[object, ...] | None:
     """A key equal for two tensors that are the same bytes (tied weights), or None."""
-    if t.numel() == 0 or t.device.type == "meta":
+    if t.is_meta or t.numel() == 0:
         return None
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
         return None
-    return (t.device, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (t.device, ptr, t.storage_offset(), shape, t.stride(), t.dtype)
 
 
 def plan_buckets(
@@ -168,6 +190,7 @@ def plan_buckets(
     dtype: torch.dtype | None = None,
     *,
     max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
+    ramp_bytes: int = 0,
 ) -> list[Bucket]:
     """Plan the buckets of one update.
 
@@ -195,6 +218,14 @@ def plan_buckets(
         max_spec_bytes: bound on each bucket's serialized metadata, in bytes
             (see :data:`DEFAULT_MAX_SPEC_BYTES`); a bucket also closes when
             the next tensor's metadata would pass it.
+        ramp_bytes: if positive, the buckets ramp up and down: bucket *k*
+            holds at most ``ramp_bytes * 2**k`` bytes and at most half of
+            the payload still to plan (never less than ``ramp_bytes``), and
+            never more than ``bucket_bytes``. The first pack on the sender and
+            the last apply on the receiver overlap nothing else, so they then
+            cost a small bucket instead of a full one (see
+            :data:`DEFAULT_RAMP_BYTES`). 0 (default): every bucket is filled
+            up to ``bucket_bytes``.
 
     Returns:
         The buckets, indexed from 0; ``[]`` when there is nothing to send.
@@ -210,49 +241,73 @@ def plan_buckets(
         raise ValueError(f"alignment must be at least 1, got {alignment}")
     if max_spec_bytes <= 0:
         raise ValueError(f"max_spec_bytes must be positive, got {max_spec_bytes}")
+    if ramp_bytes < 0:
+        raise ValueError(f"ramp_bytes must not be negative, got {ramp_bytes}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype to convert into, got {dtype}")
     if dtype is not None:
         dtype_name(dtype)  # refuse an unsupported wire dtype up front
 
-    buckets: list[Bucket] = []
-    current: list[PlannedTensor] = []
-    end = 0  # end of the current bucket's last tensor
-    meta = 0  # upper bound of the current bucket's serialized metadata
+    # Pass 1: what goes on the wire, tied duplicates dropped. The loop runs once per tensor
+    # (100k of them in a large MoE), so per-dtype work is cached.
+    entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int, int]] = []
     seen_names: set[str] = set()
     seen_tensors: set[tuple[object, ...]] = set()
-
-    def close() -> None:
-        nonlocal current, end, meta
-        if current:
-            buckets.append(Bucket(len(buckets), end, tuple(current)))
-        current = []
-        end = 0
-        meta = 0
-
+    wire_info: dict[torch.dtype, tuple[torch.dtype, int, int]] = {}  # dtype -> (wire dtype, size, offset step)
     for name, tensor in named_tensors:
         if name in seen_names:
             raise ValueError(f"tensor name {name!r} appears twice")
         seen_names.add(name)
-        key = _identity(tensor)
+        shape = tuple(tensor.shape)
+        key = _identity(tensor, shape)
         if key is not None:
             if key in seen_tensors:
                 continue  # tied: already planned under its first name
             seen_tensors.add(key)
-        wire = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
-        dtype_name(wire)  # ValueError for dtypes weight sync does not carry
-        esize = element_size(wire)
-        nbytes = tensor.numel() * esize
-        step = math.lcm(alignment, esize)
+        info = wire_info.get(tensor.dtype)
+        if info is None:
+            wire = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+            dtype_name(wire)  # ValueError for dtypes weight sync does not carry
+            esize = element_size(wire)
+            info = wire_info[tensor.dtype] = (wire, esize, math.lcm(alignment, esize))
+        wire, esize, step = info
+        entries.append((name, wire, shape, math.prod(shape) * esize, step, _spec_bytes_bound(name, len(shape))))
+
+    # Pass 2: greedy packing, in order.
+    buckets: list[Bucket] = []
+    current: list[PlannedTensor] = []
+    end = 0  # end of the current bucket's last tensor
+    meta = 0  # upper bound of the current bucket's serialized metadata
+    remaining = sum(e[3] for e in entries)  # payload not yet closed into a bucket
+
+    def capacity() -> int:
+        if ramp_bytes <= 0:
+            return bucket_bytes
+        up = ramp_bytes << min(len(buckets), 62)
+        down = max(ramp_bytes, remaining // 2)
+        return min(bucket_bytes, up, down)
+
+    cap = capacity()
+
+    def close() -> None:
+        nonlocal current, end, meta, remaining, cap
+        if current:
+            buckets.append(Bucket(len(buckets), end, tuple(current)))
+            remaining -= sum(t.nbytes for t in current)
+        current = []
+        end = 0
+        meta = 0
+        cap = capacity()
+
+    for name, wire, shape, nbytes, step, spec_bytes in entries:
         offset = _align_up(end, step)
-        spec_bytes = _spec_bytes_bound(name, tensor.dim())
-        if current and (offset + nbytes > bucket_bytes or meta + spec_bytes > max_spec_bytes):
+        if current and (offset + nbytes > cap or meta + spec_bytes > max_spec_bytes):
             close()
             offset = 0
-        current.append(PlannedTensor(name, wire, tuple(tensor.shape), offset, nbytes))
+        current.append(PlannedTensor(name, wire, shape, offset, nbytes))
         end = offset + nbytes
         meta += spec_bytes
-        if nbytes > bucket_bytes:
+        if nbytes > cap:
             close()  # oversized: alone in its bucket
     close()
     return buckets
@@ -268,6 +323,27 @@ def _typed_slice(flat: torch.Tensor, t: PlannedTensor) -> torch.Tensor:
     return flat[t.offset_bytes : t.end_bytes].view(t.dtype).view(t.shape)
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _memmove_source(src: torch.Tensor) -> bool:
+    """Whether ``src``'s bytes can be copied with one plain ``memmove`` (see :func:`pack_bucket`).
+
+    True for plain, strided, contiguous CPU tensors (no subclass, no lazy
+    conjugate or negative bit, not quantized): their ``numel * element_size``
+    bytes at ``data_ptr()`` are the tensor.
+    """
+    return (
+        src.is_cpu
+        and src.layout == torch.strided
+        and type(src) in _PLAIN_TENSORS
+        and not src.is_quantized
+        and not src.is_conj()
+        and not src.is_neg()
+        and src.is_contiguous()
+    )
+
+
 def pack_bucket(
     bucket: Bucket,
     tensors_by_name: Mapping[str, torch.Tensor],
@@ -280,7 +356,9 @@ def pack_bucket(
     Each tensor is written through a view of its byte range in the wire
     dtype (``Tensor.copy_``), which converts the dtype, makes a
     non-contiguous source contiguous and crosses devices in one pass, with
-    no temporary. With equal dtypes the bytes are copied bit for bit.
+    no temporary. With equal dtypes the bytes are copied bit for bit; into a
+    CPU buffer, a contiguous CPU tensor already in the wire dtype is copied
+    with one single-threaded ``memmove`` instead (see the comment in the body).
 
     Padding bytes between tensors are left as they are unless
     ``zero_padding`` is true: receivers never read them, and not touching
@@ -307,16 +385,30 @@ def pack_bucket(
         raise ValueError(f"out must be a contiguous 1-D uint8 tensor, got {out.dtype} {tuple(out.shape)}")
     if out.numel() != bucket.size_bytes:
         raise ValueError(f"out holds {out.numel()} bytes but bucket {bucket.index} needs {bucket.size_bytes}")
+    # On CPU, bytes already in the wire dtype are copied with one single-threaded memmove
+    # (and padding zeroed with memset) instead of Tensor.copy_, which runs through torch's
+    # intra-op thread pool: its threads spin between the many small parallel regions of a
+    # bucket and take the cores the collective's own threads need. On a 2-core host with a
+    # gloo broadcast in flight, packing measured about 2x slower with copy_. ctypes releases
+    # the GIL for the copy.
+    base = out.data_ptr() if out.is_cpu else 0
     prev_end = 0
     with torch.no_grad():
         for t in bucket.tensors:
             src = tensors_by_name[t.name]
-            if tuple(src.shape) != t.shape:
+            if src.shape != t.shape:
                 raise ValueError(f"tensor {t.name!r} has shape {tuple(src.shape)}, planned {t.shape}")
             if zero_padding and t.offset_bytes > prev_end:
-                out[prev_end : t.offset_bytes].zero_()
+                if base:
+                    ctypes.memset(base + prev_end, 0, t.offset_bytes - prev_end)
+                else:
+                    out[prev_end : t.offset_bytes].zero_()
             if t.nbytes:
-                _typed_slice(out, t).copy_(src.detach())
+                src = src.detach()
+                if base and src.dtype == t.dtype and _memmove_source(src):
+                    ctypes.memmove(base + t.offset_bytes, src.data_ptr(), t.nbytes)
+                else:
+                    _typed_slice(out, t).copy_(src)
             prev_end = t.end_bytes
     return out
 

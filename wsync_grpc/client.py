@@ -27,6 +27,7 @@ second).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import socket
@@ -49,6 +50,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 from wsync_grpc.buckets import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_RAMP_BYTES,
     Bucket,
     PlannedTensor,
     pack_bucket,
@@ -130,6 +132,9 @@ _BACKENDS: dict[str, pb.Backend.ValueType] = {
     "gloo": pb.BACKEND_GLOO,
     "nccl": pb.BACKEND_NCCL,
 }
+
+INDIVIDUAL_WINDOW = 256
+"""Per-tensor broadcasts the individual layout keeps in flight."""
 
 TRAINER = "trainer"
 """The key under which the trainer's own failure (rank 0) appears in :attr:`EngineCallError.failures`."""
@@ -446,6 +451,12 @@ class TrainerClient:
         bucket_bytes: default bucket capacity of :meth:`sync`, in bytes
             (default :data:`~wsync_grpc.buckets.DEFAULT_BUCKET_BYTES`).
         alignment: byte alignment of tensors inside flat buckets (default 256).
+        ramp_bytes: size of the first and last buckets, in bytes; buckets
+            double from it up to ``bucket_bytes`` and halve back down to it at
+            the end, so that the first pack and the last apply, which overlap
+            nothing, are short (default
+            :data:`~wsync_grpc.buckets.DEFAULT_RAMP_BYTES`, 32 MiB; 0 fills
+            every bucket up to ``bucket_bytes``).
         token: shared secret sent as ``authorization: Bearer <token>`` with
             every call (the engines' ``--token``); ``None`` sends none.
         credentials: TLS channel credentials (``grpc.ssl_channel_credentials``);
@@ -461,7 +472,8 @@ class TrainerClient:
 
     Raises:
         ValueError: no targets, duplicate targets, a ``workers`` list of the
-            wrong length or with a count below 1, non-positive timeouts.
+            wrong length or with a count below 1, non-positive timeouts, a
+            negative ``ramp_bytes``.
     """
 
     def __init__(
@@ -478,6 +490,7 @@ class TrainerClient:
         group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         alignment: int = DEFAULT_ALIGNMENT,
+        ramp_bytes: int = DEFAULT_RAMP_BYTES,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
@@ -492,6 +505,8 @@ class TrainerClient:
             raise ValueError(f"workers must give a count >= 1 for each of the {len(targets)} targets")
         if rpc_timeout_s <= 0 or group_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if ramp_bytes < 0:
+            raise ValueError(f"ramp_bytes must not be negative, got {ramp_bytes}")
         if backend not in _BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use 'gloo', 'nccl' or ''")
         self.master_address = master_address
@@ -506,6 +521,7 @@ class TrainerClient:
         self.group_timeout_s = group_timeout_s
         self.bucket_bytes = bucket_bytes
         self.alignment = alignment
+        self.ramp_bytes = ramp_bytes
         self._fixed_workers = list(workers) if workers is not None else None
         self._metadata: tuple[tuple[str, str | bytes], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
@@ -531,6 +547,7 @@ class TrainerClient:
         self._init_attempted = False
         self._keep_buffers = self.device.type == "cpu" if keep_buffers is None else keep_buffers
         self._slots: list[torch.Tensor | None] = [None, None]
+        self._plan_cache: tuple[tuple[object, ...] | None, list[Bucket], list[pb.BucketSpec]] | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -1130,11 +1147,11 @@ class TrainerClient:
             raise ClientError("the client is closed")
         t_plan = time.monotonic()
         pairs = list(named_tensors)
-        buckets = plan_buckets(pairs, bucket_bytes, self.alignment, dtype)
+        layout_enum = _LAYOUTS[layout]
+        buckets, specs = self._plan(pairs, bucket_bytes, dtype, layout_enum)
         if not buckets:
             raise ValueError("nothing to sync: no tensors given")
         by_name = dict(pairs)
-        layout_enum = _LAYOUTS[layout]
         wire_bytes = total_wire_bytes(buckets, layout_enum)
         plan_s = time.monotonic() - t_plan
 
@@ -1174,7 +1191,6 @@ class TrainerClient:
             bucket_count=len(buckets),
             total_bytes=wire_bytes,
         )
-        specs = [b.spec(layout_enum) for b in buckets]
 
         def stream() -> Iterator[pb.PrepareRequest]:
             yield pb.PrepareRequest(header=header)
@@ -1253,6 +1269,39 @@ class TrainerClient:
             total_seconds=done - t0,
             engines={e.target: results[e.target] for e in self._engines},
         )
+
+    def _plan(
+        self,
+        pairs: Sequence[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+        layout: pb.BucketLayout.ValueType,
+    ) -> tuple[list[Bucket], list[pb.BucketSpec]]:
+        """Plan the buckets and their Prepare messages, reusing the last plan when nothing it depends on changed.
+
+        A trainer syncs the same parameters every step, and planning a large
+        MoE (tens of thousands of tensors) costs more than checking that each
+        tensor still has its name, dtype, shape, strides, address and device
+        (the address and strides decide which tensors are tied).
+        """
+        try:
+            signature: tuple[object, ...] | None = (
+                bucket_bytes,
+                self.alignment,
+                dtype,
+                self.ramp_bytes,
+                layout,
+                [(n, t.dtype, t.shape, t.stride(), t.data_ptr(), t.get_device()) for n, t in pairs],
+            )
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without plain storage
+            signature = None
+        cached = self._plan_cache
+        if signature is not None and cached is not None and cached[0] == signature:
+            return cached[1], cached[2]
+        buckets = plan_buckets(pairs, bucket_bytes, self.alignment, dtype, ramp_bytes=self.ramp_bytes)
+        specs = [b.spec(layout) for b in buckets]
+        self._plan_cache = (signature, buckets, specs) if signature is not None else None
+        return buckets, specs
 
     def _abandon(
         self,
@@ -1358,30 +1407,60 @@ class TrainerClient:
         total: int,
         progress: Callable[[SyncProgress], None] | None,
     ) -> float:
-        """One broadcast per tensor, in order; the next tensor is prepared while one is on the wire."""
-        items: list[tuple[Bucket, PlannedTensor]] = [(b, t) for b in buckets for t in b.tensors]
+        """One broadcast per tensor, in order, up to two buckets in flight.
+
+        Every tensor of bucket k+1 is prepared (made contiguous in its wire
+        dtype) and posted before bucket k's broadcasts are waited for; the
+        engines keep two buckets of receives posted. Waiting for each tensor
+        before posting the next costs a round trip per tensor, which is what
+        dominates for a model of many small tensors (a large MoE): it measured
+        about 2x slower than the naive per-tensor way on a 20k-tensor model.
+        Converted copies (when a tensor is not already contiguous in its wire
+        dtype) are held for at most two buckets.
+
+        Returns the time spent preparing tensors, in seconds.
+        """
         pack_s = 0.0
         sent = 0
         start = time.monotonic()
-        pending: tuple[torch.distributed.Work, torch.Tensor, Bucket, PlannedTensor] | None = None
+        window: collections.deque[tuple[torch.distributed.Work, torch.Tensor, Bucket, PlannedTensor]] = (
+            collections.deque()
+        )
 
-        def finish(p: tuple[torch.distributed.Work, torch.Tensor, Bucket, PlannedTensor]) -> None:
+        def finish() -> None:
             nonlocal sent
-            self._wait(group, p[0])
-            sent += p[3].nbytes
-            if p[3] is p[2].tensors[-1]:
-                self._report(progress, update_id, p[2].index + 1, len(buckets), sent, total, start)
+            work, _wire, b, pt = window.popleft()
+            self._wait_done(group, work)
+            sent += pt.nbytes
+            if pt is b.tensors[-1]:
+                self._report(progress, update_id, b.index + 1, len(buckets), sent, total, start)
 
-        for b, pt in items:
+        for b in buckets:
             t = time.monotonic()
-            wire = wire_tensor(pt, by_name[pt.name], group.device)
+            wires = [wire_tensor(pt, by_name[pt.name], group.device) for pt in b.tensors]
             pack_s += time.monotonic() - t
-            if pending is not None:
-                finish(pending)
-            pending = (group.broadcast(wire), wire, b, pt)
-        if pending is not None:
-            finish(pending)
+            for pt, wire in zip(b.tensors, wires, strict=True):
+                if len(window) >= INDIVIDUAL_WINDOW:
+                    finish()
+                window.append((group.broadcast(wire), wire, b, pt))
+        while window:
+            finish()
         return pack_s
+
+    def _wait_done(self, group: WeightSyncGroup, work: torch.distributed.Work) -> None:
+        """:meth:`_wait`, with a fast path for work that already completed successfully.
+
+        ``wait_work`` registers a callback and an event per call: for thousands
+        of per-tensor broadcasts that are mostly done by the time they are
+        checked, asking the work first saves most of that.
+        """
+        if work.is_completed():
+            try:
+                work.wait()
+                return
+            except RuntimeError:
+                pass  # failed: let wait_work raise it as GroupError / GroupTimeout
+        self._wait(group, work)
 
     @staticmethod
     def _report(

@@ -115,12 +115,36 @@ def as_wsync_error(exc: BaseException) -> WsyncError:
     return Internal("INTERNAL", f"{type(exc).__name__}: {exc}")
 
 
+MAX_MESSAGE_BYTES = 1024
+"""Longest status message sent, in UTF-8 bytes (longer ones are cut, marked with an ellipsis)."""
+
+MAX_METADATA_VALUE_BYTES = 256
+"""Longest ErrorInfo metadata value sent, in UTF-8 bytes."""
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (never inside a character)."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - 3].decode("utf-8", "ignore") + "..."
+
+
 def to_status(err: WsyncError) -> grpc.Status:
-    """Build the rich gRPC status (code, message, ErrorInfo detail) for ``err``."""
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata)
+    """Build the rich gRPC status (code, message, ErrorInfo detail) for ``err``.
+
+    The message and metadata values are bounded (:data:`MAX_MESSAGE_BYTES`,
+    :data:`MAX_METADATA_VALUE_BYTES`): they travel in the trailers, and a
+    message quoting a caller's huge dtype string or shape would exceed the
+    client's metadata limit and arrive as a bare RESOURCE_EXHAUSTED without
+    its code and reason.
+    """
+    metadata = {k: _clip(v, MAX_METADATA_VALUE_BYTES) for k, v in err.metadata.items()}
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=err.message, details=[detail])
+    message = _clip(err.message, MAX_MESSAGE_BYTES)
+    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=message, details=[detail])
     return rpc_status.to_status(status)
 
 

@@ -125,7 +125,10 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     Args:
         adapter: the engine.
-        prepare_timeout_s: bound on arming the receivers at Prepare, in seconds.
+        prepare_timeout_s: bound on arming the receivers at Prepare, and on the
+            silence between two messages of a Prepare stream, in seconds: a
+            stream that stalls longer is cancelled (the client sees
+            CANCELLED), so a stuck trainer cannot hold the engine in PREPARING.
         keep_buffers: keep receive buffers between updates (see
             :class:`~wsync_grpc.receiver.BufferPool`). ``None`` (default): keep
             them on CPU workers, where fresh memory costs page faults on every
@@ -149,6 +152,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self._last_error: pb.ErrorDetail | None = None
         self._updates_completed = 0
         self._preparing_cancel: threading.Event | None = None
+        self._preparing_id: str | None = None  # the update id of the Prepare being read, once its header is in
         self._dirty_paused = False  # the engine is paused because of dirty weights, not by an operator
         specs = adapter.parameter_specs()
         self._devices = list(adapter.worker_devices())
@@ -217,9 +221,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     def _mark_dirty(self, upd: _Update) -> None:
         """Flag half-updated weights and keep the engine paused until an update succeeds."""
         self._dirty = True
-        if not self.adapter.is_paused():
+        if _may_step(self.adapter):  # serving, or a WAIT pause whose requests still run
+            self._dirty_paused = not self.adapter.is_paused()
             self.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
-            self._dirty_paused = True
         elif upd.auto_paused:
             self._dirty_paused = True  # our own freeze now holds because of the dirt
 
@@ -319,8 +323,15 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         )
 
     def _join(self, p: _GroupParams) -> list[WeightSyncGroup]:
-        """Join every worker concurrently (each join blocks until the whole group has formed)."""
-        with concurrent.futures.ThreadPoolExecutor(len(self._devices), thread_name_prefix="wsync-join") as ex:
+        """Join every worker concurrently (each join blocks until the whole group has formed).
+
+        Bounded by the join timeout plus a margin even when a join overruns its own timeout
+        (torch's store connect retries can): such a join is left to finish in the background
+        and the group it forms, if any, is destroyed.
+        """
+        ex = concurrent.futures.ThreadPoolExecutor(len(self._devices), thread_name_prefix="wsync-join")
+        deadline = time.monotonic() + p.timeout_s + 10
+        try:
             futures = [
                 ex.submit(
                     join_group,
@@ -339,16 +350,20 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             error: BaseException | None = None
             for f in futures:
                 try:
-                    groups.append(f.result(timeout=p.timeout_s + 10))
-                except concurrent.futures.TimeoutError:
-                    error = error or GroupTimeout(f"the group did not form within {p.timeout_s:g} s")
+                    groups.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
                 except BaseException as e:
-                    error = error or e
+                    failure: BaseException = e
+                    if not f.done():  # the join overran its own timeout: give up on it
+                        failure = GroupTimeout(f"the group did not form within {p.timeout_s:g} s")
+                        f.add_done_callback(_destroy_late_group)
+                    error = error or failure
             if error is not None:
                 for g in groups:
                     g.destroy()
                 raise error
             return groups
+        finally:
+            ex.shutdown(wait=False)
 
     def _group_info(self) -> pb.GroupInfo:
         p = self._params
@@ -378,8 +393,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         with self._lock:
             self.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
             self._preparing_cancel = cancel
+            self._preparing_id = None
         try:
-            header, buckets = self._read_prepare(request_iterator, cancel)
+            header, buckets = self._read_prepare(request_iterator, cancel, context)
             with self._lock:
                 if cancel.is_set():
                     raise Aborted("UPDATE_CANCELLED", "the update was cancelled while it was being prepared")
@@ -389,11 +405,12 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     upd.feed.close()
                 upd.tensors = sum(len(b.tensors) for b in buckets)
                 upd.bytes = sum(b.size_bytes for b in buckets)
-                if header.streaming and not self.adapter.is_paused():
+                if header.streaming and _may_step(self.adapter):
                     # Streaming apply changes weights bucket by bucket: freeze requests
-                    # between two steps until Complete.
+                    # between two steps until Complete. A WAIT pause does not stop the
+                    # requests it is draining (or failed to drain): freeze them too.
+                    upd.auto_paused = not self.adapter.is_paused()
                     self.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
-                    upd.auto_paused = True
                 self._update = upd
                 self._start_receivers(upd)
         except BaseException:
@@ -430,17 +447,33 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         )
 
     def _read_prepare(
-        self, stream: Iterator[pb.PrepareRequest], cancel: threading.Event
+        self, stream: Iterator[pb.PrepareRequest], cancel: threading.Event, context: grpc.ServicerContext
     ) -> tuple[UpdateHeader, list[Bucket]]:
         v = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases())
         buckets: list[Bucket] = []
+        # Reading the stream blocks until the client's next message: a watchdog cancels the RPC
+        # (which ends the read) when Cancel is called or the stream stalls.
+        last_message = [time.monotonic()]
+        read_done = threading.Event()
+        stalled = threading.Event()
+
+        def watchdog() -> None:
+            while not read_done.wait(0.05):
+                if time.monotonic() - last_message[0] > self.prepare_timeout_s:
+                    stalled.set()
+                if stalled.is_set() or cancel.is_set():
+                    context.cancel()  # type: ignore[no-untyped-call]
+                    return
+
+        threading.Thread(target=watchdog, name="wsync-prepare-watchdog", daemon=True).start()
         try:
             for msg in stream:
+                last_message[0] = time.monotonic()
                 if cancel.is_set():
                     raise Aborted("UPDATE_CANCELLED", "the update was cancelled while it was being prepared")
                 kind = msg.WhichOneof("kind")
                 if kind == "header":
-                    v.header_message(msg.header)
+                    self._preparing_id = v.header_message(msg.header).update_id
                 elif kind == "bucket":
                     if v.header is None:
                         raise InvalidArgument("MISSING_HEADER", "a bucket arrived before the header")
@@ -448,8 +481,17 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     buckets.append(v.bucket_message(msg.bucket))
                 else:
                     raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried neither header nor bucket")
-        except grpc.RpcError as e:  # the client went away mid-stream
+        except grpc.RpcError as e:  # the client went away mid-stream, or the watchdog cancelled the call
+            if cancel.is_set():
+                raise Aborted("UPDATE_CANCELLED", "the update was cancelled while it was being prepared") from None
+            if stalled.is_set():
+                log.warning("Prepare stream sent nothing for %g s: cancelled", self.prepare_timeout_s)
+                raise DeadlineExceeded(
+                    "PREPARE_STALLED", f"the Prepare stream sent nothing for {self.prepare_timeout_s:g} s"
+                ) from None
             raise Aborted("STREAM_BROKEN", f"the Prepare stream broke before it ended: {e}") from None
+        finally:
+            read_done.set()
         v.finish_stream()
         assert v.header is not None
         return v.header, buckets
@@ -715,8 +757,16 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             if state == State.PREPARING:
                 cancel = self._preparing_cancel
                 if cancel is not None:
+                    # update_id naming another update (or given before the header told us
+                    # this one's) leaves the Prepare alone, as it leaves an armed update alone.
+                    if request.update_id and request.update_id != self._preparing_id:
+                        return pb.CancelResponse(cancelled=False, state=state.value)  # type: ignore[arg-type]
                     cancel.set()
-                    return pb.CancelResponse(cancelled=True, state=state.value)  # type: ignore[arg-type]
+                    return pb.CancelResponse(
+                        cancelled=True,
+                        update_id=self._preparing_id or "",
+                        state=state.value,  # type: ignore[arg-type]
+                    )
             upd = self._update
             if upd is None or (request.update_id and request.update_id != upd.header.update_id):
                 return pb.CancelResponse(cancelled=False, state=state.value)  # type: ignore[arg-type]
@@ -777,6 +827,17 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             if self._update is not None:
                 self._fail(self._update, Aborted("SHUTDOWN", "the engine is shutting down"))
             self._leave_groups()
+
+
+def _destroy_late_group(f: concurrent.futures.Future[WeightSyncGroup]) -> None:
+    """Leave a group whose join finished after Init gave up on it."""
+    if not f.cancelled() and f.exception() is None:
+        f.result().destroy()
+
+
+def _may_step(adapter: EngineAdapter) -> bool:
+    """Whether requests in flight may still run inference steps: serving, or paused in WAIT mode."""
+    return adapter.pause_mode() in (None, PauseMode.WAIT)
 
 
 def _declared(feed: BucketFeed, i: int) -> Bucket:
