@@ -202,8 +202,8 @@ class WeightSyncServiceServicer:
         marked dirty (streaming apply), the state becomes FAILED and the group is
         left, because collectives already posted cannot be matched any more.
 
-        Cancelling during PREPARING ends that Prepare with ABORTED; nothing was
-        armed, so the state goes back to READY and the group is kept.
+        Cancelling during PREPARING ends that Prepare with ABORTED or CANCELLED;
+        nothing was armed, so the state goes back to READY and the group is kept.
 
         Allowed in every state except APPLYING (the apply is short and cannot be
         undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
