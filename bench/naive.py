@@ -111,8 +111,8 @@ def naive_sync(
             json_bytes += len(data)
             replies = [pool.submit(post_json, e, "/update_weights_from_distributed", data) for e in engines]
             works = []
-            for n in batch:
-                t = tensors[n].detach().contiguous()
+            for name in batch:
+                t = tensors[name].detach().contiguous()
                 works.append(group.broadcast(t))
                 payload += t.numel() * t.element_size()
             for w in works:

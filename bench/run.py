@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -162,6 +163,9 @@ class Session:
         self.engines = list(engines)
         self.model = model
         self.version = 0
+        self._largest: dict[int, int] = {}
+        self._procs = [psutil.Process(), *(psutil.Process(e.pid) for e in engines)]
+        self.last_raw_cpu = 0.0
         device = torch.device(DEVICE if DEVICE == "cpu" else "cuda:0")
         self.client = TrainerClient([e.grpc for e in engines], bucket_bytes=bucket_bytes, device=device)
         self.group: RawGroup | None = None
@@ -216,11 +220,13 @@ class Session:
         n = nbytes or self.model.nbytes
         for e in self.engines:
             post_json(e.http, "/raw/arm", {"nbytes": n})
+        c0 = self.cpu()
         t0 = time.monotonic()
         work = self.group.broadcast(self.model.flat[:n])
         work.wait()
         t_sent = time.monotonic()
         done = [float(post_json(e.http, "/raw/wait")["done_at"]) for e in self.engines]
+        self.last_raw_cpu = self.cpu() - c0
         return max(t_sent, *done) - t0
 
     def wsync(
@@ -235,6 +241,7 @@ class Session:
         """One :meth:`TrainerClient.sync`; wall time of the call (planning included) and its breakdown."""
         before = self.mem_reset(drop_pool) if mem else 0
         self.version += 1
+        c0 = self.cpu()
         t0 = time.monotonic()
         r = self.client.sync(
             self.model.tensors.items(),
@@ -244,8 +251,11 @@ class Session:
             bucket_bytes=bucket_bytes,
         )
         wall = time.monotonic() - t0
+        cpu = self.cpu() - c0
         out: dict[str, Any] = {
             "seconds": wall,
+            "cpu": cpu,
+            "largest_bucket": self.largest_bucket(bucket_bytes or self.client.bucket_bytes),
             "plan": r.plan_seconds,
             "prepare": r.prepare_seconds,
             "broadcast": r.broadcast_seconds,
@@ -263,13 +273,31 @@ class Session:
         """One naive sync (:func:`bench.naive.naive_sync`)."""
         assert self.group is not None
         before = self.mem_reset(False) if mem else 0
+        c0 = self.cpu()
         r = naive.naive_sync([e.http for e in self.engines], self.group, self.model.tensors)
-        out: dict[str, Any] = {"seconds": r.seconds, "requests": r.requests, "json_bytes": r.json_bytes}
+        cpu = self.cpu() - c0
+        out: dict[str, Any] = {"seconds": r.seconds, "cpu": cpu, "requests": r.requests, "json_bytes": r.json_bytes}
         if mem:
             out.update(self.mem_after(before))
         return out
 
     # ------------------------------------------------------------------ memory and checks
+
+    def cpu(self) -> float:
+        """CPU time used so far by this process and the engines (user + system, every thread), in seconds."""
+        total = 0.0
+        for p in self._procs:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    def largest_bucket(self, bucket_bytes: int) -> int:
+        """Size of the largest bucket the client plans for this model at ``bucket_bytes``, in bytes."""
+        if bucket_bytes not in self._largest:
+            plan = plan_buckets(self.model.tensors.items(), bucket_bytes, ramp_bytes=self.client.ramp_bytes)
+            self._largest[bucket_bytes] = max(b.size_bytes for b in plan)
+        return self._largest[bucket_bytes]
 
     def mem_reset(self, drop_pool: bool) -> int:
         """Reset the first engine's peak memory (optionally emptying its buffer pool); its RSS in bytes."""
@@ -322,8 +350,10 @@ def _paired(s: Session, fn: Callable[[], dict[str, Any]], reps: int, label: str)
     out = []
     for _ in range(reps):
         raw = s.raw()
+        raw_cpu = s.last_raw_cpu
         r = fn()
         r["raw"] = raw
+        r["raw_cpu"] = raw_cpu
         out.append(r)
     line = ", ".join(f"{r['seconds']:.3f} s (ceiling {r['raw']:.3f} s)" for r in out)
     _say(f"  {label}: {line}")
@@ -349,7 +379,7 @@ def case_models(
             s.raw()  # warm-up
             for mode in ("streaming", "staged"):
                 res[f"first_{mode}"] = s.wsync(mode, mem=True, drop_pool=True)
-                res["runs"][mode] = _paired(s, lambda m=mode: s.wsync(m, mem=True), reps, f"{name} {mode}")
+                res["runs"][mode] = _paired(s, functools.partial(s.wsync, mode, mem=True), reps, f"{name} {mode}")
             res["first_naive"] = s.naive(mem=True)
             res["runs"]["naive"] = _paired(s, lambda: s.naive(mem=True), reps, f"{name} naive")
             res["verified"] = s.verify()
@@ -367,9 +397,8 @@ def _sweep(s: Session, sizes: Sequence[int], reps: int) -> dict[str, Any]:
         for mode in ("streaming", "staged"):
             key = f"{b}/{mode}"
             first[key] = s.wsync(mode, bucket_bytes=b, mem=True, drop_pool=True)
-            runs[key] = _paired(
-                s, lambda m=mode, b=b: s.wsync(m, bucket_bytes=b, mem=True), reps, f"{b // MiB} MiB {mode}"
-            )
+            sync = functools.partial(s.wsync, mode, bucket_bytes=b, mem=True)
+            runs[key] = _paired(s, sync, reps, f"{b // MiB} MiB {mode}")
     return {"sizes": list(sizes), "first": first, "runs": runs}
 
 
@@ -404,7 +433,7 @@ def case_fanout(h: Harness, counts: Sequence[int], reps: int) -> dict[str, Any]:
             runs: dict[str, list[dict[str, Any]]] = {}
             for mode in ("streaming", "staged"):
                 s.wsync(mode)  # warm-up
-                runs[mode] = _paired(s, lambda m=mode: s.wsync(m), reps, f"{n} engines {mode}")
+                runs[mode] = _paired(s, functools.partial(s.wsync, mode), reps, f"{n} engines {mode}")
             out[str(n)] = {"bytes": s.model.nbytes, "engines": n, "runs": runs, "verified": s.verify()}
     return out
 
@@ -551,7 +580,7 @@ class LoadMonitor:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--reps", type=int, default=3, help="measured repetitions per case (after one warm-up)")
+    p.add_argument("--reps", type=int, default=5, help="measured repetitions per case (after one warm-up)")
     p.add_argument("--models", default="smollm2-shapes,0.25gb,1gb,4gb", help="synthetic presets for the model case")
     p.add_argument("--sweep", default="16,64,256,1024", help="bucket sizes in MiB for the sweep (empty: none)")
     p.add_argument("--sweep-models", default="1gb,4gb", help="models the bucket sweep runs on")

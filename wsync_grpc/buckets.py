@@ -32,19 +32,18 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.dtypes import dtype_name, element_size
 
 DEFAULT_BUCKET_BYTES = 1024 * 1024 * 1024
-"""Default bucket capacity, in bytes (1 GiB), chosen from ``make bench`` (``BENCHMARKS.md``).
+"""Default bucket capacity, in bytes (1 GiB), chosen with ``make bench`` (``BENCHMARKS.md``).
 
-Each bucket is one Prepare message and one collective. The control plane
-decides: gRPC streams cost about 0.15 ms per message on the engine, so a
-32B dense model (579 tensors) takes ~260 buckets and ~50 ms to prepare at
-256 MiB (its MLP matrices are 283 MB each, one bucket apiece) but ~70
-buckets and under 20 ms at 1 GiB, and a 100k-tensor MoE ~4,800 buckets and
-~2.5 s at 256 MiB but ~1,200 buckets and ~1.3 s at 1 GiB. Throughput does
-not suffer once the first and last buckets are small (see
-:data:`DEFAULT_RAMP_BYTES`): end-to-end rates from 64 MiB to 1 GiB buckets
-differ by less than the run-to-run noise, and 16 MiB buckets are slower.
-The cost is memory: the trainer packs into two buckets, and an engine with
-streaming apply receives into about two (2 GiB at this size; staged apply
+Each bucket is one Prepare message and one collective, and the control plane
+decides: the engine takes about 0.1-0.2 ms per Prepare message, so a 32B dense
+model (579 tensors) needs ~260 buckets at 256 MiB (its 283 MB MLP matrices
+take one each) but ~70 at 1 GiB, and a 100k-tensor MoE ~4,800 against
+~1,200; Prepare-to-ready falls by about half (to ~20 ms and ~1.3 s on a
+2-core host). End-to-end throughput hardly depends on the bucket size once
+the first and last buckets are small (:data:`DEFAULT_RAMP_BYTES`); very small
+buckets (16 MiB) pay a per-bucket cost. The price is memory: the trainer
+packs into two buckets, and an engine with streaming apply receives into
+two buffers of the largest bucket (about 2 GiB at this size; staged apply
 holds the whole update anyway). Lower it where that memory is short.
 """
 
@@ -54,10 +53,12 @@ DEFAULT_RAMP_BYTES = 32 * 1024 * 1024
 Buckets double from it up to the bucket capacity, and halve back down to it
 at the end of the update (``plan_buckets(ramp_bytes=...)``). Before the first
 broadcast the trainer must pack a whole bucket, and after the last one the
-engine must apply a whole bucket, with nothing else in flight: with full
-buckets of the default size those two steps cost about 20% of a 1 GB sync on
-a 2-core CPU host; with a 32 MiB ramp they cost a few milliseconds. The price
-is a handful of extra buckets (about ``2 * log2(bucket_bytes / ramp_bytes)``).
+engine must apply a whole bucket, with nothing else in flight: at 1 GiB a
+model of a few GB would spend a large part of its sync in those two steps.
+With the ramp they cost one small bucket each (or one lone tensor: a bucket
+holding a single tensor is sent without packing, see
+:func:`bucket_bytes_view`). The price is a handful of extra buckets, about
+``2 * log2(bucket_bytes / ramp_bytes)``.
 """
 
 DEFAULT_ALIGNMENT = 256
@@ -411,6 +412,47 @@ def pack_bucket(
                     _typed_slice(out, t).copy_(src)
             prev_end = t.end_bytes
     return out
+
+
+def bucket_bytes_view(
+    bucket: Bucket, tensors_by_name: Mapping[str, torch.Tensor], device: torch.device
+) -> torch.Tensor | None:
+    """The flat buffer of a single-tensor bucket as a view of the tensor itself, or None.
+
+    A bucket holding one tensor at offset 0, with no padding, is that
+    tensor's bytes: when the tensor is already contiguous, in its wire dtype
+    and on ``device``, it can be broadcast as it is, with no packing. Large
+    tensors often sit alone in their bucket (the embedding and the LM head of
+    an LLM, anything larger than the bucket), and with the client's ramp the
+    first bucket is usually the embedding: this saves their copy and starts
+    the first broadcast at once.
+
+    Returns:
+        A 1-D ``uint8`` view of the tensor's ``bucket.size_bytes`` bytes, or
+        None when the bucket must be packed.
+
+    Raises:
+        KeyError: the bucket's tensor is missing from ``tensors_by_name``.
+    """
+    if len(bucket.tensors) != 1:
+        return None
+    t = bucket.tensors[0]
+    if t.offset_bytes != 0 or t.nbytes != bucket.size_bytes or t.nbytes == 0:
+        return None
+    src = tensors_by_name[t.name].detach()
+    if (
+        src.device != device
+        or src.dtype != t.dtype
+        or src.shape != t.shape
+        or src.layout != torch.strided
+        or type(src) not in _PLAIN_TENSORS
+        or src.is_quantized
+        or src.is_conj()
+        or src.is_neg()
+        or not src.is_contiguous()
+    ):
+        return None
+    return src.reshape(-1).view(torch.uint8)
 
 
 def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -53,6 +53,7 @@ from wsync_grpc.buckets import (
     DEFAULT_RAMP_BYTES,
     Bucket,
     PlannedTensor,
+    bucket_bytes_view,
     pack_bucket,
     plan_buckets,
     total_wire_bytes,
@@ -133,7 +134,7 @@ _BACKENDS: dict[str, pb.Backend.ValueType] = {
     "nccl": pb.BACKEND_NCCL,
 }
 
-INDIVIDUAL_WINDOW = 256
+INDIVIDUAL_WINDOW = 64
 """Per-tensor broadcasts the individual layout keeps in flight."""
 
 TRAINER = "trainer"
@@ -1371,6 +1372,10 @@ class TrainerClient:
     ) -> float:
         """One broadcast per bucket, double-buffered: pack k+1 while k is on the wire.
 
+        A bucket that is one tensor already laid out as its bytes is broadcast
+        from the tensor itself (:func:`~wsync_grpc.buckets.bucket_bytes_view`),
+        without packing.
+
         Returns the time spent packing, in seconds.
         """
         slots: list[torch.Tensor | None] = self._slots if self._keep_buffers else [None, None]
@@ -1379,13 +1384,15 @@ class TrainerClient:
         start = time.monotonic()
         pending: tuple[torch.distributed.Work, Bucket] | None = None
         for k, b in enumerate(buckets):
-            slot = slots[k % 2]
-            if slot is None or slot.numel() < b.size_bytes or slot.device != group.device:
-                slot = slots[k % 2] = torch.empty(b.size_bytes, dtype=torch.uint8, device=group.device)
-            buf = slot[: b.size_bytes]
             t = time.monotonic()
-            # Padding zeroed: a reused or fresh buffer never puts stale trainer memory on the wire.
-            pack_bucket(b, by_name, buf, zero_padding=True)
+            buf = bucket_bytes_view(b, by_name, group.device)
+            if buf is None:
+                slot = slots[k % 2]
+                if slot is None or slot.numel() < b.size_bytes or slot.device != group.device:
+                    slot = slots[k % 2] = torch.empty(b.size_bytes, dtype=torch.uint8, device=group.device)
+                buf = slot[: b.size_bytes]
+                # Padding zeroed: a reused or fresh buffer never puts stale trainer memory on the wire.
+                pack_bucket(b, by_name, buf, zero_padding=True)
             pack_s += time.monotonic() - t
             if pending is not None:  # bucket k-1 was on the wire while k was packed
                 self._wait(group, pending[0])

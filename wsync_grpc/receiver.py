@@ -33,7 +33,7 @@ from wsync_grpc.metadata import Bucket, Tensor
 PIPELINE_DEPTH = 2
 """Buckets posted ahead at a time per worker (double buffering)."""
 
-INDIVIDUAL_CHUNK = 512
+INDIVIDUAL_CHUNK = 64
 """Individual layout: receives are posted in chunks of at most this many tensors."""
 
 INDIVIDUAL_DEPTH = 4
