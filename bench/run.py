@@ -49,7 +49,14 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from bench import naive, report
 from bench.common import FlatModel, RawGroup, build_flat, machine_info, post_json
-from wsync_grpc.buckets import DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, plan_buckets, total_wire_bytes
+from wsync_grpc.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_RAMP_BYTES,
+    DEFAULT_SOLO_BYTES,
+    batch_bucket_specs,
+    plan_buckets,
+    total_wire_bytes,
+)
 from wsync_grpc.client import TrainerClient, free_port
 from wsync_grpc.servicer import tensor_sha256
 
@@ -90,7 +97,9 @@ class EngineProc:
 class Harness:
     """Starts engine processes and makes sure every one of them ends, whatever happens."""
 
-    def __init__(self) -> None:
+    def __init__(self, solo_bytes: int = DEFAULT_SOLO_BYTES) -> None:
+        self.solo_bytes = solo_bytes
+        """The clients' ``solo_bytes`` (:class:`TrainerClient`)."""
         self.tmp = Path(tempfile.mkdtemp(prefix="wsync-bench-"))
         self.procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
@@ -159,7 +168,13 @@ class Session:
     because the servicer does not lend its group to other code.
     """
 
-    def __init__(self, engines: Sequence[EngineProc], model: FlatModel, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(
+        self,
+        engines: Sequence[EngineProc],
+        model: FlatModel,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        solo_bytes: int = DEFAULT_SOLO_BYTES,
+    ):
         self.engines = list(engines)
         self.model = model
         self.version = 0
@@ -167,7 +182,9 @@ class Session:
         self._procs = [psutil.Process(), *(psutil.Process(e.pid) for e in engines)]
         self.last_raw_cpu = 0.0
         device = torch.device(DEVICE if DEVICE == "cpu" else "cuda:0")
-        self.client = TrainerClient([e.grpc for e in engines], bucket_bytes=bucket_bytes, device=device)
+        self.client = TrainerClient(
+            [e.grpc for e in engines], bucket_bytes=bucket_bytes, solo_bytes=solo_bytes, device=device
+        )
         self.group: RawGroup | None = None
         try:
             self.client.init()
@@ -295,7 +312,12 @@ class Session:
     def largest_bucket(self, bucket_bytes: int) -> int:
         """Size of the largest bucket the client plans for this model at ``bucket_bytes``, in bytes."""
         if bucket_bytes not in self._largest:
-            plan = plan_buckets(self.model.tensors.items(), bucket_bytes, ramp_bytes=self.client.ramp_bytes)
+            plan = plan_buckets(
+                self.model.tensors.items(),
+                bucket_bytes,
+                ramp_bytes=self.client.ramp_bytes,
+                solo_bytes=self.client.solo_bytes,
+            )
             self._largest[bucket_bytes] = max(b.size_bytes for b in plan)
         return self._largest[bucket_bytes]
 
@@ -330,7 +352,7 @@ def session(h: Harness, model_name: str, engines: int = 1) -> Iterator[Session]:
         builder.start()
         procs = h.start_engines(model_name, engines)
         builder.join()
-        s = Session(procs, box[0])
+        s = Session(procs, box[0], solo_bytes=h.solo_bytes)
         yield s
     finally:
         if s is not None:
@@ -439,8 +461,10 @@ def case_fanout(h: Harness, counts: Sequence[int], reps: int) -> dict[str, Any]:
 
 
 def _prepare_messages(model: FlatModel, bucket_bytes: int) -> tuple[pb.PrepareHeader, list[pb.PrepareRequest]]:
-    """What :meth:`TrainerClient.sync` streams as Prepare: the header, then one message per planned bucket."""
-    buckets = plan_buckets(model.tensors.items(), bucket_bytes, ramp_bytes=DEFAULT_RAMP_BYTES)
+    """What :meth:`TrainerClient.sync` streams as Prepare: the header, then the planned buckets, batched."""
+    buckets = plan_buckets(
+        model.tensors.items(), bucket_bytes, ramp_bytes=DEFAULT_RAMP_BYTES, solo_bytes=DEFAULT_SOLO_BYTES
+    )
     header = pb.PrepareHeader(
         update_id=uuid.uuid4().hex,
         weight_version="bench",
@@ -450,7 +474,7 @@ def _prepare_messages(model: FlatModel, bucket_bytes: int) -> tuple[pb.PrepareHe
         bucket_count=len(buckets),
         total_bytes=total_wire_bytes(buckets),
     )
-    return header, [pb.PrepareRequest(bucket=b.spec()) for b in buckets]
+    return header, batch_bucket_specs([b.spec() for b in buckets])
 
 
 def case_control(h: Harness, reps: int, bucket_sizes: Sequence[int]) -> dict[str, Any]:
@@ -586,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sweep-models", default="1gb,4gb", help="models the bucket sweep runs on")
     p.add_argument("--fanout", default="2,3", help="engine counts for the fan-out case (empty: none)")
     p.add_argument("--control-buckets", default="256,1024", help="bucket sizes in MiB for the control-plane case")
+    p.add_argument(
+        "--solo", type=float, default=DEFAULT_SOLO_BYTES / MiB, help="client solo_bytes in MiB (0: pack every tensor)"
+    )
     p.add_argument("--cases", default="models,moe,fanout,control", help="which cases to run")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
@@ -596,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def mib_list(text: str) -> list[int]:
         return [int(x) * MiB for x in text.split(",") if x.strip()]
 
-    h = Harness()
+    h = Harness(int(args.solo * MiB))
     monitor = LoadMonitor()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -610,6 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reps": args.reps,
         "default_bucket_bytes": DEFAULT_BUCKET_BYTES,
         "default_ramp_bytes": DEFAULT_RAMP_BYTES,
+        "solo_bytes": int(args.solo * MiB),
         "load_before": os.getloadavg(),
     }
     start = time.monotonic()

@@ -14,6 +14,8 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
+    batch_bucket_specs,
+    bucket_bytes_view,
     pack_bucket,
     plan_buckets,
     total_wire_bytes,
@@ -343,3 +345,78 @@ def test_many_small_tensors_fit_default_grpc_message_limit() -> None:
     assert sum(len(b.tensors) for b in buckets) == 100_000
     assert len(buckets) > 1, "the metadata bound, not the byte size, splits these buckets"
     assert max(pb.PrepareRequest(bucket=b.spec()).ByteSize() for b in buckets) < 4 * 1024 * 1024
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    spec=specs,
+    bucket_bytes=bucket_sizes,
+    alignment=alignments,
+    solo_bytes=st.integers(1, 512),
+    ramp=st.sampled_from([0, 16]),
+)
+def test_solo_tensors_travel_alone_and_the_rest_packs_in_order(
+    spec: list[tuple[torch.dtype, tuple[int, ...]]], bucket_bytes: int, alignment: int, solo_bytes: int, ramp: int
+) -> None:
+    named = make(spec)
+    buckets = plan_buckets(named, bucket_bytes, alignment, solo_bytes=solo_bytes, ramp_bytes=ramp)
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    planned = [t.name for b in buckets for t in b.tensors]
+    assert sorted(planned) == sorted(n for n, _ in named), "every tensor exactly once"
+    sizes = {n: t.numel() * t.element_size() for n, t in named}
+    packed: list[str] = []
+    for b in buckets:
+        assert b.tensors
+        solo = [t for t in b.tensors if t.nbytes >= solo_bytes]
+        if solo:
+            assert len(b.tensors) == 1, "a tensor of at least solo_bytes is alone"
+            assert b.tensors[0].offset_bytes == 0 and b.size_bytes == b.tensors[0].nbytes
+        else:
+            packed += [t.name for t in b.tensors]
+            assert all(t.offset_bytes % alignment == 0 for t in b.tensors)
+            assert b.size_bytes <= bucket_bytes or len(b.tensors) == 1
+    assert packed == [n for n, _ in named if sizes[n] < solo_bytes], "the others keep their order"
+    # Solo buckets come where their tensor comes: before any packed bucket holding a later tensor.
+    position = {n: i for i, (n, _) in enumerate(named)}
+    for b in buckets:
+        if b.tensors[0].nbytes >= solo_bytes:
+            later = [x for x in buckets[: b.index] if x.tensors[0].nbytes < solo_bytes]
+            assert all(min(position[t.name] for t in x.tensors) < position[b.tensors[0].name] for x in later)
+
+
+def test_solo_bucket_is_broadcast_from_the_tensor_itself() -> None:
+    big = torch.arange(4096, dtype=torch.float32)
+    named = [("a", torch.ones(8)), ("big", big), ("b", torch.ones(3, dtype=torch.bfloat16))]
+    buckets = plan_buckets(named, 1 << 20, solo_bytes=1024)
+    assert [[t.name for t in b.tensors] for b in buckets] == [["big"], ["a", "b"]]
+    view = bucket_bytes_view(buckets[0], dict(named), torch.device("cpu"))
+    assert view is not None and view.dtype == torch.uint8 and view.numel() == big.numel() * 4
+    assert view.data_ptr() == big.data_ptr(), "no copy"
+    assert bucket_bytes_view(buckets[1], dict(named), torch.device("cpu")) is None, "two tensors: packed"
+    strided = dict(named, big=torch.arange(8192, dtype=torch.float32)[::2])
+    assert bucket_bytes_view(buckets[0], strided, torch.device("cpu")) is None, "not contiguous: packed"
+    with pytest.raises(ValueError, match="solo_bytes"):
+        plan_buckets(named, 1024, solo_bytes=-1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(counts=st.lists(st.integers(1, 40), min_size=0, max_size=60), max_bytes=st.integers(1, 4000))
+def test_bucket_specs_are_batched_in_order_under_the_bound(counts: list[int], max_bytes: int) -> None:
+    specs = [
+        pb.BucketSpec(
+            index=i,
+            size_bytes=4 * n,
+            tensors=[pb.TensorSpec(name=f"layer.{i}.{j}", dtype="float32", shape=[1]) for j in range(n)],
+        )
+        for i, n in enumerate(counts)
+    ]
+    msgs = batch_bucket_specs(specs, max_bytes)
+    got: list[pb.BucketSpec] = []
+    for m in msgs:
+        kind = m.WhichOneof("kind")
+        batch = [m.bucket] if kind == "bucket" else list(m.buckets.buckets)
+        assert kind in ("bucket", "buckets") and batch
+        assert kind == "bucket" or len(batch) > 1
+        assert len(batch) == 1 or sum(s.ByteSize() + 6 for s in batch) <= max_bytes
+        got += batch
+    assert got == specs

@@ -40,9 +40,9 @@ def test_service_has_the_promised_rpcs_and_shapes() -> None:
     assert len({m.input_type.name for m in svc.methods}) == len(svc.methods)
 
 
-def test_prepare_stream_is_header_or_bucket() -> None:
+def test_prepare_stream_is_header_bucket_or_batch() -> None:
     d = weight_sync_pb2.PrepareRequest.DESCRIPTOR
-    assert [f.name for f in d.oneofs_by_name["kind"].fields] == ["header", "bucket"]
+    assert [f.name for f in d.oneofs_by_name["kind"].fields] == ["header", "bucket", "buckets"]
 
 
 def test_enums_start_unspecified() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +59,25 @@ With the ramp they cost one small bucket each (or one lone tensor: a bucket
 holding a single tensor is sent without packing, see
 :func:`bucket_bytes_view`). The price is a handful of extra buckets, about
 ``2 * log2(bucket_bytes / ramp_bytes)``.
+"""
+
+DEFAULT_SOLO_BYTES = 1024 * 1024
+"""Default threshold for a tensor to travel alone, in bytes (1 MiB): see ``plan_buckets(solo_bytes=...)``.
+
+A lone tensor costs a Prepare bucket entry and a collective of its own but
+no copy on either side: the trainer broadcasts the tensor itself and an
+engine with streaming apply receives into the served tensor. Packing costs
+a copy per byte on the trainer and unpacking another on the engine, which
+on CPU hosts run at about the speed of the transfer itself.
+"""
+
+PREPARE_BATCH_BYTES = 1024 * 1024
+"""Bound on the serialized bucket specs batched into one Prepare message, in bytes (1 MiB).
+
+An engine spends about 0.1-0.2 ms on every stream message whatever its
+size, so a trainer that sends hundreds of buckets (a dense 32B model with
+large tensors alone in their buckets, a large MoE) batches them. 1 MiB
+stays far below gRPC's default 4 MiB receive limit.
 """
 
 DEFAULT_ALIGNMENT = 256
@@ -192,6 +211,7 @@ def plan_buckets(
     *,
     max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
     ramp_bytes: int = 0,
+    solo_bytes: int = 0,
 ) -> list[Bucket]:
     """Plan the buckets of one update.
 
@@ -227,6 +247,14 @@ def plan_buckets(
             cost a small bucket instead of a full one (see
             :data:`DEFAULT_RAMP_BYTES`). 0 (default): every bucket is filled
             up to ``bucket_bytes``.
+        solo_bytes: if positive, every tensor of at least this many bytes
+            (in its wire dtype) gets a bucket of its own, emitted where it
+            comes, while smaller tensors keep filling the bucket being packed
+            (which then holds tensors that are not neighbours in the model).
+            A lone tensor is sent and received as it lies in memory, without
+            packing or unpacking (see :func:`bucket_bytes_view` and
+            :data:`DEFAULT_SOLO_BYTES`). 0 (default): tensors are packed in
+            order, a tensor is alone only when it is larger than the bucket.
 
     Returns:
         The buckets, indexed from 0; ``[]`` when there is nothing to send.
@@ -244,6 +272,8 @@ def plan_buckets(
         raise ValueError(f"max_spec_bytes must be positive, got {max_spec_bytes}")
     if ramp_bytes < 0:
         raise ValueError(f"ramp_bytes must not be negative, got {ramp_bytes}")
+    if solo_bytes < 0:
+        raise ValueError(f"solo_bytes must not be negative, got {solo_bytes}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype to convert into, got {dtype}")
     if dtype is not None:
@@ -301,6 +331,12 @@ def plan_buckets(
         cap = capacity()
 
     for name, wire, shape, nbytes, step, spec_bytes in entries:
+        if 0 < solo_bytes <= nbytes:
+            buckets.append(Bucket(len(buckets), nbytes, (PlannedTensor(name, wire, shape, 0, nbytes),)))
+            remaining -= nbytes
+            if not current:
+                cap = capacity()
+            continue
         offset = _align_up(end, step)
         if current and (offset + nbytes > cap or meta + spec_bytes > max_spec_bytes):
             close()
@@ -312,6 +348,42 @@ def plan_buckets(
             close()  # oversized: alone in its bucket
     close()
     return buckets
+
+
+def batch_bucket_specs(specs: Sequence[pb.BucketSpec], max_bytes: int = PREPARE_BATCH_BYTES) -> list[pb.PrepareRequest]:
+    """The Prepare stream's bucket messages for ``specs``: consecutive buckets batched into messages.
+
+    Each message holds as many consecutive buckets as fit in ``max_bytes``
+    of serialized specs (at least one), as a ``bucket`` when it is one and a
+    ``buckets`` batch otherwise (``wsync.v1.PrepareRequest``).
+
+    Args:
+        specs: the buckets' specs, in index order.
+        max_bytes: bound on the specs' serialized size per message, in bytes
+            (a spec larger than it travels alone).
+
+    Returns:
+        The messages to stream after the header, in order; ``[]`` for no specs.
+    """
+    out: list[pb.PrepareRequest] = []
+    batch: list[pb.BucketSpec] = []
+    size = 0
+
+    def flush() -> None:
+        if len(batch) == 1:
+            out.append(pb.PrepareRequest(bucket=batch[0]))
+        elif batch:
+            out.append(pb.PrepareRequest(buckets=pb.BucketBatch(buckets=batch)))
+
+    for spec in specs:
+        n = spec.ByteSize() + 6  # field tag and length prefix
+        if batch and size + n > max_bytes:
+            flush()
+            batch, size = [], 0
+        batch.append(spec)
+        size += n
+    flush()
+    return out
 
 
 def total_wire_bytes(buckets: Iterable[Bucket], layout: int = pb.BUCKET_LAYOUT_FLATTENED) -> int:

@@ -51,8 +51,10 @@ from wsync_grpc.buckets import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_RAMP_BYTES,
+    DEFAULT_SOLO_BYTES,
     Bucket,
     PlannedTensor,
+    batch_bucket_specs,
     bucket_bytes_view,
     pack_bucket,
     plan_buckets,
@@ -65,6 +67,7 @@ from wsync_grpc.group import (
     WeightSyncGroup,
     join_group,
     resolve_backend,
+    wait_all,
     wait_work,
 )
 
@@ -134,7 +137,10 @@ _BACKENDS: dict[str, pb.Backend.ValueType] = {
     "nccl": pb.BACKEND_NCCL,
 }
 
-INDIVIDUAL_WINDOW = 64
+FLAT_WINDOW = 4
+"""Flattened layout: bucket broadcasts the trainer keeps in flight (at most two of them packed)."""
+
+INDIVIDUAL_WINDOW = 512
 """Per-tensor broadcasts the individual layout keeps in flight."""
 
 TRAINER = "trainer"
@@ -458,6 +464,12 @@ class TrainerClient:
             nothing, are short (default
             :data:`~wsync_grpc.buckets.DEFAULT_RAMP_BYTES`, 32 MiB; 0 fills
             every bucket up to ``bucket_bytes``).
+        solo_bytes: flattened layout: a tensor of at least this many bytes
+            travels in a bucket of its own, broadcast from the tensor itself
+            (no packing) and, with streaming apply on an engine that allows
+            it, received straight into the served tensor (no unpacking)
+            (default :data:`~wsync_grpc.buckets.DEFAULT_SOLO_BYTES`; 0 packs
+            every tensor).
         token: shared secret sent as ``authorization: Bearer <token>`` with
             every call (the engines' ``--token``); ``None`` sends none.
         credentials: TLS channel credentials (``grpc.ssl_channel_credentials``);
@@ -474,7 +486,7 @@ class TrainerClient:
     Raises:
         ValueError: no targets, duplicate targets, a ``workers`` list of the
             wrong length or with a count below 1, non-positive timeouts, a
-            negative ``ramp_bytes``.
+            negative ``ramp_bytes`` or ``solo_bytes``.
     """
 
     def __init__(
@@ -492,6 +504,7 @@ class TrainerClient:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         alignment: int = DEFAULT_ALIGNMENT,
         ramp_bytes: int = DEFAULT_RAMP_BYTES,
+        solo_bytes: int = DEFAULT_SOLO_BYTES,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
@@ -508,6 +521,8 @@ class TrainerClient:
             raise ValueError("timeouts must be positive")
         if ramp_bytes < 0:
             raise ValueError(f"ramp_bytes must not be negative, got {ramp_bytes}")
+        if solo_bytes < 0:
+            raise ValueError(f"solo_bytes must not be negative, got {solo_bytes}")
         if backend not in _BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use 'gloo', 'nccl' or ''")
         self.master_address = master_address
@@ -523,6 +538,7 @@ class TrainerClient:
         self.bucket_bytes = bucket_bytes
         self.alignment = alignment
         self.ramp_bytes = ramp_bytes
+        self.solo_bytes = solo_bytes
         self._fixed_workers = list(workers) if workers is not None else None
         self._metadata: tuple[tuple[str, str | bytes], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
@@ -548,7 +564,7 @@ class TrainerClient:
         self._init_attempted = False
         self._keep_buffers = self.device.type == "cpu" if keep_buffers is None else keep_buffers
         self._slots: list[torch.Tensor | None] = [None, None]
-        self._plan_cache: tuple[tuple[object, ...] | None, list[Bucket], list[pb.BucketSpec]] | None = None
+        self._plan_cache: tuple[tuple[object, ...] | None, list[Bucket], list[pb.PrepareRequest]] | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -1149,7 +1165,7 @@ class TrainerClient:
         t_plan = time.monotonic()
         pairs = list(named_tensors)
         layout_enum = _LAYOUTS[layout]
-        buckets, specs = self._plan(pairs, bucket_bytes, dtype, layout_enum)
+        buckets, messages = self._plan(pairs, bucket_bytes, dtype, layout_enum)
         if not buckets:
             raise ValueError("nothing to sync: no tensors given")
         by_name = dict(pairs)
@@ -1195,8 +1211,7 @@ class TrainerClient:
 
         def stream() -> Iterator[pb.PrepareRequest]:
             yield pb.PrepareRequest(header=header)
-            for s in specs:
-                yield pb.PrepareRequest(bucket=s)
+            yield from messages
 
         t0 = time.monotonic()
         prepared, failures = self._gather(
@@ -1277,7 +1292,7 @@ class TrainerClient:
         bucket_bytes: int,
         dtype: torch.dtype | None,
         layout: pb.BucketLayout.ValueType,
-    ) -> tuple[list[Bucket], list[pb.BucketSpec]]:
+    ) -> tuple[list[Bucket], list[pb.PrepareRequest]]:
         """Plan the buckets and their Prepare messages, reusing the last plan when nothing it depends on changed.
 
         A trainer syncs the same parameters every step, and planning a large
@@ -1291,6 +1306,7 @@ class TrainerClient:
                 self.alignment,
                 dtype,
                 self.ramp_bytes,
+                self.solo_bytes,
                 layout,
                 [(n, t.dtype, t.shape, t.stride(), t.data_ptr(), t.get_device()) for n, t in pairs],
             )
@@ -1299,10 +1315,11 @@ class TrainerClient:
         cached = self._plan_cache
         if signature is not None and cached is not None and cached[0] == signature:
             return cached[1], cached[2]
-        buckets = plan_buckets(pairs, bucket_bytes, self.alignment, dtype, ramp_bytes=self.ramp_bytes)
-        specs = [b.spec(layout) for b in buckets]
-        self._plan_cache = (signature, buckets, specs) if signature is not None else None
-        return buckets, specs
+        solo = self.solo_bytes if layout == pb.BUCKET_LAYOUT_FLATTENED else 0  # individual: every tensor is alone
+        buckets = plan_buckets(pairs, bucket_bytes, self.alignment, dtype, ramp_bytes=self.ramp_bytes, solo_bytes=solo)
+        messages = batch_bucket_specs([b.spec(layout) for b in buckets])
+        self._plan_cache = (signature, buckets, messages) if signature is not None else None
+        return buckets, messages
 
     def _abandon(
         self,
@@ -1374,7 +1391,11 @@ class TrainerClient:
 
         A bucket that is one tensor already laid out as its bytes is broadcast
         from the tensor itself (:func:`~wsync_grpc.buckets.bucket_bytes_view`),
-        without packing.
+        without packing and without a buffer; other buckets are packed into
+        one of two reused buffers, a buffer being repacked only once the
+        broadcast that read it has completed. Up to :data:`FLAT_WINDOW`
+        broadcasts are in flight, so that the wire never waits for this
+        thread between two buckets.
 
         Returns the time spent packing, in seconds.
         """
@@ -1382,27 +1403,38 @@ class TrainerClient:
         pack_s = 0.0
         sent = 0
         start = time.monotonic()
-        pending: tuple[torch.distributed.Work, Bucket] | None = None
-        for k, b in enumerate(buckets):
+        window: collections.deque[tuple[torch.distributed.Work, Bucket, int]] = collections.deque()
+        packed = 0  # buckets packed so far; bucket p uses slot p % 2
+
+        def finish() -> None:
+            nonlocal sent
+            work, b, _slot = window.popleft()
+            self._wait(group, work)
+            sent += b.size_bytes
+            self._report(progress, update_id, b.index + 1, len(buckets), sent, total, start)
+
+        for b in buckets:
             t = time.monotonic()
             buf = bucket_bytes_view(b, by_name, group.device)
+            slot_index = -1
             if buf is None:
-                slot = slots[k % 2]
+                slot_index = packed % 2
+                packed += 1
+                while any(s == slot_index for _w, _b, s in window):  # the slot is still on the wire
+                    finish()
+                t = time.monotonic()
+                slot = slots[slot_index]
                 if slot is None or slot.numel() < b.size_bytes or slot.device != group.device:
-                    slot = slots[k % 2] = torch.empty(b.size_bytes, dtype=torch.uint8, device=group.device)
+                    slot = slots[slot_index] = torch.empty(b.size_bytes, dtype=torch.uint8, device=group.device)
                 buf = slot[: b.size_bytes]
                 # Padding zeroed: a reused or fresh buffer never puts stale trainer memory on the wire.
                 pack_bucket(b, by_name, buf, zero_padding=True)
             pack_s += time.monotonic() - t
-            if pending is not None:  # bucket k-1 was on the wire while k was packed
-                self._wait(group, pending[0])
-                sent += pending[1].size_bytes
-                self._report(progress, update_id, pending[1].index + 1, len(buckets), sent, total, start)
-            pending = (group.broadcast(buf), b)
-        if pending is not None:
-            self._wait(group, pending[0])
-            sent += pending[1].size_bytes
-            self._report(progress, update_id, len(buckets), len(buckets), sent, total, start)
+            while len(window) >= FLAT_WINDOW:
+                finish()
+            window.append((group.broadcast(buf), b, slot_index))
+        while window:
+            finish()
         return pack_s
 
     def _broadcast_individual(
@@ -1422,6 +1454,8 @@ class TrainerClient:
         before posting the next costs a round trip per tensor, which is what
         dominates for a model of many small tensors (a large MoE): it measured
         about 2x slower than the naive per-tensor way on a 20k-tensor model.
+        Broadcasts are waited for half a window at a time
+        (:func:`~wsync_grpc.group.wait_all`).
         Converted copies (when a tensor is not already contiguous in its wire
         dtype) are held for at most two buckets.
 
@@ -1434,13 +1468,15 @@ class TrainerClient:
             collections.deque()
         )
 
-        def finish() -> None:
+        def finish(n: int) -> None:
+            # The oldest n together: one completion callback for all of them (see wait_all).
             nonlocal sent
-            work, _wire, b, pt = window.popleft()
-            self._wait_done(group, work)
-            sent += pt.nbytes
-            if pt is b.tensors[-1]:
-                self._report(progress, update_id, b.index + 1, len(buckets), sent, total, start)
+            done = [window.popleft() for _ in range(min(n, len(window)))]
+            wait_all([d[0] for d in done], time.monotonic() + group.timeout_s, self._cancel_event)
+            for _work, _wire, b, pt in done:
+                sent += pt.nbytes
+                if pt is b.tensors[-1]:
+                    self._report(progress, update_id, b.index + 1, len(buckets), sent, total, start)
 
         for b in buckets:
             t = time.monotonic()
@@ -1448,26 +1484,10 @@ class TrainerClient:
             pack_s += time.monotonic() - t
             for pt, wire in zip(b.tensors, wires, strict=True):
                 if len(window) >= INDIVIDUAL_WINDOW:
-                    finish()
+                    finish(INDIVIDUAL_WINDOW // 2)
                 window.append((group.broadcast(wire), wire, b, pt))
-        while window:
-            finish()
+        finish(len(window))
         return pack_s
-
-    def _wait_done(self, group: WeightSyncGroup, work: torch.distributed.Work) -> None:
-        """:meth:`_wait`, with a fast path for work that already completed successfully.
-
-        ``wait_work`` registers a callback and an event per call: for thousands
-        of per-tensor broadcasts that are mostly done by the time they are
-        checked, asking the work first saves most of that.
-        """
-        if work.is_completed():
-            try:
-                work.wait()
-                return
-            except RuntimeError:
-                pass  # failed: let wait_work raise it as GroupError / GroupTimeout
-        self._wait(group, work)
 
     @staticmethod
     def _report(

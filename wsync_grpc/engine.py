@@ -175,3 +175,30 @@ class EngineAdapter(Protocol):
     def request_counts(self) -> tuple[int, int]:
         """``(running, waiting)`` generation requests."""
         ...
+
+
+@runtime_checkable
+class InPlaceReceive(Protocol):
+    """Optional: an engine whose served tensors a streaming update may receive into directly.
+
+    With streaming apply the servicer freezes the engine (pause KEEP) until
+    Complete, and the weights change bucket by bucket anyway. For a bucket
+    that holds a single tensor (the trainer sends every tensor of at least
+    :data:`wsync_grpc.buckets.DEFAULT_SOLO_BYTES` alone), the receiver then
+    posts the broadcast straight into the served tensor instead of into a
+    receive buffer followed by :meth:`EngineAdapter.load_weights`: no receive
+    buffer, no copy. The bytes land while the collective runs, without
+    :meth:`EngineAdapter.weights_lock` held, so an engine may offer this only
+    for tensors nothing reads while it is frozen. A broken update leaves such
+    a tensor half written: the engine is then marked dirty and stays paused,
+    as after any broken streaming update.
+    """
+
+    def receive_target(self, worker: int, name: str) -> torch.Tensor | None:
+        """The served tensor of canonical ``name`` on ``worker``, to receive into, or None to copy as usual.
+
+        The receiver uses it only when it is contiguous, on the worker's
+        device, and has exactly the wire dtype and shape of the update's
+        tensor; otherwise it falls back to :meth:`EngineAdapter.load_weights`.
+        """
+        ...

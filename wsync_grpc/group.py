@@ -16,6 +16,7 @@ import datetime
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,10 @@ thread could stall for the whole group timeout. Such groups are parked here
 and released by a reaper thread once their pending collectives have ended
 (they end with an error as soon as the peer closes its side, at the latest at
 the group timeout)."""
+
+
+_PRUNE_MIN = 64
+"""Completed works are dropped from a group's pending list once it holds this many (or twice the last survivors)."""
 
 
 def _park(pg: Any, pending: list[dist.Work]) -> None:
@@ -104,6 +109,7 @@ class WeightSyncGroup:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _destroyed: bool = False
     _pending: list[dist.Work] = field(default_factory=list)
+    _prune_at: int = 64
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Post a broadcast of ``tensor`` from group rank ``src``; returns the pending work.
@@ -125,8 +131,12 @@ class WeightSyncGroup:
         except RuntimeError as e:
             raise GroupError(f"broadcast could not be posted: {e}") from e
         with self._lock:
-            self._pending = [w for w in self._pending if not w.is_completed()]
             self._pending.append(work)
+            if len(self._pending) >= self._prune_at:
+                # Amortized: thousands of per-tensor broadcasts may be posted back to back, and
+                # scanning every pending one on each post made posting quadratic.
+                self._pending = [w for w in self._pending if not w.is_completed()]
+                self._prune_at = max(_PRUNE_MIN, 2 * len(self._pending))
         return work
 
     def destroy(self) -> None:
@@ -176,6 +186,33 @@ def wait_work(work: dist.Work, deadline: float, cancelled: threading.Event | Non
         if "timed out" in str(e).lower():  # gloo's own per-collective timeout fired first
             raise GroupTimeout(f"the collective timed out: {_short(e)}") from e
         raise GroupError(f"collective failed: {_short(e)}") from e
+
+
+def wait_all(works: Sequence[dist.Work], deadline: float, cancelled: threading.Event | None = None) -> None:
+    """Wait for every work of ``works`` (posted in that order) until the monotonic ``deadline``.
+
+    :func:`wait_work` hands each work a completion callback, which the
+    collective's own thread must take the GIL to run: with thousands of small
+    per-tensor collectives that stalled the wire between them (measured 2x
+    slower than waiting plainly). Here only the last work gets one; the
+    earlier ones are checked once it has completed, and any that has not yet
+    is waited for with :func:`wait_work`.
+
+    Raises:
+        GroupTimeout: the deadline passed first.
+        GroupError: a collective failed (peer lost) or ``cancelled`` was set.
+    """
+    if not works:
+        return
+    wait_work(works[-1], deadline, cancelled)
+    for work in works[:-1]:
+        if work.is_completed():
+            try:
+                work.wait()
+                continue
+            except RuntimeError:
+                pass  # failed: let wait_work raise it as GroupError / GroupTimeout
+        wait_work(work, deadline, cancelled)
 
 
 def _short(e: BaseException) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,22 +27,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wsync_grpc.engine import EngineAdapter
-from wsync_grpc.group import GroupError, GroupTimeout, WeightSyncGroup, wait_work
+from wsync_grpc.engine import EngineAdapter, InPlaceReceive
+from wsync_grpc.group import GroupError, GroupTimeout, WeightSyncGroup, wait_all
 from wsync_grpc.metadata import Bucket, Tensor
+
+log = logging.getLogger(__name__)
 
 PIPELINE_DEPTH = 2
 """Buckets posted ahead at a time per worker (double buffering)."""
 
-INDIVIDUAL_CHUNK = 64
+MAX_POSTED = 8
+"""Buckets posted ahead at most, counting those received in place (which take no buffer)."""
+
+INDIVIDUAL_CHUNK = 256
 """Individual layout: receives are posted in chunks of at most this many tensors."""
 
 INDIVIDUAL_DEPTH = 4
 """Individual layout: chunks posted ahead at a time per worker.
 
-At most ``INDIVIDUAL_CHUNK * INDIVIDUAL_DEPTH`` receives are outstanding. Posting a whole
-bucket's receives (thousands of small tensors in a large MoE) made posting quadratic, since
-``WeightSyncGroup.broadcast`` scans the collectives still pending on every call.
+At most ``INDIVIDUAL_CHUNK * INDIVIDUAL_DEPTH`` receives are outstanding: enough to keep the
+wire busy with tensors of a few kB, while a bucket of a large MoE (thousands of tensors) is
+never posted, allocated and held all at once.
 """
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -228,6 +234,13 @@ class _Posted:
     buffers: list[torch.Tensor]  # flattened: [flat]; individual: one per tensor of the chunk
     start: int = 0  # individual: the chunk's tensors are bucket.tensors[start:end]
     end: int = 0
+    direct: tuple[bool, ...] = ()  # per buffer: received straight into the served tensor
+
+    @property
+    def holds_buffer(self) -> bool:
+        """Whether this takes receive memory (not everything it posted is received in place)."""
+        return not all(self.direct)
+
     posted_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -289,11 +302,18 @@ class WorkerReceiver(threading.Thread):
         """Staged apply: per received bucket (individual layout: per chunk), the (canonical name, tensor) pairs."""
         self.pool = pool
         self._held: list[torch.Tensor] = []  # staged: flat buffers behind self.staged
+        self.wrote_served = False
+        """Whether a receive was posted straight into a served tensor (it may be half written)."""
+        self.tensors_direct = 0
+        """Tensors received straight into the served ones (counted in :attr:`tensors_applied` too)."""
+        self._in_place = adapter if streaming and isinstance(adapter, InPlaceReceive) else None
 
     def run(self) -> None:
         try:
             self._receive_all()
         except BaseException as e:
+            if not isinstance(e, (GroupError, GroupTimeout)):  # reported as the group breaking or timing out
+                log.exception("receiver of worker %d failed", self.worker)
             self.error = e
         finally:
             self.armed.set()
@@ -308,7 +328,7 @@ class WorkerReceiver(threading.Thread):
         partial: _Posted | None = None  # individual: the last chunk posted, when its bucket has more tensors
         closed = False
         while True:
-            while len(pending) < depth and not closed:
+            while sum(p.holds_buffer for p in pending) < depth and len(pending) < MAX_POSTED and not closed:
                 if self.cancel.is_set():
                     raise GroupError("cancelled")
                 if partial is not None:
@@ -334,8 +354,7 @@ class WorkerReceiver(threading.Thread):
                 return
             posted = pending.popleft()
             deadline = time.monotonic() + timeout
-            for work in posted.works:
-                self._wait_done(work, deadline)
+            wait_all(posted.works, deadline, self.cancel)
             self.last_arrival_at = time.monotonic()
             self._handle(posted)
             if self.flattened:
@@ -345,21 +364,6 @@ class WorkerReceiver(threading.Thread):
             if posted.last:
                 self.buckets_done += 1
                 self.on_event(self)
-
-    def _wait_done(self, work: torch.distributed.Work, deadline: float) -> None:
-        """``wait_work``, with a fast path for work already completed successfully.
-
-        In the individual layout a bucket is one receive per tensor (thousands
-        in a large MoE), mostly complete by the time they are checked;
-        ``wait_work`` registers a callback and an event per call.
-        """
-        if work.is_completed():
-            try:
-                work.wait()
-                return
-            except RuntimeError:
-                pass  # failed: let wait_work raise it as GroupError / GroupTimeout
-        wait_work(work, deadline, self.cancel)
 
     def _wait_for_bucket(self, i: int, timeout: float) -> Bucket | None:
         deadline = time.monotonic() + timeout
@@ -374,29 +378,76 @@ class WorkerReceiver(threading.Thread):
             except GroupTimeout:
                 continue
 
+    def _served_target(self, t: Tensor) -> torch.Tensor | None:
+        """The served tensor to receive ``t`` straight into, or None (see :class:`InPlaceReceive`).
+
+        Only with streaming apply on an engine that offers it, for a tensor to
+        load whose served tensor is plain, contiguous, on this worker's device
+        and of exactly the wire dtype and shape.
+        """
+        if self._in_place is None or not t.load or t.nbytes == 0:
+            return None
+        target = self._in_place.receive_target(self.worker, t.canonical)
+        if (
+            target is None
+            or type(target) not in (torch.Tensor, torch.nn.Parameter)
+            or target.layout != torch.strided
+            or target.dtype != t.dtype
+            or tuple(target.shape) != t.shape
+            or target.device != self.device
+            or not target.is_contiguous()
+            or target.is_conj()
+            or target.is_neg()
+        ):
+            return None
+        return target.detach()
+
     def _post(self, bucket: Bucket, start: int) -> _Posted:
         """Post the receives of ``bucket`` (flattened: all of it; individual: a chunk from tensor ``start``)."""
         if self.first_post_at is None:
             self.first_post_at = time.monotonic()
         if self.flattened:
+            only = bucket.tensors[0] if len(bucket.tensors) == 1 else None
+            target = self._served_target(only) if only is not None and only.offset == 0 else None
+            if target is not None and only is not None and only.nbytes == bucket.size_bytes:
+                self.wrote_served = True  # before posting: bytes may land at once
+                flat = target.view(-1).view(torch.uint8)
+                return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(True,))
             # Streaming reuses two buffers for every bucket: size them for the largest one.
             flat = self.pool.take(bucket.size_bytes, self.feed.max_size_bytes if self.streaming else 0)
-            return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, len(bucket.tensors))
+            return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, len(bucket.tensors), direct=(False,))
         end = min(start + INDIVIDUAL_CHUNK, len(bucket.tensors))
-        bufs = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in bucket.tensors[start:end]]
-        return _Posted(bucket, [self.group.broadcast(b) for b in bufs], bufs, start, end)
+        bufs: list[torch.Tensor] = []
+        direct: list[bool] = []
+        for t in bucket.tensors[start:end]:
+            target = self._served_target(t)
+            if target is None:
+                bufs.append(torch.empty(t.shape, dtype=t.dtype, device=self.device))
+            else:
+                self.wrote_served = True
+                bufs.append(target)
+            direct.append(target is not None)
+        return _Posted(bucket, [self.group.broadcast(b) for b in bufs], bufs, start, end, direct=tuple(direct))
 
     def _handle(self, posted: _Posted) -> None:
         bucket = posted.bucket
         if self.flattened:
-            named = tensor_views(posted.buffers[0], bucket.tensors)
+            named = [] if posted.direct[0] else tensor_views(posted.buffers[0], bucket.tensors)
         else:
             tensors = bucket.tensors[posted.start : posted.end]
-            named = [(t.canonical, buf) for t, buf in zip(tensors, posted.buffers, strict=True) if t.load]
+            named = [
+                (t.canonical, buf)
+                for t, buf, d in zip(tensors, posted.buffers, posted.direct, strict=True)
+                if t.load and not d
+            ]
+        direct = sum(posted.direct)
         if self.streaming:
-            with self.adapter.weights_lock():
-                self.tensors_applied += self.adapter.load_weights(self.worker, named)
-            if self.flattened:
+            if named:
+                with self.adapter.weights_lock():
+                    self.tensors_applied += self.adapter.load_weights(self.worker, named)
+            self.tensors_applied += direct
+            self.tensors_direct += direct
+            if self.flattened and not direct:
                 self.pool.give(posted.buffers[0])
         else:
             self.staged.append(named)

@@ -378,6 +378,19 @@ class ReferenceEngine:
                 n += 1
         return n
 
+    def receive_target(self, worker: int, name: str) -> torch.Tensor | None:
+        """The served tensor of canonical ``name`` (:class:`~wsync_grpc.engine.InPlaceReceive`).
+
+        Streaming updates receive straight into it: the servicer freezes
+        generation (pause KEEP) for the whole of a streaming update, and no
+        step runs while the engine is frozen.
+
+        Raises:
+            IndexError: ``worker`` is not 0.
+        """
+        self._check_worker(worker)
+        return self._tensors.get(name)
+
     def get_weight(self, name: str) -> torch.Tensor:
         """The served tensor ``name`` (canonical or alias), sharing storage with the model.
 

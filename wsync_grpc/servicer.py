@@ -177,6 +177,15 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         """The weight version being served."""
         return self._weight_version
 
+    @property
+    def receive_buffer_bytes(self) -> int:
+        """Bytes of receive buffers the workers keep for the next update (``keep_buffers``), in bytes.
+
+        Tensors received in place (streaming apply on an engine that offers
+        :class:`~wsync_grpc.engine.InPlaceReceive`) take none.
+        """
+        return sum(p.free_bytes for p in self._pools)
+
     def _record_error(self, err: WsyncError, update_id: str = "") -> None:
         self._last_error = pb.ErrorDetail(
             reason=err.reason, message=err.message, update_id=update_id, unix_seconds=time.time()
@@ -196,7 +205,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             upd.error = err
             upd.cancel.set()
             upd.feed.close()
-            applied = any(r.tensors_applied for r in upd.receivers)
+            applied = any(r.tensors_applied or r.wrote_served for r in upd.receivers)
             for r in upd.receivers:
                 # A receive may still be posted into these buffers: never reuse them.
                 r.release(reuse=r.done.is_set() and r.error is None)
@@ -474,11 +483,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 kind = msg.WhichOneof("kind")
                 if kind == "header":
                     self._preparing_id = v.header_message(msg.header).update_id
-                elif kind == "bucket":
+                elif kind in ("bucket", "buckets"):
                     if v.header is None:
                         raise InvalidArgument("MISSING_HEADER", "a bucket arrived before the header")
-                    v.check_more_buckets(len(buckets) + 1)
-                    buckets.append(v.bucket_message(msg.bucket))
+                    specs = [msg.bucket] if kind == "bucket" else msg.buckets.buckets
+                    if not specs:
+                        raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried an empty bucket batch")
+                    v.check_more_buckets(len(buckets) + len(specs))
+                    buckets.extend(v.bucket_message(spec) for spec in specs)
                 else:
                     raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried neither header nor bucket")
         except grpc.RpcError as e:  # the client went away mid-stream, or the watchdog cancelled the call

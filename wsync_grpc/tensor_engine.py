@@ -83,6 +83,10 @@ class TensorEngine:
                 n += 1
         return n
 
+    def receive_target(self, worker: int, name: str) -> torch.Tensor | None:
+        """The served tensor ``name`` itself (:class:`~wsync_grpc.engine.InPlaceReceive`): nothing reads it."""
+        return self._tensors.get(name)
+
     def get_weight(self, name: str) -> torch.Tensor:
         """The served tensor ``name`` (canonical or alias). Raises KeyError if unknown."""
         return self._tensors[self._aliases.get(name, name)]

@@ -453,13 +453,15 @@ Global___GroupInfo: _TypeAlias = GroupInfo  # noqa: Y015
 @_typing.final
 class PrepareRequest(_message.Message):
     """PrepareRequest is one message of the Prepare stream: exactly one header
-    first, then bucket_count buckets.
+    first, then bucket_count buckets, one per message (bucket) or several per
+    message (buckets), in index order.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     BUCKET_FIELD_NUMBER: _builtins.int
+    BUCKETS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___PrepareHeader:
         """header describes the whole update; it must be the first message and
@@ -470,21 +472,54 @@ class PrepareRequest(_message.Message):
     def bucket(self) -> Global___BucketSpec:
         """bucket describes the next bucket, in order (index 0, 1, ...)."""
 
+    @_builtins.property
+    def buckets(self) -> Global___BucketBatch:
+        """buckets describes the next buckets, in order. The engine spends a
+        fixed cost per stream message, so a trainer with many small buckets
+        should batch them (each message must stay under the engine's receive
+        limit, gRPC's default of 4 MiB).
+        """
+
     def __init__(
         self,
         *,
         header: Global___PrepareHeader | None = ...,
         bucket: Global___BucketSpec | None = ...,
+        buckets: Global___BucketBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "header", b"header", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "buckets", b"buckets", "header", b"header", "kind", b"kind"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "header", b"header", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "buckets", b"buckets", "header", b"header", "kind", b"kind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "bucket"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "bucket", "buckets"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___PrepareRequest: _TypeAlias = PrepareRequest  # noqa: Y015
+
+@_typing.final
+class BucketBatch(_message.Message):
+    """BucketBatch is several consecutive buckets of one Prepare stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUCKETS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___BucketSpec]:
+        """buckets are the next buckets of the update, in index order. At least one."""
+
+    def __init__(
+        self,
+        *,
+        buckets: _abc.Iterable[Global___BucketSpec] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BucketBatch: _TypeAlias = BucketBatch  # noqa: Y015
 
 @_typing.final
 class PrepareHeader(_message.Message):
@@ -520,8 +555,9 @@ class PrepareHeader(_message.Message):
     staged.
     """
     bucket_count: _builtins.int
-    """bucket_count is the number of bucket messages that follow in this
-    stream. 0 is allowed only for an incremental update.
+    """bucket_count is the number of buckets that follow in this stream
+    (counting each BucketSpec, whether sent alone or in a batch). 0 is
+    allowed only for an incremental update.
     """
     total_bytes: _builtins.int
     """total_bytes is the sum of size_bytes over the buckets of this stream, in

@@ -114,7 +114,7 @@ class WeightSyncServiceServicer:
 
     def Prepare(self, request_iterator, context):
         """Prepare announces one weight update: first a PrepareRequest carrying the
-        header, then one PrepareRequest per bucket, in bucket order.
+        header, then the buckets in bucket order (one or several per message).
 
         Precondition: state READY. Every tensor is validated against the engine's
         model before anything is armed; bad metadata fails with INVALID_ARGUMENT,

@@ -73,7 +73,7 @@ class WeightSyncServiceStub:
     """
     Prepare: _grpc.StreamUnaryMultiCallable[_weight_sync_pb2.PrepareRequest, _weight_sync_pb2.PrepareResponse]
     """Prepare announces one weight update: first a PrepareRequest carrying the
-    header, then one PrepareRequest per bucket, in bucket order.
+    header, then the buckets in bucket order (one or several per message).
 
     Precondition: state READY. Every tensor is validated against the engine's
     model before anything is armed; bad metadata fails with INVALID_ARGUMENT,
@@ -186,7 +186,7 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     """
     Prepare: _aio.StreamUnaryMultiCallable[_weight_sync_pb2.PrepareRequest, _weight_sync_pb2.PrepareResponse]  # type: ignore[assignment]
     """Prepare announces one weight update: first a PrepareRequest carrying the
-    header, then one PrepareRequest per bucket, in bucket order.
+    header, then the buckets in bucket order (one or several per message).
 
     Precondition: state READY. Every tensor is validated against the engine's
     model before anything is armed; bad metadata fails with INVALID_ARGUMENT,
@@ -308,7 +308,7 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_weight_sync_pb2.PrepareResponse, _abc.Awaitable[_weight_sync_pb2.PrepareResponse]]:
         """Prepare announces one weight update: first a PrepareRequest carrying the
-        header, then one PrepareRequest per bucket, in bucket order.
+        header, then the buckets in bucket order (one or several per message).
 
         Precondition: state READY. Every tensor is validated against the engine's
         model before anything is armed; bad metadata fails with INVALID_ARGUMENT,
