@@ -173,7 +173,8 @@ def _machine(results: dict[str, Any]) -> list[str]:
         f"| CUDA | {m['cuda']} |",
         f"| collective backend | {results['backend']} over loopback TCP (every process on this host) |",
         f"| repetitions | {results['reps']} per figure, after a warm-up |",
-        f"| default bucket / ramp | {_mib(results['default_bucket_bytes'])} / {_mib(results['default_ramp_bytes'])} |",
+        f"| default bucket / ramp / solo threshold | {_mib(results['default_bucket_bytes'])} / "
+        f"{_mib(results['default_ramp_bytes'])} / {_mib(int(results.get('solo_bytes', 0)))} |",
         f"| load average before / after | {results['load_before'][0]:.2f} / {results['load_after'][0]:.2f} |",
     ]
     if bg:
@@ -380,10 +381,11 @@ def _sweep_summary(results: dict[str, Any]) -> list[str]:
         "Throughput depends little on the bucket size once the first pack and the last apply are short (the "
         "ramp), and differences between sizes are of the order of the run-to-run noise of this host; the "
         "smallest buckets pay a per-bucket cost (one collective and one receiver hand-off each). The default is "
-        "decided by the control plane (section 4): one Prepare message per bucket, so at 256 MiB a 32B dense model "
-        "needs ~260 messages (its 283 MB MLP matrices take a bucket each) and a 100k-tensor MoE ~4,800, against "
-        "~70 and ~1,200 at 1 GiB. The price of 1 GiB is memory: two buckets on the trainer while packing, two on "
-        "an engine with streaming apply (section 5); lower it where that memory is short.",
+        "decided by what the buckets hold: tensors of at least the solo threshold travel alone whatever the "
+        "bucket size, so the bucket size only bounds how small tensors are packed. Larger buckets mean fewer "
+        "collectives (each costs a few hundred microseconds with gloo here) and fewer Prepare entries; the "
+        "price is memory: two buckets on the trainer while packing, two on an engine with streaming apply "
+        "(section 5); lower it where that memory is short.",
     ]
 
 
@@ -429,29 +431,34 @@ def _analysis(results: dict[str, Any], cks: list[Check]) -> list[str]:
         out += [
             "",
             'Why. On this host the "wire" is itself a memory copy: loopback TCP moves each byte with two kernel '
-            "copies, one per process, and that is all the ceiling does. wsync adds two more passes over every "
-            "byte: the trainer packs tensors into a flat bucket (a single-threaded `memmove`; buckets that are "
-            "one tensor, like the embedding and the LM head, are sent from the tensor itself) and the engine "
-            "copies each received tensor into the tensor it serves (`EngineAdapter.load_weights`). These copies "
-            "run at the same speed as the transfer and on the same 2 cores and memory bus, which other processes "
-            "shared during this run (" + ", ".join(f"{k} {v:.1f}" for k, v in bg.items()) + " cores on average), "
-            "so overlapping them (the trainer packs bucket k+1 while k is on the wire; the engine applies k while "
-            "k+1 arrives) hides their latency but not their cost: with them running, a bucket's broadcast ran "
-            "about a third slower than the ceiling's in a per-bucket timeline of a 1 GB sync (~3 GB/s against "
-            "~4 GB/s). Staged apply must, by design, copy the whole update after "
-            "its last byte (the old weights stay intact until Complete), which bounds it as listed above. The "
-            "first pack and the last apply overlap nothing; the client keeps them short by sending a lone "
-            "tensor unpacked and by ramping the bucket sizes (`DEFAULT_RAMP_BYTES`).",
+            "copies, one per process, and that is all the ceiling does. Whatever wsync adds runs at the same "
+            "speed as that copy, on the same 2 cores and memory bus, which other processes shared during this run "
+            "(" + ", ".join(f"{k} {v:.1f}" for k, v in bg.items()) + " cores on average). Tensors of at least "
+            f"{_mib(int(results.get('solo_bytes', 0)))} (`DEFAULT_SOLO_BYTES`) travel alone: the trainer "
+            "broadcasts the tensor itself and, with streaming apply, the engine receives straight into the tensor "
+            "it serves (`InPlaceReceive`), so they cost what the ceiling costs plus one collective each; that is "
+            "how the 1 and 4 GB models (MLP and embedding matrices of 18-190 MB) get close to the ceiling with "
+            "streaming apply. Smaller tensors are packed into flat buckets: the trainer copies them in (a "
+            "single-threaded `memmove`) and the engine copies them out into the served tensors "
+            "(`EngineAdapter.load_weights`). Overlapping those copies with the transfer (pack k+1 while k is on "
+            "the wire, apply k while k+1 arrives) hides their latency but not their CPU and memory-bus cost, so a "
+            "model made of small tensors (SmolLM2-135M: 1.7 MB at most, besides its embedding) stays at about "
+            "two thirds of the ceiling here. Sending each small tensor alone instead costs more: gloo spends a "
+            "few hundred microseconds per collective on this host (19,755 collectives of 33 kB took 2.3-3.4 s "
+            "in a plain torch.distributed loop, against 0.16 s for the same bytes in one).",
             "",
-            "On GPUs the same two copies run at HBM bandwidth (1 GB in well under a millisecond on an H100, against "
-            "tens of milliseconds for 1 GB over NVLink or InfiniBand) and do not compete with the transfer for "
-            "CPU: that is the setting the 0.90 target describes, and this host cannot show it (no GPU; NCCL needs "
-            "one GPU per rank). What would close the gap here: (1) receive straight into the served tensors when "
-            "the engine exposes them as contiguous storage (streaming apply; an optional `EngineAdapter` method "
-            "and servicer support); (2) send buckets whose tensors already lie back to back in the trainer's "
-            "memory without packing (flat parameter buffers as in FSDP or Megatron); (3) for staged apply, swap "
-            "storage instead of copying where the engine allows it (not under CUDA graphs captured on the "
-            "weights' addresses).",
+            "Staged apply keeps the served weights intact until Complete by design, so it receives into buffers "
+            "and copies the whole update into the served tensors after the last byte; that copy alone bounds it "
+            "as listed above, whatever the transfer does.",
+            "",
+            "On GPUs the copies run at HBM bandwidth (1 GB in well under a millisecond on an H100, against tens of "
+            "milliseconds for 1 GB over NVLink or InfiniBand), do not compete with the transfer for CPU, and NCCL's "
+            "per-collective cost is tens of microseconds: that is the setting the 0.90 target describes, and this "
+            "host cannot show it (no GPU; NCCL needs one GPU per rank). What would close the remaining gaps here: "
+            "send buckets whose tensors already lie back to back in the trainer's memory without packing (flat "
+            "parameter buffers as in FSDP or Megatron), and have engines that serve their weights from one flat "
+            "buffer receive packed buckets in place too; for staged apply, swap storage instead of copying where "
+            "the engine allows it (not under CUDA graphs captured on the weights' addresses).",
             "",
         ]
     if any("naive" in c.target for c in failed):
@@ -463,16 +470,13 @@ def _analysis(results: dict[str, Any], cks: list[Check]) -> list[str]:
             "",
             f"Only wsync's `individual` layout (one collective per tensor, for trainers that send that way) is "
             f"slower than the naive way: {ind:.1f} s against {nv:.1f} s on {moe.get('tensors', 0):,} tensors. "
-            "Both pay gloo's per-collective cost, a few hundred microseconds per tensor on two busy cores; the "
-            "naive receiver posts a whole request's receives at once and waits on each `Work` directly, while "
-            "wsync goes through `WeightSyncGroup.broadcast` and `wait_work` (`wsync_grpc/group.py`): the first "
-            "scans every collective still pending on each call (quadratic when thousands are posted: the "
-            "receiver now posts the individual layout in chunks of 64 tensors, the trainer keeps 64 in flight, "
-            "which bounds the scan but also the overlap), the second allocates an event and a callback for each "
-            "wait that is not already complete. Closing it takes two changes in `group.py`: prune the pending "
-            "list amortized (only when it has doubled since the last prune), and wait on a whole chunk's works "
-            "with one callback; then both windows can grow. The flattened layout, the default, is unaffected: a "
-            "handful of collectives per update, and it is several times faster than the naive way on this model.",
+            "Both pay gloo's per-collective cost, a few hundred microseconds per tensor on two busy cores. "
+            "wsync waits for the per-tensor broadcasts a chunk at a time with one completion callback per chunk "
+            "(`wait_all` in `wsync_grpc/group.py`): a callback per broadcast made gloo's thread take the GIL "
+            "after every collective and measured twice as slow. What is left is allocation (the engine allocates "
+            "each tensor it receives; a staged update of 20k tensors) and noise: the two are within the "
+            "run-to-run spread of this host. The flattened layout, the default, is several times faster than "
+            "the naive way on this model.",
             "",
         ]
     if any("Prepare" in c.target for c in failed):
@@ -483,12 +487,10 @@ def _analysis(results: dict[str, Any], cks: list[Check]) -> list[str]:
             "",
             f"Prepare of the 32B dense model at the default bucket size streams {n} messages. The Python gRPC "
             "server hands every message from its completion-queue thread to the handler thread, about 0.1-0.2 ms "
-            "per message on this host whatever its size (a bare stream of 260 empty messages takes ~30 ms here), "
-            "and the engine validates each tensor in Python, about 10-15 us per tensor in `wsync_grpc/metadata.py` "
-            "(a quarter of which is `dtypes.element_size`, which builds a tensor per call where `dtype.itemsize` "
-            "is free). Fewer, larger buckets cut the first cost (compare 256 MiB and 1 GiB in the table); a faster "
-            "validator cuts the second. Both are within a factor of two of the target here, and the figure moves "
-            "with the load of this shared host.",
+            "per message on this host whatever its size, which is why the client batches bucket specs "
+            "(`BucketBatch`, up to 1 MiB per message), and the engine validates each tensor in Python, about "
+            "10-15 us per tensor in `wsync_grpc/metadata.py`. A faster validator (compiled, or one check per "
+            "distinct shape) would cut the rest; the figure moves with the load of this shared host.",
             "",
         ]
     if any("memory" in c.target for c in failed):
@@ -525,7 +527,9 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         "receive-buffer pool does after the first sync; the time runs from the trainer posting its broadcast to "
         "the last engine's receive completing.",
         "- **wsync**: `TrainerClient.sync` from the first Prepare message to the last Complete reply, bucket "
-        "planning included (wall time of the call), flattened layout unless said otherwise.",
+        "planning included (wall time of the call), flattened layout unless said otherwise, client defaults "
+        "(tensors of at least the solo threshold in buckets of their own, received in place with streaming "
+        "apply; smaller ones packed).",
         "- **naive**: the way RL frameworks drive SGLang today (`bench/naive.py`): per bucket of tensors one JSON "
         "body over HTTP (`names`, `dtypes`, `shapes`), one broadcast per tensor into a freshly allocated tensor, "
         "then a copy into the model.",
@@ -591,8 +595,9 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
             "",
             *_control_table(results),
             "",
-            "The JSON body must travel as one HTTP request; the protobuf metadata travels as one message per "
-            "bucket, each far below gRPC's 4 MiB default limit, and is validated as it arrives.",
+            "The JSON body must travel as one HTTP request; the protobuf metadata travels as a stream of messages "
+            "(bucket specs batched up to 1 MiB each, far below gRPC's 4 MiB default limit) and is validated as "
+            "it arrives.",
             "",
         ]
     if "models" in results:

@@ -525,11 +525,11 @@ def case_control(h: Harness, reps: int, bucket_sizes: Sequence[int]) -> dict[str
                         runs["ready"].append(reply.ready_seconds)
                         json_runs.append(js)
                     _say(
-                        f"  {name}, {bucket_bytes // MiB} MiB buckets ({len(msgs)}), rep {rep}: Prepare "
+                        f"  {name}, {bucket_bytes // MiB} MiB buckets ({header.bucket_count}), rep {rep}: Prepare "
                         f"{prep * 1e3:.1f} ms (engine {reply.ready_seconds * 1e3:.1f} ms), JSON {js * 1e3:.1f} ms"
                     )
                 res["by_bucket"][str(bucket_bytes)] = {
-                    "buckets": len(msgs),
+                    "buckets": header.bucket_count,
                     "plan_seconds": build_s,
                     "proto_bytes": sum(sizes),
                     "proto_largest_message": max(sizes),
