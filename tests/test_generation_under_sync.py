@@ -488,6 +488,7 @@ def test_trainer_killed_mid_streaming_sync_keeps_requests_frozen_until_a_complet
     assert trainer.stdout.readline().strip() == "ready", trainer.stderr.read() if trainer.stderr else ""
     futures = [gen_stub.Generate.future(long_request(), timeout=150) for _ in range(2)]
     assert wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10).engine.running_requests == 2, 20)
+    time.sleep(0.5)  # let both decode some tokens on the start weights first (a step takes milliseconds)
     trainer.stdin.write("go\n")
     trainer.stdin.flush()
     out, err = trainer.communicate(timeout=120)

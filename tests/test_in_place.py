@@ -19,13 +19,13 @@ from wsync_grpc.lifecycle import State
 
 
 @pytest.mark.parametrize(
-    ("apply", "solo_bytes", "in_place"),
-    [("streaming", 1, True), ("streaming", 0, False), ("staged", 1, False)],
+    ("apply", "solo_bytes", "path"),
+    [("streaming", 1, "in place"), ("streaming", 0, "copy"), ("staged", 1, "swap"), ("staged", 0, "copy")],
 )
-def test_lone_tensors_are_received_in_place_only_when_streaming(
-    apply: ApplyMode, solo_bytes: int, in_place: bool
-) -> None:
+def test_lone_tensors_are_received_in_place_or_swapped(apply: ApplyMode, solo_bytes: int, path: str) -> None:
+    """Streaming: lone tensors land in the served memory. Staged: they land in buffers the engine then serves."""
     with tensor_server("tiny", seed=0) as (srv, engine, stub):
+        objects = dict(engine.tensors)
         before = {n: (t.data_ptr(), t.clone()) for n, t in engine.tensors.items()}
         new = synthetic.build("tiny", seed=7)
         with TrainerClient([srv.address], solo_bytes=solo_bytes, bucket_bytes=1 << 20) as client:
@@ -36,13 +36,19 @@ def test_lone_tensors_are_received_in_place_only_when_streaming(
                 assert r.bucket_count == len(new), "every tensor alone in its bucket"
             for n, t in new.items():
                 assert torch.equal(engine.tensors[n], t), n
-                assert engine.tensors[n].data_ptr() == before[n][0], "served tensors stay where they are"
-            # In place: no receive buffer was needed. Otherwise the pool kept what the update used.
-            assert (srv.servicer.receive_buffer_bytes == 0) == in_place
-            # A second update back to the old weights, same path.
+                assert engine.tensors[n] is objects[n], "the engine's tensor objects are kept"
+            moved = {n for n, t in engine.tensors.items() if t.data_ptr() != before[n][0]}
+            assert moved == (set(new) if path == "swap" else set()), moved
+            # In place: no receive buffer was needed. A swap leaves the replaced memory in the pool.
+            assert (srv.servicer.receive_buffer_bytes == 0) == (path == "in place")
+            # Back to the old weights, same path; a swap serves the first memory again (ping-pong).
             client.sync(((n, old) for n, (_p, old) in before.items()), weight_version="v2", apply_mode=apply)
         for n, (_p, old) in before.items():
             assert torch.equal(engine.tensors[n], old), n
+        if path == "swap":
+            assert {t.data_ptr() for t in engine.tensors.values()} == {p for p, _old in before.values()}
+        else:
+            assert all(engine.tensors[n].data_ptr() == p for n, (p, _old) in before.items())
         st = status(stub)
         assert st.weight_version == "v2" and not st.paused and not st.dirty
 

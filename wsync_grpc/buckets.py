@@ -260,7 +260,9 @@ def plan_buckets(
             (which then holds tensors that are not neighbours in the model).
             A lone tensor is sent and received as it lies in memory, without
             packing or unpacking (see :func:`bucket_bytes_view` and
-            :data:`DEFAULT_SOLO_BYTES`). 0 (default): tensors are packed in
+            :data:`DEFAULT_SOLO_BYTES`). A last packed bucket that follows a
+            lone tensor trades places with it, so that the update ends on a
+            bucket with nothing to unpack. 0 (default): tensors are packed in
             order, a tensor is alone only when it is larger than the bucket.
 
     Returns:
@@ -354,6 +356,17 @@ def plan_buckets(
         if nbytes > cap:
             close()  # oversized: alone in its bucket
     close()
+    if (
+        solo_bytes > 0
+        and len(buckets) > 1
+        and buckets[-1].tensors[0].nbytes < solo_bytes
+        and buckets[-2].tensors[0].nbytes >= solo_bytes
+    ):
+        # Packed, after a lone tensor: swap the two, so that the update ends on the lone tensor. An
+        # engine receives that one in place, so nothing is left to apply after the last byte, and
+        # the packed bucket is applied while it arrives.
+        a, b = buckets[-2], buckets[-1]
+        buckets[-2:] = [Bucket(a.index, b.size_bytes, b.tensors), Bucket(b.index, a.size_bytes, a.tensors)]
     return buckets
 
 

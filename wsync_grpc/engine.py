@@ -202,3 +202,39 @@ class InPlaceReceive(Protocol):
         tensor; otherwise it falls back to :meth:`EngineAdapter.load_weights`.
         """
         ...
+
+
+@runtime_checkable
+class StorageSwap(Protocol):
+    """Optional: an engine that lets a staged update replace its served tensors' memory instead of copying into it.
+
+    A staged update keeps the served weights intact until Complete, so it
+    receives into buffers and, by default, copies every tensor into the served
+    one after the last byte (:meth:`EngineAdapter.load_weights`): on a CPU host
+    that copy is as slow as the transfer and nothing overlaps it. For a tensor
+    that travelled alone (a bucket of its own, see
+    :data:`wsync_grpc.buckets.DEFAULT_SOLO_BYTES`) in exactly the served dtype
+    and shape, the receiver allocates an exact-size buffer and, at Complete,
+    under :meth:`EngineAdapter.weights_lock`, hands it to the engine to serve
+    from then on. An engine may offer this only where nothing depends on its
+    weights' addresses (not under CUDA graphs captured on them) and each
+    served tensor is the only one over its memory (no other views of it).
+    """
+
+    def swap_weights(self, worker: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Serve each ``(canonical name, tensor)`` in place of the served tensor of that name, without copying.
+
+        Each tensor is contiguous, on the worker's device, has the served
+        tensor's dtype and shape, and belongs to the engine from then on. The
+        caller holds :meth:`EngineAdapter.weights_lock`.
+
+        Returns:
+            The memory the replaced tensors used, as 1-D ``uint8`` tensors over
+            their whole storage that nothing else uses any more; the receiver
+            reuses them as buffers for the next update. Leave out any memory
+            that something else may still read.
+
+        Raises:
+            KeyError: unknown name.
+        """
+        ...

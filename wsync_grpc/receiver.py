@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wsync_grpc.engine import EngineAdapter, InPlaceReceive
+from wsync_grpc.engine import EngineAdapter, InPlaceReceive, StorageSwap
 from wsync_grpc.group import GroupError, GroupTimeout, WeightSyncGroup, wait_all
 from wsync_grpc.metadata import Bucket, Tensor
 
@@ -207,12 +207,37 @@ class BufferPool:
             self._used.add(buf.data_ptr())
         return buf[:nbytes]
 
-    def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer (or a view of one) for reuse."""
+    def take_exact(self, nbytes: int) -> torch.Tensor:
+        """A buffer of exactly ``nbytes`` bytes, of its own (not a view of a larger one).
+
+        For a tensor an engine will serve from the buffer itself
+        (:class:`~wsync_grpc.engine.StorageSwap`): a larger buffer would stay
+        allocated behind it.
+        """
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.numel() == nbytes:
+                    buf = self._free.pop(i)
+                    self._used.add(buf.data_ptr())
+                    return buf
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with self._lock:
+            self._used.add(buf.data_ptr())
+        return buf
+
+    def give(self, buf: torch.Tensor, *, used: bool = False) -> None:
+        """Return a buffer (or a view of one) for reuse.
+
+        Args:
+            used: count it as used by this update, so that :meth:`trim` keeps
+                it (memory an engine gave back in exchange for a buffer).
+        """
         base = buf if buf._base is None else buf._base
         with self._lock:
             if all(b.data_ptr() != base.data_ptr() for b in self._free):
                 self._free.append(base)
+            if used:
+                self._used.add(base.data_ptr())
 
     def trim(self) -> None:
         """End of an update: keep only the free buffers it used (none unless the pool keeps them)."""
@@ -235,6 +260,7 @@ class _Posted:
     start: int = 0  # individual: the chunk's tensors are bucket.tensors[start:end]
     end: int = 0
     direct: tuple[bool, ...] = ()  # per buffer: received straight into the served tensor
+    swap: bool = False  # staged: a lone tensor in an exact-size buffer the engine will serve
 
     @property
     def holds_buffer(self) -> bool:
@@ -307,6 +333,10 @@ class WorkerReceiver(threading.Thread):
         self.tensors_direct = 0
         """Tensors received straight into the served ones (counted in :attr:`tensors_applied` too)."""
         self._in_place = adapter if streaming and isinstance(adapter, InPlaceReceive) else None
+        self._swap = adapter if not streaming and isinstance(adapter, StorageSwap) else None
+        self.swaps: list[tuple[str, torch.Tensor]] = []
+        """Staged apply on a :class:`StorageSwap` engine: ``(canonical name, tensor)`` to serve as they are."""
+        self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
 
     def run(self) -> None:
         try:
@@ -402,6 +432,13 @@ class WorkerReceiver(threading.Thread):
             return None
         return target.detach()
 
+    def _swappable(self, t: Tensor | None, size_bytes: int) -> bool:
+        """Whether the lone tensor ``t`` can be received into a buffer the engine then serves (staged apply)."""
+        if self._swap is None or t is None or not t.load or t.offset != 0 or t.nbytes != size_bytes or t.nbytes == 0:
+            return False
+        served = self.adapter.get_weight(t.canonical)
+        return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self.device
+
     def _post(self, bucket: Bucket, start: int) -> _Posted:
         """Post the receives of ``bucket`` (flattened: all of it; individual: a chunk from tensor ``start``)."""
         if self.first_post_at is None:
@@ -413,6 +450,9 @@ class WorkerReceiver(threading.Thread):
                 self.wrote_served = True  # before posting: bytes may land at once
                 flat = target.view(-1).view(torch.uint8)
                 return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(True,))
+            if self._swappable(only, bucket.size_bytes):
+                flat = self.pool.take_exact(bucket.size_bytes)
+                return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(False,), swap=True)
             # Streaming reuses two buffers for every bucket: size them for the largest one.
             flat = self.pool.take(bucket.size_bytes, self.feed.max_size_bytes if self.streaming else 0)
             return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, len(bucket.tensors), direct=(False,))
@@ -449,10 +489,27 @@ class WorkerReceiver(threading.Thread):
             self.tensors_direct += direct
             if self.flattened and not direct:
                 self.pool.give(posted.buffers[0])
+        elif posted.swap:
+            t = bucket.tensors[0]
+            self.swaps.append((t.canonical, posted.buffers[0].view(t.dtype).view(t.shape)))
+            self._swap_held.append(posted.buffers[0])
         else:
             self.staged.append(named)
             if self.flattened:
                 self._held.append(posted.buffers[0])
+
+    def apply_swaps(self) -> int:
+        """Staged apply: hand :attr:`swaps` to the engine to serve (:class:`StorageSwap`); the tensors swapped.
+
+        The memory the engine gives back becomes this worker's buffers for the
+        next update. The caller holds the engine's weights lock.
+        """
+        if not self.swaps or self._swap is None:
+            return 0
+        swaps, self.swaps, self._swap_held = self.swaps, [], []
+        for old in self._swap.swap_weights(self.worker, swaps):
+            self.pool.give(old, used=True)
+        return len(swaps)
 
     def release(self, reuse: bool) -> None:
         """Let go of every received buffer (after apply, or when the update is abandoned).
@@ -461,7 +518,8 @@ class WorkerReceiver(threading.Thread):
             reuse: return the flat buffers to the pool. Only when no collective
                 can still write into them (the thread has ended).
         """
-        held, self._held, self.staged = self._held, [], []
+        held, self._held, self.staged = self._held + self._swap_held, [], []
+        self._swap_held, self.swaps = [], []
         if reuse:
             for buf in held:
                 self.pool.give(buf)

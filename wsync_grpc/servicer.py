@@ -613,6 +613,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     for r in upd.receivers:
                         for named in r.staged:
                             r.tensors_applied += self.adapter.load_weights(r.worker, named)
+                        r.tensors_applied += r.apply_swaps()
                 if flush_cache:
                     self.adapter.flush_cache()
                 self.adapter.set_weight_version(upd.header.weight_version)

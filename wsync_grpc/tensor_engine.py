@@ -87,6 +87,25 @@ class TensorEngine:
         """The served tensor ``name`` itself (:class:`~wsync_grpc.engine.InPlaceReceive`): nothing reads it."""
         return self._tensors.get(name)
 
+    def swap_weights(self, worker: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Serve the given tensors' memory from now on (:class:`~wsync_grpc.engine.StorageSwap`).
+
+        The served tensor objects stay the same (``Tensor.set_``): what holds
+        them, this engine's dict included, sees the new values. Views taken
+        of a served tensor before the swap keep the old memory, which is
+        returned for reuse only when the served tensor covered all of it.
+        """
+        old: list[torch.Tensor] = []
+        with torch.no_grad():
+            for name, t in tensors:
+                served = self._tensors[name]
+                storage = served.untyped_storage()
+                whole = served.storage_offset() == 0 and storage.nbytes() == served.numel() * served.element_size()
+                served.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+                if whole:
+                    old.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
+        return old
+
     def get_weight(self, name: str) -> torch.Tensor:
         """The served tensor ``name`` (canonical or alias). Raises KeyError if unknown."""
         return self._tensors[self._aliases.get(name, name)]
