@@ -611,9 +611,16 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
             "`/proc/self/clear_refs` just before) minus its resident memory before it. *First sync*: the "
             "engine's receive-buffer pool emptied before it (as on a fresh engine). *Later syncs*: the pool kept "
             "its buffers from the previous sync of the same kind, so the receive needs no new memory; what the "
-            "pool keeps between syncs is the last column but one. With streaming apply the receiver takes two "
-            "buffers sized for the update's largest bucket; with staged apply it keeps every bucket until "
-            "Complete, so it needs the size of the update.",
+            "pool keeps between syncs is the last column but one. With streaming apply, lone tensors are "
+            "received in place and take nothing; the receiver takes two buffers sized for the largest packed "
+            "bucket (so the peak stays at about twice that bucket, or less). With staged apply it keeps every "
+            "bucket until Complete, so it needs the size of the update; lone tensors' buffers then become the "
+            "served weights (`StorageSwap`) and the memory they replace becomes the pool. This benchmark engine "
+            "serves its initial weights as views of one flat buffer, which it also keeps for the ceiling's raw "
+            "receives: that memory is not handed back by the first swap, so the first staged sync after the "
+            "warm-up allocates a new update-sized set of buffers (the slowest staged repetition in sections 1 "
+            "and 3) and the engine then holds one model more than it would serving separately allocated "
+            "tensors, which is what the staged rows' 'kept between syncs' shows.",
             "",
             *_memory_table(results),
             "",

@@ -6,9 +6,18 @@ broadcast per tensor into a tensor of its wire dtype and shape.
 
 The receiver keeps two buckets posted at a time (double buffering): bucket
 k+1 is on the wire while bucket k is handed to the engine. In the individual
-layout it posts chunks of a bucket's tensors instead, a few chunks ahead. With streaming
-apply the two flat buffers are reused, so the extra memory is about two
-buckets; with staged apply every received bucket is kept until Complete.
+layout it posts chunks of a bucket's tensors instead, a few chunks ahead. With
+streaming apply the two flat buffers are reused, so the extra memory is about
+two buckets; with staged apply every received bucket is kept until Complete.
+
+A bucket holding one tensor (the trainer sends large tensors alone) needs no
+unpacking. With streaming apply on an engine that offers
+:class:`~wsync_grpc.engine.InPlaceReceive` it is received straight into the
+served tensor (no buffer, no copy; such buckets are posted further ahead,
+up to :data:`MAX_POSTED`). With staged apply on an engine that offers
+:class:`~wsync_grpc.engine.StorageSwap` it is received into an exact-size
+buffer that the engine serves from Complete on, and the memory it replaces
+becomes a buffer of the next update.
 
 Every wait is bounded by the group timeout and interrupted by the cancel
 event; any error is recorded in :attr:`WorkerReceiver.error` and reported
