@@ -1376,7 +1376,7 @@ class TrainerClient:
         )
 
     def _wait(self, group: WeightSyncGroup, work: torch.distributed.Work) -> None:
-        wait_work(work, time.monotonic() + group.timeout_s, self._cancel_event)
+        wait_work(work, time.monotonic() + group.timeout_s, self._cancel_event, sliced=group.sliced_waits)
 
     def _broadcast_flattened(
         self,
@@ -1472,7 +1472,12 @@ class TrainerClient:
             # The oldest n together: one completion callback for all of them (see wait_all).
             nonlocal sent
             done = [window.popleft() for _ in range(min(n, len(window)))]
-            wait_all([d[0] for d in done], time.monotonic() + group.timeout_s, self._cancel_event)
+            wait_all(
+                [d[0] for d in done],
+                time.monotonic() + group.timeout_s,
+                self._cancel_event,
+                sliced=group.sliced_waits,
+            )
             for _work, _wire, b, pt in done:
                 sent += pt.nbytes
                 if pt is b.tensors[-1]:

@@ -161,25 +161,61 @@ class WeightSyncGroup:
             _park(pg, pending)
 
     @property
+    def sliced_waits(self) -> bool:
+        """Whether waits on this group's collectives may be sliced (``wait_work(sliced=True)``): gloo."""
+        return self.backend == "gloo"
+
+    @property
     def destroyed(self) -> bool:
         """Whether :meth:`destroy` was called."""
         return self._destroyed
 
 
-def wait_work(work: dist.Work, deadline: float, cancelled: threading.Event | None = None) -> None:
+WAIT_SLICE_S = 0.05
+"""Length of each ``Work.wait`` slice of a sliced wait, in seconds; cancel and deadline are checked between."""
+
+
+def wait_work(
+    work: dist.Work, deadline: float, cancelled: threading.Event | None = None, *, sliced: bool = False
+) -> None:
     """Wait for ``work`` until the monotonic ``deadline`` (seconds), or until ``cancelled`` is set.
+
+    Two ways to wait without blocking past the deadline or a cancel:
+
+    - default: a completion callback sets an event, polled every 20 ms. Any
+      backend. The callback runs on the collective's own thread, which must
+      take the GIL for it: with many collectives back to back that thread
+      stalls between them.
+    - ``sliced=True`` (gloo): ``Work.wait`` in slices of :data:`WAIT_SLICE_S`;
+      a slice that ends first raises and leaves the collective running, and
+      nothing runs on the collective's thread. Not for NCCL, whose timed
+      wait may abort the communicator.
 
     Raises:
         GroupTimeout: the deadline passed first.
         GroupError: the collective failed (peer lost) or ``cancelled`` was set.
     """
-    done = threading.Event()
-    work.get_future().add_done_callback(lambda _f: done.set())
-    while not done.wait(0.02):
-        if cancelled is not None and cancelled.is_set():
-            raise GroupError("cancelled")
-        if time.monotonic() >= deadline:
-            raise GroupTimeout("the collective did not finish before its deadline")
+    if sliced:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GroupTimeout("the collective did not finish before its deadline")
+            try:
+                work.wait(datetime.timedelta(seconds=min(WAIT_SLICE_S, left)))
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    break  # it ended (perhaps just after the slice did): wait() below tells how
+            if cancelled is not None and cancelled.is_set():
+                raise GroupError("cancelled")
+    else:
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())
+        while not done.wait(0.02):
+            if cancelled is not None and cancelled.is_set():
+                raise GroupError("cancelled")
+            if time.monotonic() >= deadline:
+                raise GroupTimeout("the collective did not finish before its deadline")
     try:
         work.wait()
     except RuntimeError as e:
@@ -188,7 +224,9 @@ def wait_work(work: dist.Work, deadline: float, cancelled: threading.Event | Non
         raise GroupError(f"collective failed: {_short(e)}") from e
 
 
-def wait_all(works: Sequence[dist.Work], deadline: float, cancelled: threading.Event | None = None) -> None:
+def wait_all(
+    works: Sequence[dist.Work], deadline: float, cancelled: threading.Event | None = None, *, sliced: bool = False
+) -> None:
     """Wait for every work of ``works`` (posted in that order) until the monotonic ``deadline``.
 
     :func:`wait_work` hands each work a completion callback, which the
@@ -196,7 +234,7 @@ def wait_all(works: Sequence[dist.Work], deadline: float, cancelled: threading.E
     per-tensor collectives that stalled the wire between them (measured 2x
     slower than waiting plainly). Here only the last work gets one; the
     earlier ones are checked once it has completed, and any that has not yet
-    is waited for with :func:`wait_work`.
+    is waited for with :func:`wait_work` (``sliced`` as there).
 
     Raises:
         GroupTimeout: the deadline passed first.
@@ -204,7 +242,7 @@ def wait_all(works: Sequence[dist.Work], deadline: float, cancelled: threading.E
     """
     if not works:
         return
-    wait_work(works[-1], deadline, cancelled)
+    wait_work(works[-1], deadline, cancelled, sliced=sliced)
     for work in works[:-1]:
         if work.is_completed():
             try:
@@ -212,7 +250,7 @@ def wait_all(works: Sequence[dist.Work], deadline: float, cancelled: threading.E
                 continue
             except RuntimeError:
                 pass  # failed: let wait_work raise it as GroupError / GroupTimeout
-        wait_work(work, deadline, cancelled)
+        wait_work(work, deadline, cancelled, sliced=sliced)
 
 
 def _short(e: BaseException) -> str:

@@ -393,7 +393,7 @@ class WorkerReceiver(threading.Thread):
                 return
             posted = pending.popleft()
             deadline = time.monotonic() + timeout
-            wait_all(posted.works, deadline, self.cancel)
+            wait_all(posted.works, deadline, self.cancel, sliced=self.group.sliced_waits)
             self.last_arrival_at = time.monotonic()
             self._handle(posted)
             if self.flattened:
