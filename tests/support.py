@@ -17,6 +17,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc import synthetic
+from wsync_grpc.group import WeightSyncGroup, join_group
 from wsync_grpc.server import WsyncServer, build_server
 from wsync_grpc.tensor_engine import TensorEngine
 
@@ -75,3 +76,14 @@ def code_of(e: grpc.RpcError) -> grpc.StatusCode:
     """The status code of a failed call."""
     code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
     return code
+
+
+def join_as_trainer(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, timeout_s: float = 30) -> WeightSyncGroup:
+    """Init the engine and join its group as rank 0 from this process; returns the trainer's group."""
+    port = free_port()
+    req = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
+    req.timeout.FromSeconds(int(timeout_s))
+    fut = stub.Init.future(req, timeout=timeout_s + 10)
+    group = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=timeout_s)
+    fut.result()
+    return group

@@ -32,14 +32,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from support import ENV, ROOT, code_of, free_port, status, tensor_server
+from support import ENV, ROOT, code_of, join_as_trainer, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc import synthetic
 from wsync_grpc.client import TRAINER, SyncError, SyncProgress, TrainerClient
 from wsync_grpc.errors import error_reason
-from wsync_grpc.group import join_group, wait_work
+from wsync_grpc.group import wait_work
 from wsync_grpc.lifecycle import State
 
 START_TIMEOUT_S = 120.0
@@ -80,17 +80,6 @@ def start_cli_engine(tmp: Path, name: str, *args: str) -> EngineProcess:
             raise RuntimeError(f"engine {name} did not start: {log.read_text()[-4000:]}")
         time.sleep(0.05)
     return EngineProcess(proc, f"127.0.0.1:{int(port_file.read_text())}", log)
-
-
-def join_as_trainer(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, timeout_s: float = 30) -> object:
-    """Init the engine and join its group as rank 0 from this process; returns the trainer's group."""
-    port = free_port()
-    req = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
-    req.timeout.FromSeconds(int(timeout_s))
-    fut = stub.Init.future(req, timeout=timeout_s + 10)
-    group = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=timeout_s)
-    fut.result()
-    return group
 
 
 # ----------------------------------------------------------------------------- two trainers race

@@ -9,12 +9,11 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from support import code_of, free_port, status, tensor_server
+from support import code_of, join_as_trainer, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc import synthetic
 from wsync_grpc.client import ApplyMode, TrainerClient
-from wsync_grpc.group import join_group
 from wsync_grpc.lifecycle import State
 
 
@@ -112,12 +111,7 @@ def test_update_abandoned_with_a_receive_posted_in_place_marks_weights_dirty(
     """Bytes may have landed in the served tensor: the engine cannot vouch for it (staged: untouched)."""
     with tensor_server("tiny", seed=0) as (_srv, engine, stub):
         before = engine.tensors["model.norm.weight"].clone()
-        port = free_port()
-        init = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
-        init.timeout.FromSeconds(30)
-        fut = stub.Init.future(init, timeout=60)
-        trainer = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=30)
-        fut.result()
+        trainer = join_as_trainer(stub)
         spec = pb.BucketSpec(index=0, size_bytes=128)  # one tensor, alone: received in place when streaming
         spec.tensors.add(name="model.norm.weight", dtype="bfloat16", shape=[64])
         header = pb.PrepareHeader(weight_version="never", bucket_count=1, total_bytes=128, apply_mode=apply)

@@ -17,12 +17,20 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import ENV, code_of, free_port, run_stub_trainer, start_stub_trainer, status, tensor_server
+from support import (
+    ENV,
+    code_of,
+    free_port,
+    join_as_trainer,
+    run_stub_trainer,
+    start_stub_trainer,
+    status,
+    tensor_server,
+)
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc import synthetic
 from wsync_grpc.errors import error_reason
-from wsync_grpc.group import join_group
 from wsync_grpc.lifecycle import State
 
 pytestmark = pytest.mark.timeout(180)
@@ -175,12 +183,7 @@ def test_trainer_killed_mid_broadcast(apply: str) -> None:
 
 def test_prepare_then_no_broadcast_times_out_at_group_timeout() -> None:
     with tensor_server("tiny", seed=0) as (srv, _, stub):
-        port = free_port()
-        init = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
-        init.timeout.FromSeconds(3)
-        fut = stub.Init.future(init, timeout=30)
-        trainer = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=3)
-        fut.result()
+        trainer = join_as_trainer(stub, timeout_s=3)
         spec = pb.BucketSpec(index=0, size_bytes=128)
         spec.tensors.add(name="model.norm.weight", dtype="bfloat16", shape=[64])
         header = pb.PrepareHeader(weight_version="never", bucket_count=1, total_bytes=128)
@@ -201,11 +204,7 @@ def test_prepare_then_no_broadcast_times_out_at_group_timeout() -> None:
 
 def test_incremental_update_with_update_rpc() -> None:
     with tensor_server("tiny", seed=0) as (_srv, engine, stub):
-        port = free_port()
-        init = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
-        fut = stub.Init.future(init, timeout=30)
-        trainer = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=30)
-        fut.result()
+        trainer = join_as_trainer(stub)
         new = synthetic.build("tiny", seed=11)
         names = list(new)
         header = pb.PrepareHeader(weight_version="inc", incremental=True)
