@@ -4,5 +4,6 @@
 - :mod:`bench.engine`: the engine-side helper process (a wsync servicer plus a
   plain HTTP server for the raw-broadcast ceiling and the naive baseline).
 - :mod:`bench.naive`: the naive way (JSON over HTTP, one collective per tensor).
+- :mod:`bench.profile`: per-thread CPU accounting and py-spy sampling (section 7).
 - :mod:`bench.common`: models, HTTP and memory helpers shared by both sides.
 """

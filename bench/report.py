@@ -389,6 +389,98 @@ def _sweep_summary(results: dict[str, Any]) -> list[str]:
     ]
 
 
+_GROUPS = ("Python threads", "gloo socket I/O", "gloo work queue")
+
+
+def _cpu(run: dict[str, Any], side: str | None = None) -> float:
+    """CPU seconds per run of one side (trainer or engine) or of both, from the profile case."""
+    sides = [side] if side else ["trainer", "engine"]
+    return sum(float(v) for s in sides for v in run.get(s, {}).values())
+
+
+def _short(fn: str) -> str:
+    """``name (dir/file.py)`` -> ``name`` (file.py)."""
+    name, _, where = fn.partition(" (")
+    file = where.rstrip(")").rsplit("/", 1)[-1]
+    return f"`{name}` ({file})" if file else f"`{name}`"
+
+
+def _profile_tables(results: dict[str, Any]) -> list[str]:
+    """Section 7: per-thread CPU per run (ceiling vs wsync) and py-spy's top functions."""
+    prof = results["profile"]
+    head = " | ".join(f"{side}: {g}" for side in ("trainer", "engine") for g in _GROUPS)
+    out = [
+        f"| model | run | wall ms | {head} | CPU ms, both | cores busy |",
+        "|---|---|---:|" + "---:|" * (2 * len(_GROUPS)) + "---:|---:|",
+    ]
+    for name, m in prof.items():
+        for kind, run in m["runs"].items():
+            cells = " | ".join(
+                f"{float(run.get(side, {}).get(g, 0.0)) * 1e3:.0f}" for side in ("trainer", "engine") for g in _GROUPS
+            )
+            wall = float(run["seconds"])
+            label = "ceiling" if kind == "ceiling" else f"wsync {kind}"
+            out.append(
+                f"| {_label(name)} | {label} | {wall * 1e3:.0f} | {cells} | {_cpu(run) * 1e3:.0f} | "
+                f"{_cpu(run) / wall:.2f} |"
+            )
+    spy = [(name, mode, d) for name, m in prof.items() for mode, d in m.get("py_spy", {}).items()]
+    if spy:
+        out += [
+            "",
+            "py-spy (`record --nonblocking`, 200 Hz, the same number of syncs again): the Python functions the "
+            "samples of busy Python threads end in, with their share (native code they call counts as theirs: "
+            "`pack_bucket`'s `memmove`, `load_weights`' copies).",
+            "",
+            "| model | apply | trainer: top functions | engine: top functions |",
+            "|---|---|---|---|",
+        ]
+        for name, mode, d in spy:
+            cols = [
+                ", ".join(f"{_short(f)} {share:.0%}" for f, share in d[side]["top"][:3]) or "no samples"
+                for side in ("trainer", "engine")
+            ]
+            out.append(f"| {_label(name)} | {mode} | {cols[0]} | {cols[1]} |")
+    return out
+
+
+def _share(d: dict[str, Any], side: str, fn: str) -> float:
+    """py-spy share of function ``fn`` (by name) on ``side``, 0 when absent."""
+    return sum(float(share) for f, share in d.get(side, {}).get("top", []) if f.split(" (")[0] == fn)
+
+
+def _profile_findings(results: dict[str, Any]) -> list[str]:
+    """One line per profiled model and apply mode: extra CPU, what it is, and the bound it sets."""
+    out = []
+    for name, m in results.get("profile", {}).items():
+        ceil = m["runs"]["ceiling"]
+        for mode in ("streaming", "staged"):
+            run = m["runs"].get(mode)
+            if run is None:
+                continue
+            spy = m.get("py_spy", {}).get(mode, {})
+            tp = float(run["trainer"].get("Python threads", 0.0))
+            ep = float(run["engine"].get("Python threads", 0.0))
+            pack = tp * _share(spy, "trainer", "pack_bucket")
+            apply = ep * _share(spy, "engine", "TensorEngine.load_weights")
+            gloo_extra = sum(
+                float(run[side].get(g, 0.0)) - float(ceil[side].get(g, 0.0))
+                for side in ("trainer", "engine")
+                for g in _GROUPS[1:]
+            )
+            wall_ratio = float(ceil["seconds"]) / float(run["seconds"])
+            out.append(
+                f"- {_label(name)}, {mode}: {_cpu(run) * 1e3:.0f} ms of CPU per sync against the ceiling's "
+                f"{_cpu(ceil) * 1e3:.0f} ms, with {_cpu(run) / float(run['seconds']):.2f} and "
+                f"{_cpu(ceil) / float(ceil['seconds']):.2f} of the 2 cores busy; CPU ratio "
+                f"{_cpu(ceil) / _cpu(run):.2f}, wall-time ratio {wall_ratio:.2f}. The extra: packing on the trainer "
+                f"about {pack * 1e3:.0f} ms, copies into the served tensors on the engine about {apply * 1e3:.0f} ms "
+                f"(py-spy shares of the Python threads' {tp * 1e3:.0f} and {ep * 1e3:.0f} ms), gloo's threads "
+                f"{gloo_extra * 1e3:+.0f} ms."
+            )
+    return out
+
+
 def _analysis(results: dict[str, Any], cks: list[Check]) -> list[str]:
     """Why each missed target is missed, by how much, and what would close it (numbers from this run)."""
     out: list[str] = []
@@ -428,6 +520,9 @@ def _analysis(results: dict[str, Any], cks: list[Check]) -> list[str]:
                     f"- Noise: {_label(name)} with streaming apply at the default bucket size measured {a:.2f} x in "
                     f"section 1 and {b:.2f} x in the sweep of section 6, same configuration, same run."
                 )
+        findings = _profile_findings(results)
+        if findings:
+            out += ["", "What the profile of section 7 shows, per run of the profiled models:", "", *findings]
         out += [
             "",
             'Why. On this host the "wire" is itself a memory copy: loopback TCP moves each byte with two kernel '
@@ -441,11 +536,16 @@ def _analysis(results: dict[str, Any], cks: list[Check]) -> list[str]:
             "streaming apply. Smaller tensors are packed into flat buckets: the trainer copies them in (a "
             "single-threaded `memmove`) and the engine copies them out into the served tensors "
             "(`EngineAdapter.load_weights`). Overlapping those copies with the transfer (pack k+1 while k is on "
-            "the wire, apply k while k+1 arrives) hides their latency but not their CPU and memory-bus cost, so a "
-            "model made of small tensors (SmolLM2-135M: 1.7 MB at most, besides its embedding) stays at about "
-            "two thirds of the ceiling here. Sending each small tensor alone instead costs more: gloo spends a "
-            "few hundred microseconds per collective on this host (19,755 collectives of 33 kB took 2.3-3.4 s "
-            "in a plain torch.distributed loop, against 0.16 s for the same bytes in one).",
+            "the wire, apply k while k+1 arrives) hides their latency but not their CPU and memory-bus cost: the "
+            "profile (section 7) shows wsync keeping about as many of the 2 cores busy as the ceiling does, so "
+            "its time grows with its CPU, and for a model made of small tensors (SmolLM2-135M: 1.7 MB at most, "
+            "besides its embedding) the two copies nearly double the CPU a sync needs. Where the wall-time ratio "
+            "falls below the CPU ratio, fewer cores were busy than in the ceiling: the first pack and the last "
+            "apply (kept short by the ramp) and the hand-offs between collectives. Sending each small tensor "
+            "alone instead costs more: gloo spends a few hundred microseconds per collective on this host "
+            "(19,755 collectives of 33 kB took 2.3-3.4 s in a plain torch.distributed loop, against 0.16 s for "
+            "the same bytes in one), and separate runs with `--solo 1` and `--solo 0.25` (lone tensors from 1 MiB "
+            "or 256 KiB) were no faster on SmolLM2-135M shapes than the default.",
             "",
             "Staged apply keeps the served weights intact until Complete by design, so it receives into buffers "
             "and, after the last byte, nothing overlaps what Complete does. The engine benchmarked here "
@@ -538,10 +638,11 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         "then a copy into the model.",
         "",
         "Each way runs as its own phase on the same processes (a trainer keeps one apply mode), after a warm-up "
-        "whose timing is discarded (its memory is reported as the first sync). Every repetition of wsync or naive "
-        "is paired with a ceiling run made just before it, and `x ceiling` is the median of those paired ratios "
-        "(ceiling time / time). Figures are medians with (min-max). Throughput is bytes of weights (no padding) "
-        "per second, GB = 10^9 bytes.",
+        "whose timing is discarded (its memory and time are reported as the first sync, section 5) and, for "
+        "wsync, two more untimed syncs that bring the engine's buffers to their steady state. Every repetition "
+        "of wsync or naive is paired with a ceiling run made just before it, and `x ceiling` is the median of "
+        "those paired ratios (ceiling time / time). Figures are medians with (min-max). Throughput is bytes of "
+        "weights (no padding) per second, GB = 10^9 bytes.",
         "",
         "## Machine",
         "",
@@ -617,10 +718,12 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
             "bucket until Complete, so it needs the size of the update; lone tensors' buffers then become the "
             "served weights (`StorageSwap`) and the memory they replace becomes the pool. This benchmark engine "
             "serves its initial weights as views of one flat buffer, which it also keeps for the ceiling's raw "
-            "receives: that memory is not handed back by the first swap, so the first staged sync after the "
-            "warm-up allocates a new update-sized set of buffers (the slowest staged repetition in sections 1 "
-            "and 3) and the engine then holds one model more than it would serving separately allocated "
-            "tensors, which is what the staged rows' 'kept between syncs' shows.",
+            "receives: that memory is not handed back by the first swap, so the second staged sync allocates "
+            "and first-touches a new update-sized set of buffers too (seconds per GB of page faults on this host) "
+            "and the engine then holds one model more than it would serving separately allocated tensors, which "
+            "is what the staged rows' 'kept between syncs' shows. The suite therefore runs two untimed syncs "
+            "after the first before the timed ones (an engine serving separately allocated weights would be in "
+            "its steady state after one).",
             "",
             *_memory_table(results),
             "",
@@ -640,9 +743,22 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
                 *_sweep_summary(results),
                 "",
             ]
+    if results.get("profile"):
+        lines += [
+            "## 7. Where the CPU goes (profile)",
+            "",
+            "CPU time per run of the trainer (this process) and of the engine, by thread, read from "
+            "`/proc/<pid>/task/*/stat` around a batch of runs (`bench/profile.py`): gloo's socket thread moves "
+            "the bytes through loopback TCP, its work-queue thread issues the collectives, and the Python threads "
+            "are wsync's own work (packing on the trainer; receiver, apply and gRPC on the engine) and torch's "
+            "OpenMP threads. Milliseconds per run, ceiling and wsync on the same processes.",
+            "",
+            *_profile_tables(results),
+            "",
+        ]
     analysis = _analysis(results, cks)
     if analysis:
-        lines += ["## 7. Missed targets: by how much, why, what would close them", "", *analysis]
+        lines += ["## 8. Missed targets: by how much, why, what would close them", "", *analysis]
     lines += [
         "## Reproduce",
         "",

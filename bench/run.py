@@ -47,7 +47,7 @@ import psutil
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
-from bench import naive, report
+from bench import naive, profile, report
 from bench.common import FlatModel, RawGroup, build_flat, machine_info, post_json
 from wsync_grpc.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -382,6 +382,21 @@ def _paired(s: Session, fn: Callable[[], dict[str, Any]], reps: int, label: str)
     return out
 
 
+def _steady(s: Session, mode: str) -> None:
+    """Two more untimed syncs after a warm-up, so that timed syncs find the engine in its steady state.
+
+    With staged apply the first swap cannot hand back this engine's initial
+    weights (views of one flat buffer, see :mod:`bench.engine`), so the next
+    sync allocates and first-touches a whole update's buffers again (page
+    faults: seconds for a GB on this host); from the third sync on, each
+    sync's buffers are the memory the previous one replaced. An engine
+    serving separately allocated weights gets there after one sync. The
+    first sync's time and memory are reported apart (section 5).
+    """
+    for _ in range(2):
+        s.wsync(mode)
+
+
 def case_models(
     h: Harness, models: Sequence[str], reps: int, sweep: Sequence[int], sweep_models: Sequence[str]
 ) -> dict[str, Any]:
@@ -401,6 +416,7 @@ def case_models(
             s.raw()  # warm-up
             for mode in ("streaming", "staged"):
                 res[f"first_{mode}"] = s.wsync(mode, mem=True, drop_pool=True)
+                _steady(s, mode)
                 res["runs"][mode] = _paired(s, functools.partial(s.wsync, mode, mem=True), reps, f"{name} {mode}")
             res["first_naive"] = s.naive(mem=True)
             res["runs"]["naive"] = _paired(s, lambda: s.naive(mem=True), reps, f"{name} naive")
@@ -455,6 +471,7 @@ def case_fanout(h: Harness, counts: Sequence[int], reps: int) -> dict[str, Any]:
             runs: dict[str, list[dict[str, Any]]] = {}
             for mode in ("streaming", "staged"):
                 s.wsync(mode)  # warm-up
+                _steady(s, mode)
                 runs[mode] = _paired(s, functools.partial(s.wsync, mode), reps, f"{n} engines {mode}")
             out[str(n)] = {"bytes": s.model.nbytes, "engines": n, "runs": runs, "verified": s.verify()}
     return out
@@ -547,6 +564,52 @@ def case_control(h: Harness, reps: int, bucket_sizes: Sequence[int]) -> dict[str
     return out
 
 
+def _measure(pids: dict[str, int], runs: int, fn: Callable[[], object]) -> dict[str, Any]:
+    """Wall seconds per call of ``fn`` over ``runs`` calls, and CPU seconds per call by side and thread group."""
+    cpus = {k: profile.ThreadCPU(pid) for k, pid in pids.items()}
+    for c in cpus.values():
+        c.start()
+    t0 = time.monotonic()
+    for _ in range(runs):
+        fn()
+    wall = (time.monotonic() - t0) / runs
+    return {"seconds": wall, **{k: {g: v / runs for g, v in c.stop().items()} for k, c in cpus.items()}}
+
+
+def case_profile(h: Harness, models: Sequence[str], syncs: int) -> dict[str, Any]:
+    """Where the CPU goes: per-thread CPU of trainer and engine, ceiling vs wsync, plus a py-spy sample.
+
+    Per model, one engine: ``syncs`` ceiling runs, then per apply mode
+    ``syncs`` syncs with per-thread CPU accounting (:class:`bench.profile.ThreadCPU`),
+    then ``syncs`` more under py-spy (:func:`bench.profile.record`). Figures
+    are per run (CPU seconds and wall seconds).
+    """
+    out: dict[str, Any] = {}
+    for name in models:
+        _say(f"profile {name}: starting one engine")
+        with session(h, name) as s:
+            pids = {"trainer": os.getpid(), "engine": s.engines[0].pid}
+            res: dict[str, Any] = {"bytes": s.model.nbytes, "syncs": syncs, "runs": {}, "py_spy": {}}
+
+            s.raw()
+            res["runs"]["ceiling"] = _measure(pids, syncs, s.raw)
+            for mode in ("streaming", "staged"):
+                sync = functools.partial(s.wsync, mode)
+                sync()  # warm-up: the receive-buffer pool fills
+                _steady(s, mode)
+                res["runs"][mode] = _measure(pids, syncs, sync)
+                if profile.py_spy() is None:
+                    continue
+                with profile.record(list(pids.values()), h.tmp) as files:
+                    for _ in range(syncs):
+                        sync()
+                res["py_spy"][mode] = {k: profile.top_functions(files[pid]) for k, pid in pids.items()}
+            line = ", ".join(f"{k} {r['seconds'] * 1e3:.0f} ms" for k, r in res["runs"].items())
+            _say(f"  {name}: {line}")
+            out[name] = res
+    return out
+
+
 # ----------------------------------------------------------------------------- background load
 
 
@@ -613,7 +676,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--solo", type=float, default=DEFAULT_SOLO_BYTES / MiB, help="client solo_bytes in MiB (0: pack every tensor)"
     )
-    p.add_argument("--cases", default="models,moe,fanout,control", help="which cases to run")
+    p.add_argument("--profile-models", default="smollm2-shapes,1gb", help="models the CPU profile runs on")
+    p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
+    p.add_argument("--cases", default="models,moe,fanout,control,profile", help="which cases to run")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     args = p.parse_args(argv)
@@ -657,6 +722,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["fanout"] = case_fanout(h, [int(x) for x in args.fanout.split(",") if x.strip()], args.reps)
             elif case == "control":
                 results["control"] = case_control(h, args.reps, mib_list(args.control_buckets))
+            elif case == "profile":
+                names = [m.strip() for m in args.profile_models.split(",") if m.strip()]
+                results["profile"] = case_profile(h, names, args.profile_syncs)
             else:
                 raise SystemExit(f"unknown case {case!r}")
             timings[case] = time.monotonic() - t
