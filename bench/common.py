@@ -13,6 +13,8 @@ import json
 import math
 import os
 import platform
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,20 @@ import torch
 
 from wsync_grpc import synthetic
 from wsync_grpc.synthetic import LlamaShape
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], signum: int = signal.SIGTERM, grace: float = 10.0) -> None:
+    """Send ``signum`` to each of ``procs`` still running, wait up to ``grace`` seconds for each, then SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)
+    for p in procs:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
 
 SPEC_MODELS: dict[str, LlamaShape] = {
     # 32B-class dense: Qwen2.5-32B's dimensions (64 layers x 9 tensors + 3 = 579; its q/k/v biases left out).

@@ -37,6 +37,8 @@ from typing import Any
 
 import psutil
 
+from bench.common import stop_processes
+
 GROUPS = {"gloo_tcp_loop": "gloo socket I/O", "pt_gloo_runloop": "gloo work queue"}
 """Kernel thread name -> the group it is reported in; any other thread is "Python threads"."""
 PYTHON = "Python threads"
@@ -121,14 +123,7 @@ def record(pids: Sequence[int], out_dir: Path, rate: int = 200) -> Iterator[dict
         time.sleep(1.0)  # attach
         yield files
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        stop_processes(procs, signal.SIGINT, grace=30)  # py-spy writes its file on SIGINT
 
 
 def top_functions(path: Path, n: int = 5) -> dict[str, Any]:

@@ -48,7 +48,7 @@ import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
 from bench import naive, profile, report
-from bench.common import FlatModel, RawGroup, build_flat, machine_info, post_json
+from bench.common import FlatModel, RawGroup, build_flat, machine_info, post_json, stop_processes
 from wsync_grpc.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_RAMP_BYTES,
@@ -137,15 +137,7 @@ class Harness:
         self._end([e.proc for e in engines])
 
     def _end(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        stop_processes(list(procs))
         with self._lock:
             self.procs = [p for p in self.procs if p not in procs]
 
