@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.profile import GROUPS, PYTHON
+
 MiB = 1 << 20
 GB = 1e9
 
@@ -389,13 +391,12 @@ def _sweep_summary(results: dict[str, Any]) -> list[str]:
     ]
 
 
-_GROUPS = ("Python threads", "gloo socket I/O", "gloo work queue")
+_GROUPS = (PYTHON, *GROUPS.values())
 
 
-def _cpu(run: dict[str, Any], side: str | None = None) -> float:
-    """CPU seconds per run of one side (trainer or engine) or of both, from the profile case."""
-    sides = [side] if side else ["trainer", "engine"]
-    return sum(float(v) for s in sides for v in run.get(s, {}).values())
+def _cpu(run: dict[str, Any]) -> float:
+    """CPU seconds per run of trainer and engine together, from the profile case."""
+    return sum(float(v) for side in ("trainer", "engine") for v in run.get(side, {}).values())
 
 
 def _short(fn: str) -> str:
@@ -459,8 +460,8 @@ def _profile_findings(results: dict[str, Any]) -> list[str]:
             if run is None:
                 continue
             spy = m.get("py_spy", {}).get(mode, {})
-            tp = float(run["trainer"].get("Python threads", 0.0))
-            ep = float(run["engine"].get("Python threads", 0.0))
+            tp = float(run["trainer"].get(PYTHON, 0.0))
+            ep = float(run["engine"].get(PYTHON, 0.0))
             pack = tp * _share(spy, "trainer", "pack_bucket")
             apply = ep * _share(spy, "engine", "TensorEngine.load_weights")
             gloo_extra = sum(
