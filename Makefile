@@ -62,7 +62,7 @@ soak: $(STAMP)
 
 ## demo: two engines serving SmolLM2, a trainer syncing after every step
 demo: $(STAMP)
-	$(PY) -m wsync_grpc.demo
+	$(PY) -m wsync_grpc.tools.demo
 
 bench: $(STAMP)
 	$(PY) -m bench.run

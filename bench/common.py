@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from wsync_grpc import synthetic
-from wsync_grpc.synthetic import LlamaShape
+from wsync_grpc.engines import synthetic
+from wsync_grpc.engines.synthetic import LlamaShape
 
 
 def stop_processes(procs: list[subprocess.Popen[bytes]], signum: int = signal.SIGTERM, grace: float = 10.0) -> None:
@@ -48,7 +48,7 @@ SPEC_MODELS: dict[str, LlamaShape] = {
 
 
 def model_shape(name: str) -> LlamaShape:
-    """A :data:`wsync_grpc.synthetic.PRESETS` preset or a :data:`SPEC_MODELS` entry, by name."""
+    """A :data:`wsync_grpc.engines.synthetic.PRESETS` preset or a :data:`SPEC_MODELS` entry, by name."""
     return SPEC_MODELS[name] if name in SPEC_MODELS else synthetic.PRESETS[name]
 
 
@@ -80,7 +80,7 @@ def build_flat(
     The tensors sit back to back (every size is a multiple of the element
     size), so a raw broadcast of ``flat`` moves exactly the model's bytes and
     the ceiling needs no second copy of the model. Values are a seeded normal
-    pattern tiled over each tensor, as :func:`wsync_grpc.synthetic.build`
+    pattern tiled over each tensor, as :func:`wsync_grpc.engines.synthetic.build`
     does; ``meta=True`` builds ``meta`` tensors (shapes only, no memory).
     """
     shapes = synthetic.tensor_shapes(model_shape(name))
@@ -196,7 +196,7 @@ class RawGroup:
     The baselines (ceiling and naive way) broadcast on it directly, with none
     of wsync's bookkeeping: a ``TCPStore`` served by rank 0, a
     ``PrefixStore``, and a ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL``
-    (CUDA) over it, the same construction as :func:`wsync_grpc.group.join_group`.
+    (CUDA) over it, the same construction as :func:`wsync_grpc.group.process_group.join_group`.
 
     Attributes:
         device: where its collectives run.

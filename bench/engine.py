@@ -3,8 +3,8 @@
 One process per engine. It serves, side by side:
 
 - the product: ``wsync.v1.WeightSyncService`` over gRPC for a
-  :class:`~wsync_grpc.tensor_engine.TensorEngine` (what ``wsync serve
-  --synthetic`` runs), built by :func:`wsync_grpc.server.build_server`;
+  :class:`~wsync_grpc.engines.tensor.TensorEngine` (what ``wsync serve
+  --synthetic`` runs), built by :func:`wsync_grpc.service.server.build_server`;
 - over plain HTTP/JSON (stdlib ``http.server``), what the baselines need:
   ``/init_weights_update_group`` joins a second, plain process group
   (:class:`bench.common.RawGroup`: same processes, same backend);
@@ -39,10 +39,10 @@ import torch
 
 from bench import naive
 from bench.common import RawGroup, build_flat, die_with_parent, proc_memory, reset_peak_memory
-from wsync_grpc import synthetic
-from wsync_grpc.dtypes import can_convert, parse_dtype
-from wsync_grpc.server import WsyncServer, build_server
-from wsync_grpc.tensor_engine import TensorEngine
+from wsync_grpc.core.dtypes import can_convert, parse_dtype
+from wsync_grpc.engines import synthetic
+from wsync_grpc.engines.tensor import TensorEngine
+from wsync_grpc.service.server import WsyncServer, build_server
 
 log = logging.getLogger("bench.engine")
 

@@ -621,7 +621,7 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         "## How it is measured",
         "",
         "This process is the trainer (rank 0); each engine is a separate process (`python -m bench.engine`) "
-        "serving a synthetic model with realistic LLM tensor names and shapes (`wsync_grpc.synthetic`, bf16) "
+        "serving a synthetic model with realistic LLM tensor names and shapes (`wsync_grpc.engines.synthetic`, bf16) "
         "through the real gRPC servicer, the same `TensorEngine` `wsync serve --synthetic` runs. Each engine "
         "process also runs a plain HTTP server for the baselines, which use a second, plain torch process group "
         "over the same processes and backend (the servicer does not lend its own group):",

@@ -6,7 +6,7 @@ interleaved repetitions on the same processes:
 
 - the ceiling: one raw ``broadcast`` of the model's bytes as one flat
   ``uint8`` tensor, received into a reused, already touched buffer;
-- wsync end to end: :meth:`wsync_grpc.client.TrainerClient.sync`, Prepare
+- wsync end to end: :meth:`wsync_grpc.trainer.client.TrainerClient.sync`, Prepare
   through Complete, streaming and staged apply;
 - the naive way (:mod:`bench.naive`): JSON over HTTP, one broadcast per tensor;
 
@@ -49,7 +49,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from bench import naive, profile, report
 from bench.common import FlatModel, RawGroup, build_flat, machine_info, post_json, stop_processes
-from wsync_grpc.buckets import (
+from wsync_grpc.core.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_RAMP_BYTES,
     DEFAULT_SOLO_BYTES,
@@ -57,8 +57,8 @@ from wsync_grpc.buckets import (
     plan_buckets,
     total_wire_bytes,
 )
-from wsync_grpc.client import TrainerClient, free_port
-from wsync_grpc.servicer import tensor_sha256
+from wsync_grpc.service.servicer import tensor_sha256
+from wsync_grpc.trainer.client import TrainerClient, free_port
 
 log = logging.getLogger("bench")
 

@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (converts the GGUF once per cache, ~30 s)."""
     pytest.importorskip("transformers")
-    from wsync_grpc.models import ensure_smollm2_dir
+    from wsync_grpc.engines.models import ensure_smollm2_dir
 
     try:
         return ensure_smollm2_dir()

@@ -21,9 +21,9 @@ import torch
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc import synthetic
-from wsync_grpc.dtypes import dtype_name
-from wsync_grpc.group import join_group, wait_work
+from wsync_grpc.core.dtypes import dtype_name
+from wsync_grpc.engines import synthetic
+from wsync_grpc.group.process_group import join_group, wait_work
 
 ALIGN = 256
 

@@ -16,10 +16,10 @@ import torch
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc import synthetic
-from wsync_grpc.group import WeightSyncGroup, join_group
-from wsync_grpc.server import WsyncServer, build_server
-from wsync_grpc.tensor_engine import TensorEngine
+from wsync_grpc.engines import synthetic
+from wsync_grpc.engines.tensor import TensorEngine
+from wsync_grpc.group.process_group import WeightSyncGroup, join_group
+from wsync_grpc.service.server import WsyncServer, build_server
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'generated'}"}

@@ -1,0 +1,240 @@
+"""The interface between the wsync servicer and the inference engine it lives in.
+
+An engine (the reference engine in :mod:`wsync_grpc.engines.reference`, or an
+adapter for vLLM or SGLang) implements :class:`EngineAdapter`. The servicer
+only ever talks to the engine through it: which parameters an update may
+carry, how to load received tensors, how to pause and resume admission, how
+to flush caches. Everything here is plain Python and torch; no gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class PauseMode(enum.Enum):
+    """What a pause does with generation requests in flight.
+
+    Mirrors ``wsync.v1.PauseMode`` (vLLM's ``/pause?mode=abort|wait|keep``).
+    """
+
+    ABORT = "abort"
+    """End every request in flight at once (finish reason aborted)."""
+    WAIT = "wait"
+    """Let requests in flight finish; admit no new ones."""
+    KEEP = "keep"
+    """Freeze requests in flight between two decode steps; continue on resume."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One named tensor an update may carry.
+
+    Attributes:
+        name: canonical parameter name (Hugging Face naming).
+        dtype: the dtype the engine serves it in.
+        shape: its full (unsharded) shape, as the trainer sends it.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Size in the served dtype, in bytes."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PauseOutcome:
+    """What a pause did, counted in requests (``wsync.v1.PauseResponse``)."""
+
+    aborted: int = 0
+    drained: int = 0
+    frozen: int = 0
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """What the servicer needs from an inference engine.
+
+    Thread-safety: every method may be called from gRPC worker threads and
+    from the servicer's receiver threads concurrently; implementations guard
+    their own state.
+    """
+
+    @property
+    def name(self) -> str:
+        """A short name for logs and the status RPC (e.g. the model id)."""
+        ...
+
+    def parameter_specs(self) -> Mapping[str, ParamSpec]:
+        """Canonical name -> spec of every tensor an update may carry, in model order."""
+        ...
+
+    def aliases(self) -> Mapping[str, str]:
+        """Alias name -> canonical name for tied tensors.
+
+        E.g. ``{"lm_head.weight": "model.embed_tokens.weight"}`` for a model
+        with tied embeddings: an update may carry either name and the tensor
+        is loaded once.
+        """
+        ...
+
+    def worker_devices(self) -> Sequence[torch.device]:
+        """The device of each worker; one weight-sync rank per entry."""
+        ...
+
+    def weights_lock(self) -> AbstractContextManager[object]:
+        """A context manager held while weights change.
+
+        The engine holds the same lock around every inference step, so that
+        no step ever runs on a mix of old and new weights.
+        """
+        ...
+
+    def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy received tensors into the served parameters of ``worker``.
+
+        Args:
+            worker: index into :meth:`worker_devices`.
+            tensors: ``(canonical name, tensor)`` pairs; each tensor has the
+                parameter's shape and a dtype accepted by
+                :func:`wsync_grpc.core.dtypes.can_convert` (converted on copy).
+
+        Returns:
+            The number of tensors loaded.
+
+        The caller holds :meth:`weights_lock` or has frozen the engine.
+        """
+        ...
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """The served tensor ``name`` (canonical or alias), for checksums.
+
+        Raises:
+            KeyError: unknown name.
+        """
+        ...
+
+    def set_weight_version(self, version: str) -> None:
+        """Record the weight version that the next inference steps serve.
+
+        Called under :meth:`weights_lock`, right after the last load, so that
+        responses are tagged with the version their tokens were produced with.
+        """
+        ...
+
+    def pause(self, mode: PauseMode, timeout: float) -> PauseOutcome:
+        """Stop admitting new requests and handle the ones in flight per ``mode``.
+
+        Returns once the mode holds: ABORT at once; WAIT when every request in
+        flight has finished; KEEP when no inference step is running. Pausing a
+        paused engine applies the stricter mode to what is left.
+
+        Args:
+            timeout: bound for the WAIT drain, in seconds.
+
+        Raises:
+            TimeoutError: WAIT did not drain within ``timeout``; the engine
+                stays paused and the rest keeps running.
+        """
+        ...
+
+    def resume(self) -> int:
+        """Admit requests again; return how many frozen requests continue."""
+        ...
+
+    def is_paused(self) -> bool:
+        """Whether admission is paused."""
+        ...
+
+    def pause_mode(self) -> PauseMode | None:
+        """The mode of the pause in force, or ``None`` when serving."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop every cache computed with the old weights (prefix / KV cache)."""
+        ...
+
+    def request_counts(self) -> tuple[int, int]:
+        """``(running, waiting)`` generation requests."""
+        ...
+
+
+@runtime_checkable
+class InPlaceReceive(Protocol):
+    """Optional: an engine whose served tensors a streaming update may receive into directly.
+
+    With streaming apply the servicer freezes the engine (pause KEEP) until
+    Complete, and the weights change bucket by bucket anyway. For a bucket
+    that holds a single tensor (the trainer sends every tensor of at least
+    :data:`wsync_grpc.core.buckets.DEFAULT_SOLO_BYTES` alone), the receiver then
+    posts the broadcast straight into the served tensor instead of into a
+    receive buffer followed by :meth:`EngineAdapter.load_weights`: no receive
+    buffer, no copy. The bytes land while the collective runs, without
+    :meth:`EngineAdapter.weights_lock` held, so an engine may offer this only
+    for tensors nothing reads while it is frozen. A broken update leaves such
+    a tensor half written: the engine is then marked dirty and stays paused,
+    as after any broken streaming update.
+    """
+
+    def receive_target(self, worker: int, name: str) -> torch.Tensor | None:
+        """The served tensor of canonical ``name`` on ``worker``, to receive into, or None to copy as usual.
+
+        The receiver uses it only when it is contiguous, on the worker's
+        device, and has exactly the wire dtype and shape of the update's
+        tensor; otherwise it falls back to :meth:`EngineAdapter.load_weights`.
+        """
+        ...
+
+
+@runtime_checkable
+class StorageSwap(Protocol):
+    """Optional: an engine that lets a staged update replace its served tensors' memory instead of copying into it.
+
+    A staged update keeps the served weights intact until Complete, so it
+    receives into buffers and, by default, copies every tensor into the served
+    one after the last byte (:meth:`EngineAdapter.load_weights`): on a CPU host
+    that copy is as slow as the transfer and nothing overlaps it. For a tensor
+    that travelled alone (a bucket of its own, see
+    :data:`wsync_grpc.core.buckets.DEFAULT_SOLO_BYTES`) in exactly the served dtype
+    and shape, the receiver allocates an exact-size buffer and, at Complete,
+    under :meth:`EngineAdapter.weights_lock`, hands it to the engine to serve
+    from then on. An engine may offer this only where nothing depends on its
+    weights' addresses (not under CUDA graphs captured on them) and each
+    served tensor is the only one over its memory (no other views of it).
+    """
+
+    def swap_weights(self, worker: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Serve each ``(canonical name, tensor)`` in place of the served tensor of that name, without copying.
+
+        Each tensor is contiguous, on the worker's device, has the served
+        tensor's dtype and shape, and belongs to the engine from then on. The
+        caller holds :meth:`EngineAdapter.weights_lock`.
+
+        Returns:
+            The memory the replaced tensors used, as 1-D ``uint8`` tensors over
+            their whole storage that nothing else uses any more; the receiver
+            reuses them as buffers for the next update. Leave out any memory
+            that something else may still read.
+
+        Raises:
+            KeyError: unknown name.
+        """
+        ...

@@ -1,0 +1,1 @@
+"""The standalone weight-sync process group (join, broadcast, bounded waits, leave)."""

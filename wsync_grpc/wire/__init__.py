@@ -1,0 +1,1 @@
+"""The wire edge: ``wsync.v1`` messages <-> domain values, errors -> gRPC statuses, deadlines."""

@@ -1,0 +1,535 @@
+"""The background receiver: one thread per engine worker, receiving buckets in order.
+
+Flattened layout: one broadcast per bucket into a ``uint8`` buffer of
+``size_bytes``, then viewed as the bucket's tensors. Individual layout: one
+broadcast per tensor into a tensor of its wire dtype and shape.
+
+The receiver keeps two buckets posted at a time (double buffering): bucket
+k+1 is on the wire while bucket k is handed to the engine. In the individual
+layout it posts chunks of a bucket's tensors instead, a few chunks ahead. With
+streaming apply the two flat buffers are reused, so the extra memory is about
+two buckets; with staged apply every received bucket is kept until Complete.
+
+A bucket holding one tensor (the trainer sends large tensors alone) needs no
+unpacking. With streaming apply on an engine that offers
+:class:`~wsync_grpc.core.adapter.InPlaceReceive` it is received straight into the
+served tensor (no buffer, no copy; such buckets are posted further ahead,
+up to :data:`MAX_POSTED`). With staged apply on an engine that offers
+:class:`~wsync_grpc.core.adapter.StorageSwap` it is received into an exact-size
+buffer that the engine serves from Complete on, and the memory it replaces
+becomes a buffer of the next update.
+
+Every wait is bounded by the group timeout and interrupted by the cancel
+event; any error is recorded in :attr:`WorkerReceiver.error` and reported
+through the ``on_event`` callback.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from wsync_grpc.core.adapter import EngineAdapter, InPlaceReceive, StorageSwap
+from wsync_grpc.core.validation import Bucket, Tensor
+from wsync_grpc.group.process_group import GroupError, GroupTimeout, WeightSyncGroup, wait_all
+
+log = logging.getLogger(__name__)
+
+PIPELINE_DEPTH = 2
+"""Buckets posted ahead at a time per worker (double buffering)."""
+
+MAX_POSTED = 8
+"""Buckets posted ahead at most, counting those received in place (which take no buffer)."""
+
+INDIVIDUAL_CHUNK = 256
+"""Individual layout: receives are posted in chunks of at most this many tensors."""
+
+INDIVIDUAL_DEPTH = 4
+"""Individual layout: chunks posted ahead at a time per worker.
+
+At most ``INDIVIDUAL_CHUNK * INDIVIDUAL_DEPTH`` receives are outstanding: enough to keep the
+wire busy with tensors of a few kB, while a bucket of a large MoE (thousands of tensors) is
+never posted, allocated and held all at once.
+"""
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def tensor_views(flat: torch.Tensor, tensors: Iterable[Tensor]) -> NamedTensors:
+    """View a received flat bucket as its tensors to load: ``(canonical name, tensor)``, no copy.
+
+    Tied aliases already in the update (``load`` false) are left out. One
+    ``as_strided`` per tensor over a typed view of the buffer: a bucket of a
+    large MoE holds thousands of small tensors, and slicing then viewing each
+    one measured 3x slower.
+    """
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    base = flat.storage_offset()  # bytes: flat is uint8
+    out: NamedTensors = []
+    for t in tensors:
+        if not t.load:
+            continue
+        esize = t.dtype.itemsize
+        view = typed.get(t.dtype)
+        if view is None:
+            if base % esize:  # not aligned for a typed view of the storage: slice it the slow way
+                out.append((t.canonical, flat[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)))
+                continue
+            view = typed[t.dtype] = flat[: flat.numel() - flat.numel() % esize].view(t.dtype)
+        # Offsets are multiples of the element size (validated at Prepare).
+        out.append((t.canonical, view.as_strided(t.shape, _contiguous_strides(t.shape), (base + t.offset) // esize)))
+    return out
+
+
+class BucketFeed:
+    """The buckets of one update, appended by Prepare/Update and read by every worker.
+
+    Thread-safe. :meth:`close` says no more buckets will come (Complete, or a
+    failure).
+    """
+
+    def __init__(self) -> None:
+        self._buckets: list[Bucket] = []
+        self._closed = False
+        self._max_size = 0
+        self._cond = threading.Condition()
+
+    def extend(self, buckets: list[Bucket]) -> None:
+        """Append validated buckets."""
+        with self._cond:
+            self._buckets.extend(buckets)
+            self._max_size = max([self._max_size, *(b.size_bytes for b in buckets)])
+            self._cond.notify_all()
+
+    @property
+    def max_size_bytes(self) -> int:
+        """The largest ``size_bytes`` of the buckets declared so far, in bytes."""
+        return self._max_size
+
+    def close(self) -> None:
+        """No more buckets will be appended. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._buckets)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def get(self, i: int, timeout: float | None) -> Bucket | None:
+        """Return bucket ``i``; ``None`` when the feed is closed before it.
+
+        ``timeout`` (seconds) bounds the wait for bucket ``i`` to be declared;
+        ``0`` does not wait.
+
+        Raises:
+            LookupError: ``timeout`` was 0 and bucket ``i`` is not declared yet.
+            GroupTimeout: bucket ``i`` was not declared within ``timeout``.
+        """
+        with self._cond:
+            if timeout == 0:
+                if i < len(self._buckets):
+                    return self._buckets[i]
+                if self._closed:
+                    return None
+                raise LookupError(i)
+            ok = self._cond.wait_for(lambda: i < len(self._buckets) or self._closed, timeout)
+            if not ok:
+                raise GroupTimeout(f"no bucket {i} was declared within {timeout:g} s (Update or Complete)")
+            return self._buckets[i] if i < len(self._buckets) else None
+
+
+class BufferPool:
+    """Flat ``uint8`` receive buffers of one worker, reused across buckets and updates.
+
+    On CPU a fresh multi-MB buffer is fresh memory from the OS: the first
+    write into it page-faults every 4 KiB, which measured 3-5x slower than
+    receiving into memory already touched. The pool hands out the smallest
+    free buffer that is large enough and takes buffers back after they were
+    applied (streaming) or after Complete (staged).
+
+    What it holds stays bounded by what the last update needed: at the end
+    of an update (:meth:`trim`) it keeps only the buffers that update used,
+    and a buffer left over from an earlier update that is too small for a
+    request is released before a new one is allocated. With streaming apply
+    the receiver asks for buffers of the update's largest bucket
+    (``capacity``), so that two buffers serve every bucket of the update
+    however their sizes differ.
+
+    Args:
+        device: where buffers live.
+        keep: keep the buffers an update used for the next one (True), or
+            drop every free buffer when :meth:`trim` is called at the end of
+            each update (False). Keeping costs memory between syncs: about
+            two buckets with streaming apply, the update's size with staged
+            apply.
+    """
+
+    def __init__(self, device: torch.device, keep: bool) -> None:
+        self.device = device
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._used: set[int] = set()  # data_ptr of every buffer handed out since the last trim
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, capacity: int = 0) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes (its first ``nbytes`` are returned as a view).
+
+        Args:
+            nbytes: bytes needed, in bytes.
+            capacity: when no free buffer is large enough, allocate
+                ``max(nbytes, capacity)`` bytes, so that the buffer also
+                fits the larger buckets still to come.
+        """
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                self._used.add(buf.data_ptr())
+                return buf[:nbytes]
+            # Leftovers of an earlier update too small for this one: give their memory back first.
+            self._free = [b for b in self._free if b.data_ptr() in self._used]
+        buf = torch.empty(max(nbytes, capacity), dtype=torch.uint8, device=self.device)
+        with self._lock:
+            self._used.add(buf.data_ptr())
+        return buf[:nbytes]
+
+    def take_exact(self, nbytes: int) -> torch.Tensor:
+        """A buffer of exactly ``nbytes`` bytes, of its own (not a view of a larger one).
+
+        For a tensor an engine will serve from the buffer itself
+        (:class:`~wsync_grpc.core.adapter.StorageSwap`): a larger buffer would stay
+        allocated behind it.
+        """
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.numel() == nbytes:
+                    buf = self._free.pop(i)
+                    self._used.add(buf.data_ptr())
+                    return buf
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with self._lock:
+            self._used.add(buf.data_ptr())
+        return buf
+
+    def give(self, buf: torch.Tensor, *, used: bool = False) -> None:
+        """Return a buffer (or a view of one) for reuse.
+
+        Args:
+            used: count it as used by this update, so that :meth:`trim` keeps
+                it (memory an engine gave back in exchange for a buffer).
+        """
+        base = buf if buf._base is None else buf._base
+        with self._lock:
+            if all(b.data_ptr() != base.data_ptr() for b in self._free):
+                self._free.append(base)
+            if used:
+                self._used.add(base.data_ptr())
+
+    def trim(self) -> None:
+        """End of an update: keep only the free buffers it used (none unless the pool keeps them)."""
+        with self._lock:
+            self._free = [b for b in self._free if self.keep and b.data_ptr() in self._used]
+            self._used = set()
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes held in free buffers."""
+        with self._lock:
+            return sum(b.numel() for b in self._free)
+
+
+@dataclass
+class _Posted:
+    bucket: Bucket
+    works: list[torch.distributed.Work]
+    buffers: list[torch.Tensor]  # flattened: [flat]; individual: one per tensor of the chunk
+    start: int = 0  # individual: the chunk's tensors are bucket.tensors[start:end]
+    end: int = 0
+    direct: tuple[bool, ...] = ()  # per buffer: received straight into the served tensor
+    swap: bool = False  # staged: a lone tensor in an exact-size buffer the engine will serve
+
+    @property
+    def holds_buffer(self) -> bool:
+        """Whether this takes receive memory (not everything it posted is received in place)."""
+        return not all(self.direct)
+
+    posted_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def last(self) -> bool:
+        """Whether this completes its bucket."""
+        return self.end == len(self.bucket.tensors)
+
+
+class WorkerReceiver(threading.Thread):
+    """Receives one update's buckets for one worker.
+
+    Args:
+        worker: the worker index (adapter's :meth:`~EngineAdapter.worker_devices` order).
+        group: the worker's weight-sync group membership.
+        adapter: the engine, for streaming apply.
+        feed: the update's buckets.
+        flattened: layout (True: one broadcast per bucket).
+        streaming: apply each bucket as it arrives (True) or keep it for Complete.
+        cancel: set to stop at the next wait.
+        pool: the worker's flat receive buffers.
+        on_event: called from this thread after each received bucket and when
+            the thread ends (successfully or not).
+    """
+
+    def __init__(
+        self,
+        *,
+        worker: int,
+        group: WeightSyncGroup,
+        adapter: EngineAdapter,
+        feed: BucketFeed,
+        flattened: bool,
+        streaming: bool,
+        cancel: threading.Event,
+        pool: BufferPool,
+        on_event: Callable[[WorkerReceiver], None],
+    ) -> None:
+        super().__init__(name=f"wsync-receiver-{worker}", daemon=True)
+        self.worker = worker
+        self.group = group
+        self.adapter = adapter
+        self.feed = feed
+        self.flattened = flattened
+        self.streaming = streaming
+        self.cancel = cancel
+        self.on_event = on_event
+        self.device = group.device
+        self.armed = threading.Event()
+        """Set once the first receive is posted (or nothing is declared yet)."""
+        self.done = threading.Event()
+        """Set when the thread ends."""
+        self.error: BaseException | None = None
+        self.buckets_done = 0
+        self.bytes_done = 0
+        self.tensors_applied = 0
+        self.first_post_at: float | None = None
+        self.last_arrival_at: float | None = None
+        self.staged: list[NamedTensors] = []
+        """Staged apply: per received bucket (individual layout: per chunk), the (canonical name, tensor) pairs."""
+        self.pool = pool
+        self._held: list[torch.Tensor] = []  # staged: flat buffers behind self.staged
+        self.wrote_served = False
+        """Whether a receive was posted straight into a served tensor (it may be half written)."""
+        self.tensors_direct = 0
+        """Tensors received straight into the served ones (counted in :attr:`tensors_applied` too)."""
+        self._in_place = adapter if streaming and isinstance(adapter, InPlaceReceive) else None
+        self._swap = adapter if not streaming and isinstance(adapter, StorageSwap) else None
+        self.swaps: list[tuple[str, torch.Tensor]] = []
+        """Staged apply on a :class:`StorageSwap` engine: ``(canonical name, tensor)`` to serve as they are."""
+        self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
+
+    def run(self) -> None:
+        try:
+            self._receive_all()
+        except BaseException as e:
+            if not isinstance(e, (GroupError, GroupTimeout)):  # reported as the group breaking or timing out
+                log.exception("receiver of worker %d failed", self.worker)
+            self.error = e
+        finally:
+            self.armed.set()
+            self.done.set()
+            self.on_event(self)
+
+    def _receive_all(self) -> None:
+        timeout = self.group.timeout_s
+        pending: collections.deque[_Posted] = collections.deque()
+        depth = PIPELINE_DEPTH if self.flattened else INDIVIDUAL_DEPTH
+        i = 0
+        partial: _Posted | None = None  # individual: the last chunk posted, when its bucket has more tensors
+        closed = False
+        while True:
+            while sum(p.holds_buffer for p in pending) < depth and len(pending) < MAX_POSTED and not closed:
+                if self.cancel.is_set():
+                    raise GroupError("cancelled")
+                if partial is not None:
+                    bucket, start = partial.bucket, partial.end
+                else:
+                    try:
+                        got = self.feed.get(i, 0)
+                    except LookupError:
+                        if pending:
+                            break  # receive what is posted; look for more afterwards
+                        self.armed.set()  # nothing declared yet: the receiver is waiting for Update
+                        got = self._wait_for_bucket(i, timeout)
+                    if got is None:
+                        closed = True
+                        break
+                    bucket, start = got, 0
+                    i += 1
+                posted = self._post(bucket, start)
+                pending.append(posted)
+                partial = None if posted.last else posted
+                self.armed.set()
+            if not pending:
+                return
+            posted = pending.popleft()
+            deadline = time.monotonic() + timeout
+            wait_all(posted.works, deadline, self.cancel, sliced=self.group.sliced_waits)
+            self.last_arrival_at = time.monotonic()
+            self._handle(posted)
+            if self.flattened:
+                self.bytes_done += posted.bucket.size_bytes
+            else:
+                self.bytes_done += sum(t.nbytes for t in posted.bucket.tensors[posted.start : posted.end])
+            if posted.last:
+                self.buckets_done += 1
+                self.on_event(self)
+
+    def _wait_for_bucket(self, i: int, timeout: float) -> Bucket | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.cancel.is_set():
+                raise GroupError("cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GroupTimeout(f"no bucket {i} was declared within {timeout:g} s (Update or Complete)")
+            try:
+                return self.feed.get(i, min(left, 0.1))
+            except GroupTimeout:
+                continue
+
+    def _served_target(self, t: Tensor) -> torch.Tensor | None:
+        """The served tensor to receive ``t`` straight into, or None (see :class:`InPlaceReceive`).
+
+        Only with streaming apply on an engine that offers it, for a tensor to
+        load whose served tensor is plain, contiguous, on this worker's device
+        and of exactly the wire dtype and shape.
+        """
+        if self._in_place is None or not t.load or t.nbytes == 0:
+            return None
+        target = self._in_place.receive_target(self.worker, t.canonical)
+        if (
+            target is None
+            or type(target) not in (torch.Tensor, torch.nn.Parameter)
+            or target.layout != torch.strided
+            or target.dtype != t.dtype
+            or tuple(target.shape) != t.shape
+            or target.device != self.device
+            or not target.is_contiguous()
+            or target.is_conj()
+            or target.is_neg()
+        ):
+            return None
+        return target.detach()
+
+    def _swappable(self, t: Tensor | None, size_bytes: int) -> bool:
+        """Whether the lone tensor ``t`` can be received into a buffer the engine then serves (staged apply)."""
+        if self._swap is None or t is None or not t.load or t.offset != 0 or t.nbytes != size_bytes or t.nbytes == 0:
+            return False
+        served = self.adapter.get_weight(t.canonical)
+        return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self.device
+
+    def _post(self, bucket: Bucket, start: int) -> _Posted:
+        """Post the receives of ``bucket`` (flattened: all of it; individual: a chunk from tensor ``start``)."""
+        if self.first_post_at is None:
+            self.first_post_at = time.monotonic()
+        if self.flattened:
+            only = bucket.tensors[0] if len(bucket.tensors) == 1 else None
+            target = self._served_target(only) if only is not None and only.offset == 0 else None
+            if target is not None and only is not None and only.nbytes == bucket.size_bytes:
+                self.wrote_served = True  # before posting: bytes may land at once
+                flat = target.view(-1).view(torch.uint8)
+                return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(True,))
+            if self._swappable(only, bucket.size_bytes):
+                flat = self.pool.take_exact(bucket.size_bytes)
+                return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(False,), swap=True)
+            # Streaming reuses two buffers for every bucket: size them for the largest one.
+            flat = self.pool.take(bucket.size_bytes, self.feed.max_size_bytes if self.streaming else 0)
+            return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, len(bucket.tensors), direct=(False,))
+        end = min(start + INDIVIDUAL_CHUNK, len(bucket.tensors))
+        bufs: list[torch.Tensor] = []
+        direct: list[bool] = []
+        for t in bucket.tensors[start:end]:
+            target = self._served_target(t)
+            if target is None:
+                bufs.append(torch.empty(t.shape, dtype=t.dtype, device=self.device))
+            else:
+                self.wrote_served = True
+                bufs.append(target)
+            direct.append(target is not None)
+        return _Posted(bucket, [self.group.broadcast(b) for b in bufs], bufs, start, end, direct=tuple(direct))
+
+    def _handle(self, posted: _Posted) -> None:
+        bucket = posted.bucket
+        if self.flattened:
+            named = [] if posted.direct[0] else tensor_views(posted.buffers[0], bucket.tensors)
+        else:
+            tensors = bucket.tensors[posted.start : posted.end]
+            named = [
+                (t.canonical, buf)
+                for t, buf, d in zip(tensors, posted.buffers, posted.direct, strict=True)
+                if t.load and not d
+            ]
+        direct = sum(posted.direct)
+        if self.streaming:
+            if named:
+                with self.adapter.weights_lock():
+                    self.tensors_applied += self.adapter.load_weights(self.worker, named)
+            self.tensors_applied += direct
+            self.tensors_direct += direct
+            if self.flattened and not direct:
+                self.pool.give(posted.buffers[0])
+        elif posted.swap:
+            t = bucket.tensors[0]
+            self.swaps.append((t.canonical, posted.buffers[0].view(t.dtype).view(t.shape)))
+            self._swap_held.append(posted.buffers[0])
+        else:
+            self.staged.append(named)
+            if self.flattened:
+                self._held.append(posted.buffers[0])
+
+    def apply_swaps(self) -> int:
+        """Staged apply: hand :attr:`swaps` to the engine to serve (:class:`StorageSwap`); the tensors swapped.
+
+        The memory the engine gives back becomes this worker's buffers for the
+        next update. The caller holds the engine's weights lock.
+        """
+        if not self.swaps or self._swap is None:
+            return 0
+        swaps, self.swaps, self._swap_held = self.swaps, [], []
+        for old in self._swap.swap_weights(self.worker, swaps):
+            self.pool.give(old, used=True)
+        return len(swaps)
+
+    def release(self, reuse: bool) -> None:
+        """Let go of every received buffer (after apply, or when the update is abandoned).
+
+        Args:
+            reuse: return the flat buffers to the pool. Only when no collective
+                can still write into them (the thread has ended).
+        """
+        held, self._held, self.staged = self._held + self._swap_held, [], []
+        self._swap_held, self.swaps = [], []
+        if reuse:
+            for buf in held:
+                self.pool.give(buf)
+        self.pool.trim()
