@@ -49,16 +49,13 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from bench import naive, profile, report
 from bench.common import FlatModel, RawGroup, build_flat, machine_info, post_json, stop_processes
-from wsync_grpc.core.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_RAMP_BYTES,
-    DEFAULT_SOLO_BYTES,
-    batch_bucket_specs,
-    plan_buckets,
-    total_wire_bytes,
-)
-from wsync_grpc.service.servicer import tensor_sha256
-from wsync_grpc.trainer.client import TrainerClient, free_port
+from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.layout import total_wire_bytes
+from wsync_grpc.core.planning import DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES, plan_buckets
+from wsync_grpc.group.process_group import free_port
+from wsync_grpc.testing import EngineProcess, child_env, spawn_process, wait_all
+from wsync_grpc.trainer.client import TrainerClient
+from wsync_grpc.wire.convert import batch_bucket_specs, bucket_spec
 
 log = logging.getLogger("bench")
 
@@ -105,31 +102,28 @@ class Harness:
         self._lock = threading.Lock()
 
     def start_engines(self, model: str, n: int = 1, *, meta: bool = False, timeout: float = 600) -> list[EngineProc]:
-        """Start ``n`` engines serving ``model`` (seed 0) and wait until each serves."""
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "generated")])}
-        started: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
+        """Start ``n`` engines serving ``model`` (seed 0) and wait until each serves (``timeout`` seconds in all).
+
+        Raises:
+            wsync_grpc.testing.EngineStartError: an engine exited first or did not serve in time.
+        """
+        env = child_env()
+        started: list[EngineProcess] = []
         for i in range(n):
             tag = uuid.uuid4().hex[:8]
             info = self.tmp / f"engine-{tag}.json"
-            log_path = self.tmp / f"engine-{tag}.log"
             cmd = [sys.executable, "-m", "bench.engine", "--model", model, "--info-file", str(info)]
             cmd += ["--device", _engine_device(i)] + (["--meta"] if meta else [])
-            with open(log_path, "wb") as out:
-                p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            e = spawn_process(cmd, ready_file=info, log=self.tmp / f"engine-{tag}.log", env=env, cwd=ROOT, wait=False)
             with self._lock:
-                self.procs.append(p)
-            started.append((p, info, log_path))
+                self.procs.append(e.process)
+            started.append(e)
+        wait_all(started, timeout)
         engines = []
-        deadline = time.monotonic() + timeout
-        for p, info, log_path in started:
-            while not info.exists():
-                if p.poll() is not None:
-                    raise RuntimeError(f"engine exited with {p.returncode}: {log_path.read_text()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"engine did not start within {timeout:g} s: {log_path.read_text()[-3000:]}")
-                time.sleep(0.05)
-            d = json.loads(info.read_text())
-            engines.append(EngineProc(p, d["grpc"], d["http"], int(d["pid"]), log_path))
+        for e in started:
+            d = json.loads(e.ready_text or "")
+            assert e.log is not None
+            engines.append(EngineProc(e.process, d["grpc"], d["http"], int(d["pid"]), e.log))
         return engines
 
     def stop(self, engines: Sequence[EngineProc]) -> None:
@@ -483,7 +477,7 @@ def _prepare_messages(model: FlatModel, bucket_bytes: int) -> tuple[pb.PrepareHe
         bucket_count=len(buckets),
         total_bytes=total_wire_bytes(buckets),
     )
-    return header, batch_bucket_specs([b.spec() for b in buckets])
+    return header, batch_bucket_specs([bucket_spec(b) for b in buckets])
 
 
 def case_control(h: Harness, reps: int, bucket_sizes: Sequence[int]) -> dict[str, Any]:

@@ -16,8 +16,8 @@ import torch
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.group.process_group import join_group, wait_work
-from wsync_grpc.trainer.client import free_port
+from wsync_grpc.group.process_group import free_port, join_group
+from wsync_grpc.group.waits import wait_work
 
 stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(sys.argv[1]))
 

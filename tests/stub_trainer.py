@@ -23,7 +23,8 @@ from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.engines import synthetic
-from wsync_grpc.group.process_group import join_group, wait_work
+from wsync_grpc.group.process_group import join_group
+from wsync_grpc.group.waits import wait_work
 
 ALIGN = 256
 

@@ -20,7 +20,8 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.lifecycle import ALLOWED, Rpc, State
 from wsync_grpc.engines import synthetic
-from wsync_grpc.group.process_group import WeightSyncGroup, join_group, wait_work
+from wsync_grpc.group.process_group import WeightSyncGroup, join_group
+from wsync_grpc.group.waits import wait_work
 from wsync_grpc.wire.status import error_reason
 
 TENSORS = synthetic.build("tiny", seed=3)

@@ -45,7 +45,8 @@ from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.lifecycle import ALLOWED, BUSY, Rpc, State
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.tensor import TensorEngine
-from wsync_grpc.group.process_group import WeightSyncGroup, join_group, wait_work
+from wsync_grpc.group.process_group import WeightSyncGroup, join_group
+from wsync_grpc.group.waits import wait_work
 from wsync_grpc.service.server import build_server
 from wsync_grpc.wire.status import error_reason
 

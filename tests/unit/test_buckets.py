@@ -1,4 +1,4 @@
-"""Bucket planning and packing (wsync_grpc.core.buckets): properties, and bit-exact pack/unpack roundtrips."""
+"""Bucket planning, packing and specs (core.planning, core.packing, wire.convert): properties, bit-exact roundtrips."""
 
 from __future__ import annotations
 
@@ -11,18 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    Bucket,
-    batch_bucket_specs,
-    bucket_bytes_view,
-    pack_bucket,
-    plan_buckets,
-    total_wire_bytes,
-    unpack_bucket,
-    wire_tensor,
-)
 from wsync_grpc.core.dtypes import dtype_name, element_size
+from wsync_grpc.core.layout import Bucket, Layout, total_wire_bytes
+from wsync_grpc.core.packing import bucket_bytes_view, pack_bucket, unpack_bucket, wire_tensor
+from wsync_grpc.core.planning import DEFAULT_BUCKET_BYTES, plan_buckets
+from wsync_grpc.wire.convert import batch_bucket_specs, bucket_spec
 
 DTYPES = [
     torch.float32,
@@ -84,12 +77,12 @@ def check_plan(
             assert t.dtype == dtype
             assert t.shape == tuple(src.shape)
             assert t.nbytes == src.numel() * esize
-            assert t.offset_bytes % alignment == 0
-            assert t.offset_bytes % esize == 0
-            assert t.offset_bytes >= ends, "no overlap, in order"
-            assert t.offset_bytes - ends < math.lcm(alignment, esize), "no more padding than alignment needs"
-            ends = t.end_bytes
-        assert b.tensors[0].offset_bytes == 0
+            assert t.offset % alignment == 0
+            assert t.offset % esize == 0
+            assert t.offset >= ends, "no overlap, in order"
+            assert t.offset - ends < math.lcm(alignment, esize), "no more padding than alignment needs"
+            ends = t.end
+        assert b.tensors[0].offset == 0
         assert b.size_bytes == ends, "size is the end of the last tensor"
         assert b.payload_bytes == sum(t.nbytes for t in b.tensors)
         if b.size_bytes > bucket_bytes:
@@ -121,7 +114,7 @@ def test_every_byte_covered_exactly_once(
     for b in plan_buckets(named, bucket_bytes=bucket_bytes, alignment=alignment):
         owner = [-1] * b.size_bytes
         for i, t in enumerate(b.tensors):
-            for byte in range(t.offset_bytes, t.end_bytes):
+            for byte in range(t.offset, t.end):
                 assert owner[byte] == -1, f"byte {byte} of bucket {b.index} claimed twice"
                 owner[byte] = i
         for i, t in enumerate(b.tensors):
@@ -152,7 +145,7 @@ def test_pack_unpack_roundtrip_bit_exact(
             got = views[t.name]
             assert got.dtype == t.dtype and tuple(got.shape) == t.shape
             assert as_bytes(got) == as_bytes(by_name[t.name])
-            covered[t.offset_bytes : t.end_bytes] = True
+            covered[t.offset : t.end] = True
         padding = out[~covered]
         expected = 0 if zero else 0xAB
         assert bool((padding == expected).all()), "padding zeroed on request, untouched otherwise"
@@ -188,7 +181,7 @@ def test_oversized_tensor_gets_its_own_bucket() -> None:
     buckets = plan_buckets(named, bucket_bytes=128, alignment=16)
     assert [[t.name for t in b.tensors] for b in buckets] == [["a"], ["big"], ["b", "c"]]
     assert buckets[1].size_bytes == 400
-    assert buckets[2].tensors[1].offset_bytes == 16
+    assert buckets[2].tensors[1].offset == 16
 
 
 def test_tied_tensors_are_sent_once_under_the_first_name() -> None:
@@ -219,7 +212,7 @@ def test_meta_tensors_can_be_planned() -> None:
     named = [(f"m{i}", torch.empty(1024, 512, device="meta", dtype=torch.bfloat16)) for i in range(5)]
     buckets = plan_buckets(named, bucket_bytes=2 << 20)
     assert [len(b.tensors) for b in buckets] == [2, 2, 1], "meta tensors are never taken for ties"
-    assert buckets[0].tensors[1].offset_bytes == 1 << 20
+    assert buckets[0].tensors[1].offset == 1 << 20
 
 
 @settings(max_examples=100, deadline=None)
@@ -245,18 +238,18 @@ def test_bucket_spec_messages_for_both_layouts() -> None:
         ("s", torch.zeros((), dtype=torch.int64)),
     ]
     (b,) = plan_buckets(named, bucket_bytes=4096, alignment=256)
-    flat = b.spec()
-    assert flat == b.spec(pb.BUCKET_LAYOUT_FLATTENED)
+    flat = bucket_spec(b)
+    assert flat == bucket_spec(b, Layout.FLATTENED)
     assert flat.index == 0 and flat.size_bytes == 512 + 8
     assert [(t.name, t.dtype, list(t.shape), t.offset_bytes) for t in flat.tensors] == [
         ("a", "bfloat16", [3], 0),
         ("b", "float32", [2, 2], 256),
         ("s", "int64", [], 512),
     ]
-    ind = b.spec(pb.BUCKET_LAYOUT_INDIVIDUAL)
+    ind = bucket_spec(b, Layout.INDIVIDUAL)
     assert ind.size_bytes == 6 + 16 + 8 == b.payload_bytes, "individual: sizes add up exactly"
     assert all(t.offset_bytes == 0 for t in ind.tensors)
-    assert total_wire_bytes([b], pb.BUCKET_LAYOUT_INDIVIDUAL) == 30
+    assert total_wire_bytes([b], Layout.INDIVIDUAL) == 30
     assert all(t.dtype == dtype_name(named[i][1].dtype) for i, t in enumerate(ind.tensors))
 
 
@@ -325,7 +318,7 @@ def test_bucket_metadata_stays_under_its_bound(lengths: list[int], ndims: int, m
     buckets = plan_buckets(named, bucket_bytes=1 << 62, max_spec_bytes=max_spec_bytes)
     assert [t.name for b in buckets for t in b.tensors] == [n for n, _ in named]
     for b in buckets:
-        spec = b.spec()
+        spec = bucket_spec(b)
         spec.size_bytes = 1 << 62
         for t in spec.tensors:
             t.offset_bytes = 1 << 62  # the largest varints they could carry
@@ -344,7 +337,7 @@ def test_many_small_tensors_fit_default_grpc_message_limit() -> None:
     buckets = plan_buckets(named)
     assert sum(len(b.tensors) for b in buckets) == 100_000
     assert len(buckets) > 1, "the metadata bound, not the byte size, splits these buckets"
-    assert max(pb.PrepareRequest(bucket=b.spec()).ByteSize() for b in buckets) < 4 * 1024 * 1024
+    assert max(pb.PrepareRequest(bucket=bucket_spec(b)).ByteSize() for b in buckets) < 4 * 1024 * 1024
 
 
 @settings(max_examples=200, deadline=None)
@@ -370,10 +363,10 @@ def test_solo_tensors_travel_alone_and_the_rest_packs_in_order(
         solo = [t for t in b.tensors if t.nbytes >= solo_bytes]
         if solo:
             assert len(b.tensors) == 1, "a tensor of at least solo_bytes is alone"
-            assert b.tensors[0].offset_bytes == 0 and b.size_bytes == b.tensors[0].nbytes
+            assert b.tensors[0].offset == 0 and b.size_bytes == b.tensors[0].nbytes
         else:
             packed += [t.name for t in b.tensors]
-            assert all(t.offset_bytes % alignment == 0 for t in b.tensors)
+            assert all(t.offset % alignment == 0 for t in b.tensors)
             assert b.size_bytes <= bucket_bytes or len(b.tensors) == 1
     assert packed == [n for n, _ in named if sizes[n] < solo_bytes], "the others keep their order"
     lone = [b.tensors[0].nbytes >= solo_bytes for b in buckets]

@@ -184,7 +184,7 @@ class InPlaceReceive(Protocol):
     With streaming apply the servicer freezes the engine (pause KEEP) until
     Complete, and the weights change bucket by bucket anyway. For a bucket
     that holds a single tensor (the trainer sends every tensor of at least
-    :data:`wsync_grpc.core.buckets.DEFAULT_SOLO_BYTES` alone), the receiver then
+    :data:`wsync_grpc.core.planning.DEFAULT_SOLO_BYTES` alone), the receiver then
     posts the broadcast straight into the served tensor instead of into a
     receive buffer followed by :meth:`EngineAdapter.load_weights`: no receive
     buffer, no copy. The bytes land while the collective runs, without
@@ -213,7 +213,7 @@ class StorageSwap(Protocol):
     one after the last byte (:meth:`EngineAdapter.load_weights`): on a CPU host
     that copy is as slow as the transfer and nothing overlaps it. For a tensor
     that travelled alone (a bucket of its own, see
-    :data:`wsync_grpc.core.buckets.DEFAULT_SOLO_BYTES`) in exactly the served dtype
+    :data:`wsync_grpc.core.planning.DEFAULT_SOLO_BYTES`) in exactly the served dtype
     and shape, the receiver allocates an exact-size buffer and, at Complete,
     under :meth:`EngineAdapter.weights_lock`, hands it to the engine to serve
     from then on. An engine may offer this only where nothing depends on its

@@ -6,7 +6,7 @@ RPC rules (:data:`ALLOWED`, :data:`BUSY`) and the transitions
 (:data:`TRANSITIONS`) are plain tables, so tests can enumerate every
 (state, RPC) and (state, event) pair.
 
-A disallowed RPC raises :class:`WrongState` (mapped to FAILED_PRECONDITION)
+A disallowed RPC raises :class:`WrongState` (a FAILED_PRECONDITION error)
 or, for a second update while one is in flight, :class:`UpdateInProgress`
 (ABORTED); neither changes the state. Admission (paused / serving) is a
 separate, orthogonal flag owned by the engine.
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import enum
 import threading
+
+from wsync_grpc.core.errors import Aborted, FailedPrecondition
 
 
 class State(enum.Enum):
@@ -109,24 +111,26 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 """(state, event) -> next state. Pairs not listed are illegal."""
 
 
-class WrongState(Exception):
-    """An RPC is not allowed in the current state (FAILED_PRECONDITION)."""
+class WrongState(FailedPrecondition):
+    """An RPC is not allowed in the current state (FAILED_PRECONDITION, reason WRONG_STATE)."""
 
     def __init__(self, rpc: Rpc, state: State) -> None:
         allowed = ", ".join(s.name for s in State if s in ALLOWED[rpc])
-        super().__init__(f"{rpc.value} is not allowed in state {state.name} (allowed in: {allowed})")
+        message = f"{rpc.value} is not allowed in state {state.name} (allowed in: {allowed})"
+        super().__init__("WRONG_STATE", message, state=state.name, rpc=rpc.value)
         self.rpc = rpc
         self.state = state
 
 
-class UpdateInProgress(Exception):
-    """A second update was attempted while one is in flight (ABORTED)."""
+class UpdateInProgress(Aborted):
+    """A second update was attempted while one is in flight (ABORTED, reason UPDATE_IN_PROGRESS)."""
 
     def __init__(self, rpc: Rpc, state: State) -> None:
-        super().__init__(
+        message = (
             f"{rpc.value} refused: another update is in flight (state {state.name}); "
             "wait for it to complete or Cancel it"
         )
+        super().__init__("UPDATE_IN_PROGRESS", message, state=state.name)
         self.rpc = rpc
         self.state = state
 

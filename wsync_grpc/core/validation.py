@@ -1,27 +1,35 @@
-"""Validation of update metadata (Prepare header and buckets) against the engine's model.
+"""Validation of an update's metadata (Prepare header and buckets) against the engine's model.
 
 Everything a trainer declares is checked here before a single receive is
-posted (``../shared/DESIGN.md`` invariant 4): every tensor name, dtype,
+posted (``docs/architecture.md``, "Invariants"): every tensor name, dtype,
 shape and byte range, every bucket's size and order, and the header's counts.
-A failed check raises :class:`wsync_grpc.wire.status.InvalidArgument` (or
+A failed check raises :class:`~wsync_grpc.core.errors.InvalidArgument` (or
 ``Unimplemented`` for a transport not built yet) whose reason says what is
 wrong and whose metadata names the offending tensor and bucket. Nothing here
 allocates memory in proportion to what the caller claims.
+
+The bucket messages are read through :class:`BucketSpecFields` and
+:class:`TensorSpecFields`, which ``wsync.v1.BucketSpec`` and ``wsync.v1.TensorSpec``
+satisfy as they are: a Prepare stream of 100k tensors is validated without
+converting each message first. The header arrives already converted
+(:func:`wsync_grpc.wire.convert.header_from_proto`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.adapter import ParamSpec
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
-from wsync_grpc.wire.status import InvalidArgument, Unimplemented
+from wsync_grpc.core.errors import InvalidArgument, Unimplemented
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot, Transport
 
 PADDING_PER_TENSOR = 4096
 """Largest padding accepted per tensor in a flattened bucket, in bytes (alignment slack)."""
@@ -38,89 +46,81 @@ def _show(name: str) -> str:
 
 @dataclass(frozen=True)
 class UpdateHeader:
-    """A validated ``PrepareHeader``; enum fields resolved to their defaults."""
+    """An update's header (``wsync.v1.PrepareHeader``), enum fields resolved to their defaults.
+
+    Attributes:
+        update_id: the update's id; empty until :meth:`UpdateValidator.header` gives it one.
+        weight_version: the version the engine serves once the update succeeded.
+        layout: how buckets travel.
+        apply_mode: when the engine applies.
+        bucket_count: buckets the Prepare stream carries.
+        total_bytes: bytes the buckets declare, in bytes.
+        incremental: whether Update may declare further buckets.
+        transport: how the bytes travel.
+    """
 
     update_id: str
     weight_version: str
-    layout: int  # pb.BucketLayout, never UNSPECIFIED
-    apply_mode: int  # pb.ApplyMode, never UNSPECIFIED
+    layout: Layout
+    apply_mode: ApplyMode
     bucket_count: int
     total_bytes: int
     incremental: bool
+    transport: Transport = Transport.BROADCAST
 
     @property
     def flattened(self) -> bool:
         """Whether buckets travel as one flat byte buffer each."""
-        return self.layout == pb.BUCKET_LAYOUT_FLATTENED
+        return self.layout is Layout.FLATTENED
 
     @property
     def streaming(self) -> bool:
         """Whether buckets are applied as they arrive."""
-        return self.apply_mode == pb.APPLY_MODE_STREAMING
+        return self.apply_mode is ApplyMode.STREAMING
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """One validated tensor of a bucket.
+class TensorSpecFields(Protocol):
+    """What the validator reads of one declared tensor (``wsync.v1.TensorSpec`` has these fields)."""
 
-    Attributes:
-        name: the name as sent.
-        canonical: the engine's canonical name (aliases resolved).
-        dtype: wire dtype.
-        shape: shape.
-        offset: byte offset inside the flat bucket (flattened layout).
-        nbytes: size on the wire, in bytes.
-        load: False for a tied alias whose canonical tensor is already in this
-            update: its bytes are received but loaded only once.
-    """
-
-    name: str
-    canonical: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    load: bool
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> Sequence[int]: ...
+    @property
+    def offset_bytes(self) -> int: ...
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """One validated bucket: ``size_bytes`` bytes on the wire, ``tensors`` in order."""
+class BucketSpecFields(Protocol):
+    """What the validator reads of one declared bucket (``wsync.v1.BucketSpec`` has these fields)."""
 
-    index: int
-    size_bytes: int
-    tensors: tuple[Tensor, ...]
-
-
-def _enum(value: int, unspecified: int, default: int, known: Iterable[int], what: str) -> int:
-    if value == unspecified:
-        return default
-    if value not in set(known):
-        raise InvalidArgument("UNKNOWN_ENUM_VALUE", f"{what} value {value} is not defined in wsync.v1")
-    return value
+    @property
+    def index(self) -> int: ...
+    @property
+    def size_bytes(self) -> int: ...
+    @property
+    def tensors(self) -> Sequence[TensorSpecFields]: ...
 
 
-def validate_transport(transport: int) -> None:
-    """Accept broadcast (or unspecified); refuse the transports not built yet.
+def validate_transport(transport: Transport) -> None:
+    """Accept broadcast; refuse the transports not built yet.
 
     Raises:
         Unimplemented: CUDA IPC or disk (reason TRANSPORT_UNIMPLEMENTED).
-        InvalidArgument: a value the contract does not define.
     """
-    if transport in (pb.TRANSPORT_UNSPECIFIED, pb.TRANSPORT_BROADCAST):
+    if transport is Transport.BROADCAST:
         return
-    if transport in (pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_DISK):
-        name = pb.Transport.Name(pb.Transport.ValueType(transport))
-        raise Unimplemented(
-            "TRANSPORT_UNIMPLEMENTED",
-            f"transport {name} is not implemented by this engine yet; use TRANSPORT_BROADCAST",
-            transport=name,
-        )
-    raise InvalidArgument("UNKNOWN_ENUM_VALUE", f"transport value {transport} is not defined in wsync.v1")
+    name = f"TRANSPORT_{transport.name}"
+    raise Unimplemented(
+        "TRANSPORT_UNIMPLEMENTED",
+        f"transport {name} is not implemented by this engine yet; use TRANSPORT_BROADCAST",
+        transport=name,
+    )
 
 
 class UpdateValidator:
-    """Validates one update's metadata, message by message.
+    """Validates one update's metadata, message by message, for the whole update (Prepare and every Update).
 
     Args:
         specs: the engine's canonical name -> :class:`ParamSpec`.
@@ -139,11 +139,11 @@ class UpdateValidator:
         self._max_bytes = sum(s.numel * 8 + PADDING_PER_TENSOR for s in specs.values())
         self._max_tensors = len(specs) + len(aliases)
 
-    def header_message(self, h: pb.PrepareHeader) -> UpdateHeader:
-        """Validate the header.
+    def header_message(self, h: UpdateHeader) -> UpdateHeader:
+        """Validate the header; return it with an update id (a fresh UUID when ``h.update_id`` is empty).
 
         Raises:
-            InvalidArgument: missing weight version, unknown enum values, a
+            InvalidArgument: a second header, a missing weight version, a
                 non-incremental update without buckets, counts or bytes beyond
                 what the model could hold.
             Unimplemented: a transport not built yet.
@@ -153,20 +153,6 @@ class UpdateValidator:
         if not h.weight_version:
             raise InvalidArgument("MISSING_WEIGHT_VERSION", "header.weight_version is required")
         validate_transport(h.transport)
-        layout = _enum(
-            h.layout,
-            pb.BUCKET_LAYOUT_UNSPECIFIED,
-            pb.BUCKET_LAYOUT_FLATTENED,
-            pb.BucketLayout.values(),
-            "layout",
-        )
-        apply_mode = _enum(
-            h.apply_mode,
-            pb.APPLY_MODE_UNSPECIFIED,
-            pb.APPLY_MODE_STAGED,
-            pb.ApplyMode.values(),
-            "apply_mode",
-        )
         if h.bucket_count == 0 and not h.incremental:
             raise InvalidArgument(
                 "EMPTY_UPDATE", "header.bucket_count is 0; only an incremental update may start empty"
@@ -181,28 +167,33 @@ class UpdateValidator:
                 "TOO_MANY_BYTES",
                 f"header.total_bytes {h.total_bytes} exceeds what the model could take ({self._max_bytes} bytes)",
             )
-        self.header = UpdateHeader(
-            update_id=h.update_id or uuid.uuid4().hex,
-            weight_version=h.weight_version,
-            layout=layout,
-            apply_mode=apply_mode,
-            bucket_count=h.bucket_count,
-            total_bytes=h.total_bytes,
-            incremental=h.incremental,
-        )
+        self.header = dataclasses.replace(h, update_id=h.update_id or uuid.uuid4().hex)
         return self.header
 
-    def bucket_message(self, b: pb.BucketSpec) -> Bucket:
-        """Validate the next bucket.
+    def bucket_messages(self, specs: Sequence[BucketSpecFields]) -> list[Bucket]:
+        """Validate the next buckets, all or none: a refused batch leaves the validator as it was.
 
         Raises:
             InvalidArgument: reasons BUCKET_OUT_OF_ORDER, EMPTY_BUCKET,
                 UNKNOWN_TENSOR, DUPLICATE_TENSOR, UNSUPPORTED_DTYPE,
                 DTYPE_MISMATCH, INVALID_SHAPE, SHAPE_MISMATCH,
                 MISALIGNED_OFFSET, OFFSET_OUT_OF_BOUNDS, OVERLAPPING_TENSORS,
-                BUCKET_SIZE_MISMATCH; metadata names the bucket and tensor.
+                BUCKET_SIZE_MISMATCH, TOO_MANY_BYTES; metadata names the bucket
+                and tensor.
         """
         assert self.header is not None, "header first"
+        pending: dict[str, str] = {}  # canonical -> name, of this batch's buckets
+        counts = (self.buckets_declared, self.bytes_declared, self.tensors_declared)
+        try:
+            out = [self._bucket(b, pending) for b in specs]
+        except InvalidArgument:
+            self.buckets_declared, self.bytes_declared, self.tensors_declared = counts
+            raise
+        self._seen.update(pending)
+        return out
+
+    def _bucket(self, b: BucketSpecFields, pending: dict[str, str]) -> Bucket:
+        assert self.header is not None
         idx = str(b.index)
         if b.index != self.buckets_declared:
             raise InvalidArgument(
@@ -212,37 +203,10 @@ class UpdateValidator:
             )
         if not b.tensors:
             raise InvalidArgument("EMPTY_BUCKET", f"bucket {b.index} has no tensors", bucket=idx)
-        tensors: list[Tensor] = []
         seen_here: dict[str, str] = {}
-        for t in b.tensors:
-            tensors.append(self._tensor(t, b, seen_here))
-        total = sum(t.nbytes for t in tensors)
-        if self.header.flattened:
-            ordered = sorted(tensors, key=lambda t: (t.offset, t.nbytes))
-            for prev, cur in itertools.pairwise(ordered):
-                if cur.offset < prev.offset + prev.nbytes and cur.nbytes and prev.nbytes:
-                    raise InvalidArgument(
-                        "OVERLAPPING_TENSORS",
-                        f"in bucket {b.index}, tensor {_show(cur.name)} at byte {cur.offset} overlaps "
-                        f"{_show(prev.name)} (bytes {prev.offset}..{prev.offset + prev.nbytes})",
-                        bucket=idx,
-                        tensor=cur.name,
-                    )
-            if b.size_bytes > total + PADDING_PER_TENSOR * len(tensors):
-                raise InvalidArgument(
-                    "BUCKET_SIZE_MISMATCH",
-                    f"bucket {b.index} declares {b.size_bytes} bytes for {total} bytes of tensors "
-                    f"(at most {PADDING_PER_TENSOR} bytes of padding per tensor)",
-                    bucket=idx,
-                )
-        elif b.size_bytes != total:
-            raise InvalidArgument(
-                "BUCKET_SIZE_MISMATCH",
-                f"bucket {b.index} declares {b.size_bytes} bytes but its tensors hold {total} bytes "
-                "(individual layout: the sizes must add up exactly)",
-                bucket=idx,
-            )
-        self._seen.update(seen_here)
+        tensors = tuple(self._tensor(t, b, pending, seen_here) for t in b.tensors)
+        self._check_size(b, tensors)
+        pending.update(seen_here)
         self.buckets_declared += 1
         self.bytes_declared += b.size_bytes
         self.tensors_declared += len(tensors)
@@ -252,12 +216,45 @@ class UpdateValidator:
                 f"the buckets declare {self.bytes_declared} bytes, more than the model could take",
                 bucket=idx,
             )
-        return Bucket(b.index, b.size_bytes, tuple(tensors))
+        return Bucket(b.index, b.size_bytes, tensors)
 
-    def _tensor(self, t: pb.TensorSpec, b: pb.BucketSpec, seen_here: dict[str, str]) -> Tensor:
+    def _check_size(self, b: BucketSpecFields, tensors: Sequence[TensorSlot]) -> None:
+        """Flattened: no overlap, at most the allowed padding; individual: sizes add up exactly."""
         assert self.header is not None
         idx = str(b.index)
+        total = sum(t.nbytes for t in tensors)
+        if not self.header.flattened:
+            if b.size_bytes != total:
+                raise InvalidArgument(
+                    "BUCKET_SIZE_MISMATCH",
+                    f"bucket {b.index} declares {b.size_bytes} bytes but its tensors hold {total} bytes "
+                    "(individual layout: the sizes must add up exactly)",
+                    bucket=idx,
+                )
+            return
+        ordered = sorted(tensors, key=lambda t: (t.offset, t.nbytes))
+        for prev, cur in itertools.pairwise(ordered):
+            if cur.offset < prev.end and cur.nbytes and prev.nbytes:
+                raise InvalidArgument(
+                    "OVERLAPPING_TENSORS",
+                    f"in bucket {b.index}, tensor {_show(cur.name)} at byte {cur.offset} overlaps "
+                    f"{_show(prev.name)} (bytes {prev.offset}..{prev.end})",
+                    bucket=idx,
+                    tensor=cur.name,
+                )
+        if b.size_bytes > total + PADDING_PER_TENSOR * len(tensors):
+            raise InvalidArgument(
+                "BUCKET_SIZE_MISMATCH",
+                f"bucket {b.index} declares {b.size_bytes} bytes for {total} bytes of tensors "
+                f"(at most {PADDING_PER_TENSOR} bytes of padding per tensor)",
+                bucket=idx,
+            )
+
+    def _tensor(
+        self, t: TensorSpecFields, b: BucketSpecFields, pending: Mapping[str, str], seen_here: dict[str, str]
+    ) -> TensorSlot:
         name = t.name
+        idx = str(b.index)
         canonical = self._aliases.get(name, name)
         spec = self._specs.get(canonical)
         if spec is None:
@@ -267,7 +264,7 @@ class UpdateValidator:
                 bucket=idx,
                 tensor=name[:_MAX_NAME_IN_MESSAGE],
             )
-        earlier = self._seen.get(canonical) or seen_here.get(canonical)
+        earlier = self._seen.get(canonical) or pending.get(canonical) or seen_here.get(canonical)
         if earlier == name:
             raise InvalidArgument(
                 "DUPLICATE_TENSOR",
@@ -278,55 +275,32 @@ class UpdateValidator:
         load = earlier is None
         if load:
             seen_here[canonical] = name
-        try:
-            dtype = parse_dtype(t.dtype)
-        except ValueError as e:
-            raise InvalidArgument("UNSUPPORTED_DTYPE", f"tensor {_show(name)}: {e}", bucket=idx, tensor=name) from None
-        if not can_convert(dtype, spec.dtype):
-            raise InvalidArgument(
-                "DTYPE_MISMATCH",
-                f"tensor {_show(name)} is sent as {t.dtype} but served as "
-                f"{str(spec.dtype).removeprefix('torch.')}; only floating dtypes convert",
-                bucket=idx,
-                tensor=name,
-            )
-        shape = tuple(int(d) for d in t.shape)
-        if any(d < 0 for d in shape):
-            raise InvalidArgument(
-                "INVALID_SHAPE",
-                f"tensor {_show(name)} has a negative dimension in shape {list(shape)}",
-                bucket=idx,
-                tensor=name,
-            )
-        if shape != spec.shape:
-            raise InvalidArgument(
-                "SHAPE_MISMATCH",
-                f"tensor {_show(name)} has shape {list(shape)} but the model expects {list(spec.shape)}",
-                bucket=idx,
-                tensor=name,
-            )
+        dtype = _wire_dtype(t, spec, idx)
+        shape = _shape(t, spec, idx)
         esize = element_size(dtype)
         nbytes = spec.numel * esize
+        offset = self._offset(t, b, esize, nbytes) if self.header is not None and self.header.flattened else 0
+        return TensorSlot(name, dtype, shape, offset, nbytes, canonical, load)
+
+    def _offset(self, t: TensorSpecFields, b: BucketSpecFields, esize: int, nbytes: int) -> int:
+        """The flattened layout's byte offset of ``t``: aligned to its element size and inside its bucket."""
         offset = int(t.offset_bytes)
-        if self.header.flattened:
-            if offset % esize:
-                raise InvalidArgument(
-                    "MISALIGNED_OFFSET",
-                    f"tensor {_show(name)} starts at byte {offset}, not a multiple of its {esize}-byte element size",
-                    bucket=idx,
-                    tensor=name,
-                )
-            if offset + nbytes > b.size_bytes:
-                raise InvalidArgument(
-                    "OFFSET_OUT_OF_BOUNDS",
-                    f"tensor {_show(name)} spans bytes {offset}..{offset + nbytes} but bucket {b.index} "
-                    f"holds {b.size_bytes} bytes",
-                    bucket=idx,
-                    tensor=name,
-                )
-        else:
-            offset = 0
-        return Tensor(name, canonical, dtype, shape, offset, nbytes, load)
+        if offset % esize:
+            raise InvalidArgument(
+                "MISALIGNED_OFFSET",
+                f"tensor {_show(t.name)} starts at byte {offset}, not a multiple of its {esize}-byte element size",
+                bucket=str(b.index),
+                tensor=t.name,
+            )
+        if offset + nbytes > b.size_bytes:
+            raise InvalidArgument(
+                "OFFSET_OUT_OF_BOUNDS",
+                f"tensor {_show(t.name)} spans bytes {offset}..{offset + nbytes} but bucket {b.index} "
+                f"holds {b.size_bytes} bytes",
+                bucket=str(b.index),
+                tensor=t.name,
+            )
+        return offset
 
     def finish_stream(self) -> None:
         """Check the stream's buckets against the header's counts.
@@ -360,3 +334,40 @@ class UpdateValidator:
                 "BUCKET_COUNT_MISMATCH",
                 f"the stream carries more buckets than the {self.header.bucket_count} its header announced",
             )
+
+
+def _wire_dtype(t: TensorSpecFields, spec: ParamSpec, idx: str) -> torch.dtype:
+    """The declared dtype of ``t``, which must be one weight sync carries and convertible to the served one."""
+    try:
+        dtype = parse_dtype(t.dtype)
+    except ValueError as e:
+        raise InvalidArgument("UNSUPPORTED_DTYPE", f"tensor {_show(t.name)}: {e}", bucket=idx, tensor=t.name) from None
+    if not can_convert(dtype, spec.dtype):
+        raise InvalidArgument(
+            "DTYPE_MISMATCH",
+            f"tensor {_show(t.name)} is sent as {t.dtype} but served as "
+            f"{str(spec.dtype).removeprefix('torch.')}; only floating dtypes convert",
+            bucket=idx,
+            tensor=t.name,
+        )
+    return dtype
+
+
+def _shape(t: TensorSpecFields, spec: ParamSpec, idx: str) -> tuple[int, ...]:
+    """The declared shape of ``t``, which must be the served tensor's full shape."""
+    shape = tuple(int(d) for d in t.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(
+            "INVALID_SHAPE",
+            f"tensor {_show(t.name)} has a negative dimension in shape {list(shape)}",
+            bucket=idx,
+            tensor=t.name,
+        )
+    if shape != spec.shape:
+        raise InvalidArgument(
+            "SHAPE_MISMATCH",
+            f"tensor {_show(t.name)} has shape {list(shape)} but the model expects {list(spec.shape)}",
+            bucket=idx,
+            tensor=t.name,
+        )
+    return shape

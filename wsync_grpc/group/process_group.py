@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import socket
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from wsync_grpc.core.errors import GroupError, GroupTimeout
+from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, Deadline
+
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_sync_group"
 """Group name used when the caller leaves it empty."""
-
-DEFAULT_TIMEOUT_S = 120.0
-"""Join and per-collective timeout when the caller gives none, in seconds."""
 
 
 _PARKED: list[Any] = []
@@ -61,12 +61,12 @@ def _park(pg: Any, pending: list[dist.Work]) -> None:
     threading.Thread(target=reap, name="wsync-group-reaper", daemon=True).start()
 
 
-class GroupError(RuntimeError):
-    """A collective failed: a peer died, closed its connection, or the group broke."""
-
-
-class GroupTimeout(TimeoutError):
-    """A join or a collective did not finish by its deadline."""
+def free_port(host: str = "") -> int:
+    """A TCP port that was free a moment ago on ``host`` (all interfaces by default): for the trainer's store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -115,7 +115,7 @@ class WeightSyncGroup:
         """Post a broadcast of ``tensor`` from group rank ``src``; returns the pending work.
 
         ``tensor`` must be contiguous and on :attr:`device`. Wait with
-        :func:`wait_work`.
+        :func:`wsync_grpc.group.waits.wait_work`.
 
         Raises:
             GroupError: the group was destroyed or the broadcast could not be posted.
@@ -162,7 +162,7 @@ class WeightSyncGroup:
 
     @property
     def sliced_waits(self) -> bool:
-        """Whether waits on this group's collectives may be sliced (``wait_work(sliced=True)``): gloo."""
+        """Whether waits on this group's collectives may be sliced (``waits.wait_work(sliced=True)``): gloo."""
         return self.backend == "gloo"
 
     @property
@@ -171,89 +171,8 @@ class WeightSyncGroup:
         return self._destroyed
 
 
-WAIT_SLICE_S = 0.05
-"""Length of each ``Work.wait`` slice of a sliced wait, in seconds; cancel and deadline are checked between."""
-
-
-def wait_work(
-    work: dist.Work, deadline: float, cancelled: threading.Event | None = None, *, sliced: bool = False
-) -> None:
-    """Wait for ``work`` until the monotonic ``deadline`` (seconds), or until ``cancelled`` is set.
-
-    Two ways to wait without blocking past the deadline or a cancel:
-
-    - default: a completion callback sets an event, polled every 20 ms. Any
-      backend. The callback runs on the collective's own thread, which must
-      take the GIL for it: with many collectives back to back that thread
-      stalls between them.
-    - ``sliced=True`` (gloo): ``Work.wait`` in slices of :data:`WAIT_SLICE_S`;
-      a slice that ends first raises and leaves the collective running, and
-      nothing runs on the collective's thread. Not for NCCL, whose timed
-      wait may abort the communicator.
-
-    Raises:
-        GroupTimeout: the deadline passed first.
-        GroupError: the collective failed (peer lost) or ``cancelled`` was set.
-    """
-    if sliced:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise GroupTimeout("the collective did not finish before its deadline")
-            try:
-                work.wait(datetime.timedelta(seconds=min(WAIT_SLICE_S, left)))
-                return
-            except RuntimeError:
-                if work.is_completed():
-                    break  # it ended (perhaps just after the slice did): wait() below tells how
-            if cancelled is not None and cancelled.is_set():
-                raise GroupError("cancelled")
-    else:
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _f: done.set())
-        while not done.wait(0.02):
-            if cancelled is not None and cancelled.is_set():
-                raise GroupError("cancelled")
-            if time.monotonic() >= deadline:
-                raise GroupTimeout("the collective did not finish before its deadline")
-    try:
-        work.wait()
-    except RuntimeError as e:
-        if "timed out" in str(e).lower():  # gloo's own per-collective timeout fired first
-            raise GroupTimeout(f"the collective timed out: {_short(e)}") from e
-        raise GroupError(f"collective failed: {_short(e)}") from e
-
-
-def wait_all(
-    works: Sequence[dist.Work], deadline: float, cancelled: threading.Event | None = None, *, sliced: bool = False
-) -> None:
-    """Wait for every work of ``works`` (posted in that order) until the monotonic ``deadline``.
-
-    :func:`wait_work` hands each work a completion callback, which the
-    collective's own thread must take the GIL to run: with thousands of small
-    per-tensor collectives that stalled the wire between them (measured 2x
-    slower than waiting plainly). Here only the last work gets one; the
-    earlier ones are checked once it has completed, and any that has not yet
-    is waited for with :func:`wait_work` (``sliced`` as there).
-
-    Raises:
-        GroupTimeout: the deadline passed first.
-        GroupError: a collective failed (peer lost) or ``cancelled`` was set.
-    """
-    if not works:
-        return
-    wait_work(works[-1], deadline, cancelled, sliced=sliced)
-    for work in works[:-1]:
-        if work.is_completed():
-            try:
-                work.wait()
-                continue
-            except RuntimeError:
-                pass  # failed: let wait_work raise it as GroupError / GroupTimeout
-        wait_work(work, deadline, cancelled, sliced=sliced)
-
-
-def _short(e: BaseException) -> str:
+def error_summary(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type name when empty), at most 400 characters."""
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
     return text[:400]
 
@@ -267,7 +186,7 @@ def join_group(
     group_name: str = DEFAULT_GROUP_NAME,
     backend: str = "",
     device: torch.device | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
 ) -> WeightSyncGroup:
     """Join (rank > 0) or create (rank 0, which serves the TCP store) the weight-sync group.
 
@@ -294,38 +213,14 @@ def join_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
     backend = resolve_backend(backend, device)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    deadline = Deadline(timeout_s)
     start = time.monotonic()
-    try:
-        store: Store = TCPStore(
-            master_address,
-            master_port,
-            world_size if rank == 0 else None,
-            rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-    except RuntimeError as e:
-        if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-            raise GroupTimeout(f"no store at {master_address}:{master_port} within {timeout_s:g} s: {_short(e)}") from e
-        raise GroupError(f"store at {master_address}:{master_port}: {_short(e)}") from e
+    store = _connect_store(master_address, master_port, rank, world_size, timeout_s)
     prefix = PrefixStore(group_name or DEFAULT_GROUP_NAME, store)
-    remaining = datetime.timedelta(seconds=max(0.1, timeout_s - (time.monotonic() - start)))
     try:
-        pg: Any
-        if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefix, rank, world_size, remaining)
-        else:  # pragma: no cover - needs a GPU
-            torch.cuda.set_device(device)
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-            # NCCL creates communicators lazily: one tiny collective forms it now,
-            # so that Init means "joined".
-            probe = torch.zeros(1, device=device)
-            pg.broadcast([probe], _bcast_opts(0, timeout)).wait()
+        pg = _create_backend(prefix, rank, world_size, backend, device, timeout_s, deadline.left(minimum=0.1))
     except RuntimeError as e:
-        msg = _short(e)
+        msg = error_summary(e)
         if "timeout" in msg.lower() or "timed out" in msg.lower():
             raise GroupTimeout(
                 f"group {group_name!r} did not form within {timeout_s:g} s "
@@ -342,6 +237,59 @@ def join_group(
         time.monotonic() - start,
     )
     return WeightSyncGroup(rank, world_size, backend, device, timeout_s, pg, store)
+
+
+def _connect_store(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> Store:
+    """The group's TCP store: served by rank 0, reached by the others within ``timeout_s`` seconds.
+
+    Raises:
+        GroupTimeout: no store answered within ``timeout_s``.
+        GroupError: the store could not be reached.
+    """
+    try:
+        return TCPStore(
+            master_address,
+            master_port,
+            world_size if rank == 0 else None,
+            rank == 0,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except RuntimeError as e:
+        where = f"{master_address}:{master_port}"
+        if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+            raise GroupTimeout(f"no store at {where} within {timeout_s:g} s: {error_summary(e)}") from e
+        raise GroupError(f"store at {where}: {error_summary(e)}") from e
+
+
+def _create_backend(
+    prefix: Store, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float, join_s: float
+) -> Any:
+    """The ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over ``prefix``, formed within ``join_s`` seconds.
+
+    ``timeout_s`` is the per-collective timeout, in seconds. NCCL creates its
+    communicator lazily: one tiny collective forms it here, so that Init means
+    "joined".
+
+    Raises:
+        RuntimeError: the backend did not form (torch's own error).
+    """
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefix, rank, world_size, datetime.timedelta(seconds=join_s))
+    return _create_nccl(prefix, rank, world_size, device, datetime.timedelta(seconds=timeout_s))
+
+
+def _create_nccl(
+    prefix: Store, rank: int, world_size: int, device: torch.device, timeout: datetime.timedelta
+) -> Any:  # pragma: no cover - needs a GPU
+    """A ``ProcessGroupNCCL`` on ``device`` (made current first), its communicator formed by one tiny broadcast."""
+    torch.cuda.set_device(device)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    pg: Any = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    probe = torch.zeros(1, device=device)
+    pg.broadcast([probe], _bcast_opts(0, timeout)).wait()
+    return pg
 
 
 def _bcast_opts(src: int, timeout: datetime.timedelta) -> dist.BroadcastOptions:

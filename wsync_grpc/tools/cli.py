@@ -26,40 +26,48 @@ from google.protobuf.message import Message
 from wsync.v1 import generation_pb2, generation_pb2_grpc, weight_sync_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import EngineAdapter
+from wsync_grpc.core.adapter import EngineAdapter, PauseMode
+from wsync_grpc.core.dtypes import parse_dtype
+from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S
 from wsync_grpc.service.server import WsyncServer, build_server, stop_on_signals, write_port_file
+from wsync_grpc.wire.convert import PAUSE_MODES, duration
 from wsync_grpc.wire.status import error_reason
 
 log = logging.getLogger("wsync")
 
 DEFAULT_PORT = 50051
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MODES = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP}
+SERVED_DTYPES = ("bfloat16", "float16", "float32")
+"""The dtypes ``wsync serve --dtype`` serves a model in (names as in :data:`wsync_grpc.core.dtypes.DTYPES`)."""
+
+_NO_EXTRA: Callable[[grpc.Server], list[str]] | None = None
 
 
-def _serve(args: argparse.Namespace) -> int:
-    dtype = _DTYPES[args.dtype]
-    engine: EngineAdapter
-    close: Callable[[], None] = lambda: None  # noqa: E731
-    extra: Callable[[grpc.Server], list[str]] | None = None
+def _engine(
+    args: argparse.Namespace,
+) -> tuple[EngineAdapter, Callable[[], None], Callable[[grpc.Server], list[str]] | None]:
+    """The engine ``wsync serve`` runs: ``(adapter, close, extra services to add to the server)``."""
+    dtype: torch.dtype = parse_dtype(args.dtype)
     if args.synthetic:
         from wsync_grpc.engines import synthetic
         from wsync_grpc.engines.tensor import TensorEngine
 
         tensors = synthetic.build(args.synthetic, dtype=dtype, seed=args.seed)
-        engine = TensorEngine(tensors, aliases=synthetic.aliases(args.synthetic), name=f"synthetic-{args.synthetic}")
-    else:
-        from wsync_grpc.engines.generation_service import add_generation_service
-        from wsync_grpc.engines.reference import ReferenceEngine
+        name = f"synthetic-{args.synthetic}"
+        return TensorEngine(tensors, aliases=synthetic.aliases(args.synthetic), name=name), lambda: None, _NO_EXTRA
+    from wsync_grpc.engines.generation_service import add_generation_service
+    from wsync_grpc.engines.reference import ReferenceEngine
 
-        ref = ReferenceEngine.from_pretrained(args.model, dtype=dtype)
-        engine = ref
-        close = ref.close
+    ref = ReferenceEngine.from_pretrained(args.model, dtype=dtype)
 
-        def extra(server: grpc.Server) -> list[str]:
-            add_generation_service(server, ref)
-            return [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name]
+    def extra(server: grpc.Server) -> list[str]:
+        add_generation_service(server, ref)
+        return [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name]
 
+    return ref, ref.close, extra
+
+
+def _serve(args: argparse.Namespace) -> int:
+    engine, close, extra = _engine(args)
     specs = engine.parameter_specs()
     n_params = sum(s.numel for s in specs.values())
     n_bytes = sum(s.nbytes for s in specs.values())
@@ -153,7 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wsync", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--log-level", default=os.environ.get("WSYNC_LOG_LEVEL", "INFO"))
     sub = p.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_rpcs(sub)
+    return p
 
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``wsync serve`` sub-command."""
     s = sub.add_parser("serve", help="serve an engine with the weight-sync servicer")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port; 0 picks a free one")
@@ -162,12 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", default=None, help="local Hugging Face directory (default: SmolLM2-135M-Instruct)")
     src.add_argument("--synthetic", help="serve a synthetic tensor-only model (tiny, 0.25gb, 1gb, ...)")
     s.add_argument("--seed", type=int, default=0, help="seed of the synthetic model's values")
-    s.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="served dtype")
+    s.add_argument("--dtype", choices=SERVED_DTYPES, default="float32", help="served dtype")
     s.add_argument("--token", help="require 'authorization: Bearer TOKEN' (or set WSYNC_TOKEN)")
     s.add_argument("--tls-cert", type=Path, help="PEM certificate (with --tls-key: serve TLS)")
     s.add_argument("--tls-key", type=Path, help="PEM private key")
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get at shutdown")
     s.set_defaults(func=_serve)
+
+
+def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The sub-commands that call one RPC against ``--target`` (and ``generate``)."""
 
     def client(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help)
@@ -196,8 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         "stop admitting generation requests",
         lambda a: _bind("Pause", _pause_request(a)),
     )
-    pa.add_argument("--mode", choices=sorted(_MODES), default="abort", help="what happens to requests in flight")
-    pa.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to drain in mode wait")
+    pa.add_argument(
+        "--mode", choices=[m.value for m in PauseMode], default="abort", help="what happens to requests in flight"
+    )
+    pa.add_argument(
+        "--drain-timeout", type=float, default=DEFAULT_PAUSE_TIMEOUT_S, help="seconds to drain in mode wait"
+    )
     r = rpc(
         "resume",
         "admit generation requests again",
@@ -217,13 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--json", action="store_true", help="print the whole reply as JSON")
-    return p
 
 
 def _pause_request(a: argparse.Namespace) -> pb.PauseRequest:
-    req = pb.PauseRequest(mode=_MODES[a.mode])
-    req.timeout.FromMilliseconds(int(a.drain_timeout * 1000))
-    return req
+    return pb.PauseRequest(mode=PAUSE_MODES[PauseMode(a.mode)], timeout=duration(a.drain_timeout))
 
 
 def _bind(method: str, request: Message) -> Callable[..., Message]:

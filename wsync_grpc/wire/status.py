@@ -1,10 +1,12 @@
-"""Errors of the wsync service and the one place that maps them to gRPC statuses.
+"""The one place that turns wsync's domain errors into gRPC statuses, and statuses back into reasons.
 
 Every servicer method is wrapped by :func:`grpc_errors`: an exception raised
-anywhere below it becomes one canonical status code plus a
-``google.rpc.ErrorInfo`` detail (domain ``wsync.v1``, reason in
-UPPER_SNAKE_CASE) sent through grpcio-status, as ``../shared/DESIGN.md``
-section 3 specifies. Clients read the reason back with :func:`error_reason`.
+anywhere below it becomes a :class:`~wsync_grpc.core.errors.WsyncError`
+(:func:`~wsync_grpc.core.errors.domain_error`), then one canonical status code
+(:data:`STATUS_CODES`) plus a ``google.rpc.ErrorInfo`` detail (domain
+``wsync.v1``, reason in UPPER_SNAKE_CASE) sent through grpcio-status
+(``docs/architecture.md``, "Errors"). Clients read the detail back with
+:func:`error_info` / :func:`error_reason`.
 """
 
 from __future__ import annotations
@@ -19,100 +21,44 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from wsync_grpc.core.lifecycle import UpdateInProgress, WrongState
-from wsync_grpc.group.process_group import GroupError, GroupTimeout
+from wsync_grpc.core.errors import (
+    Aborted,
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    Unavailable,
+    Unimplemented,
+    WsyncError,
+    domain_error,
+)
 
 log = logging.getLogger(__name__)
 
 DOMAIN = "wsync.v1"
 """ErrorInfo domain of every wsync error."""
 
-
-class WsyncError(Exception):
-    """An error with a gRPC status code and a machine-readable reason.
-
-    Attributes:
-        code: the canonical gRPC status code.
-        reason: UPPER_SNAKE_CASE reason (``google.rpc.ErrorInfo.reason``).
-        metadata: extra string key/values for ErrorInfo (e.g. the tensor name).
-    """
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-
-    def __init__(self, reason: str, message: str, **metadata: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.metadata = metadata
+STATUS_CODES: dict[type[WsyncError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Aborted: grpc.StatusCode.ABORTED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    Internal: grpc.StatusCode.INTERNAL,
+}
+"""Error category -> canonical gRPC status code (``docs/architecture.md``, "Errors")."""
 
 
-class InvalidArgument(WsyncError):
-    """Bad metadata or parameters (INVALID_ARGUMENT)."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class FailedPrecondition(WsyncError):
-    """Wrong lifecycle order or engine condition (FAILED_PRECONDITION)."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class Aborted(WsyncError):
-    """A concurrent update, or an update cancelled while preparing (ABORTED)."""
-
-    code = grpc.StatusCode.ABORTED
-
-
-class AlreadyExists(WsyncError):
-    """The group is already joined with other parameters (ALREADY_EXISTS)."""
-
-    code = grpc.StatusCode.ALREADY_EXISTS
-
-
-class DeadlineExceeded(WsyncError):
-    """A join, receive, drain or apply ran past its deadline (DEADLINE_EXCEEDED)."""
-
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Unavailable(WsyncError):
-    """The group broke: a peer died or closed its connection (UNAVAILABLE)."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class Unimplemented(WsyncError):
-    """A transport or feature this engine does not implement (UNIMPLEMENTED)."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
-
-
-class Internal(WsyncError):
-    """Anything else (INTERNAL); logged by the engine."""
-
-    code = grpc.StatusCode.INTERNAL
-
-
-def as_wsync_error(exc: BaseException) -> WsyncError:
-    """Map any exception to a :class:`WsyncError` (the whole service's one mapping).
-
-    WrongState -> FAILED_PRECONDITION/WRONG_STATE; UpdateInProgress ->
-    ABORTED/UPDATE_IN_PROGRESS; GroupTimeout and TimeoutError ->
-    DEADLINE_EXCEEDED; GroupError -> UNAVAILABLE/GROUP_BROKEN; anything else ->
-    INTERNAL.
-    """
-    if isinstance(exc, WsyncError):
-        return exc
-    if isinstance(exc, WrongState):
-        return FailedPrecondition("WRONG_STATE", str(exc), state=exc.state.name, rpc=exc.rpc.value)
-    if isinstance(exc, UpdateInProgress):
-        return Aborted("UPDATE_IN_PROGRESS", str(exc), state=exc.state.name)
-    if isinstance(exc, GroupTimeout | TimeoutError):
-        return DeadlineExceeded("TIMEOUT", str(exc) or "timed out")
-    if isinstance(exc, GroupError):
-        return Unavailable("GROUP_BROKEN", str(exc))
-    return Internal("INTERNAL", f"{type(exc).__name__}: {exc}")
+def status_code(err: WsyncError) -> grpc.StatusCode:
+    """The gRPC status code of ``err``'s category (its nearest class in :data:`STATUS_CODES`); INTERNAL if none."""
+    for cls in type(err).__mro__:
+        code = STATUS_CODES.get(cls)  # type: ignore[arg-type]
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
 
 
 MAX_MESSAGE_BYTES = 1024
@@ -144,7 +90,7 @@ def to_status(err: WsyncError) -> grpc.Status:
     detail = any_pb2.Any()
     detail.Pack(info)
     message = _clip(err.message, MAX_MESSAGE_BYTES)
-    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=message, details=[detail])
+    status = status_pb2.Status(code=getattr(code_pb2, status_code(err).name), message=message, details=[detail])
     return rpc_status.to_status(status)
 
 
@@ -162,29 +108,39 @@ def grpc_errors(method: F) -> F:
         try:
             return method(self, request, context)
         except Exception as exc:
-            err = as_wsync_error(exc)
+            err = domain_error(exc)
             if isinstance(err, Internal) and err is not exc:
                 log.exception("%s failed", method.__name__)
             else:
-                log.info("%s -> %s %s: %s", method.__name__, err.code.name, err.reason, err.message)
+                log.info("%s -> %s %s: %s", method.__name__, status_code(err).name, err.reason, err.message)
             context.abort_with_status(to_status(err))
             raise AssertionError("abort_with_status returned") from None  # pragma: no cover
 
     return cast(F, wrapper)
 
 
-def error_reason(exc: grpc.RpcError) -> str:
-    """Return the ``ErrorInfo.reason`` carried by a failed call, or ``""`` when none."""
+def error_info(exc: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    """The ``ErrorInfo`` reason and metadata carried by a failed call; ``("", {})`` when none.
+
+    The rich status is parsed with ``grpc_status.rpc_status.from_call`` (the
+    ``grpc-status-details-bin`` trailer), as the engines send it; a status whose
+    details disagree with the call's code or message counts as none.
+    """
     call = cast(grpc.Call, exc)
     try:
         status = rpc_status.from_call(call)
     except ValueError:
-        return ""
+        return "", {}
     if status is None:
-        return ""
+        return "", {}
     for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
-            return str(info.reason)
-    return ""
+            return str(info.reason), dict(info.metadata)
+    return "", {}
+
+
+def error_reason(exc: grpc.RpcError) -> str:
+    """Return the ``ErrorInfo.reason`` carried by a failed call, or ``""`` when none."""
+    return error_info(exc)[0]

@@ -27,18 +27,22 @@ through the ``on_event`` callback.
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from wsync_grpc.core.adapter import EngineAdapter, InPlaceReceive, StorageSwap
-from wsync_grpc.core.validation import Bucket, Tensor
-from wsync_grpc.group.process_group import GroupError, GroupTimeout, WeightSyncGroup, wait_all
+from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot
+from wsync_grpc.core.packing import NamedTensors, tensor_views
+from wsync_grpc.group.process_group import WeightSyncGroup
+from wsync_grpc.group.waits import wait_all
+from wsync_grpc.worker.buffers import BufferPool
+from wsync_grpc.worker.feed import BucketFeed
 
 log = logging.getLogger(__name__)
 
@@ -58,207 +62,6 @@ At most ``INDIVIDUAL_CHUNK * INDIVIDUAL_DEPTH`` receives are outstanding: enough
 wire busy with tensors of a few kB, while a bucket of a large MoE (thousands of tensors) is
 never posted, allocated and held all at once.
 """
-
-NamedTensors = list[tuple[str, torch.Tensor]]
-
-
-@functools.lru_cache(maxsize=4096)
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    step = 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
-
-
-def tensor_views(flat: torch.Tensor, tensors: Iterable[Tensor]) -> NamedTensors:
-    """View a received flat bucket as its tensors to load: ``(canonical name, tensor)``, no copy.
-
-    Tied aliases already in the update (``load`` false) are left out. One
-    ``as_strided`` per tensor over a typed view of the buffer: a bucket of a
-    large MoE holds thousands of small tensors, and slicing then viewing each
-    one measured 3x slower.
-    """
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    base = flat.storage_offset()  # bytes: flat is uint8
-    out: NamedTensors = []
-    for t in tensors:
-        if not t.load:
-            continue
-        esize = t.dtype.itemsize
-        view = typed.get(t.dtype)
-        if view is None:
-            if base % esize:  # not aligned for a typed view of the storage: slice it the slow way
-                out.append((t.canonical, flat[t.offset : t.offset + t.nbytes].view(t.dtype).view(t.shape)))
-                continue
-            view = typed[t.dtype] = flat[: flat.numel() - flat.numel() % esize].view(t.dtype)
-        # Offsets are multiples of the element size (validated at Prepare).
-        out.append((t.canonical, view.as_strided(t.shape, _contiguous_strides(t.shape), (base + t.offset) // esize)))
-    return out
-
-
-class BucketFeed:
-    """The buckets of one update, appended by Prepare/Update and read by every worker.
-
-    Thread-safe. :meth:`close` says no more buckets will come (Complete, or a
-    failure).
-    """
-
-    def __init__(self) -> None:
-        self._buckets: list[Bucket] = []
-        self._closed = False
-        self._max_size = 0
-        self._cond = threading.Condition()
-
-    def extend(self, buckets: list[Bucket]) -> None:
-        """Append validated buckets."""
-        with self._cond:
-            self._buckets.extend(buckets)
-            self._max_size = max([self._max_size, *(b.size_bytes for b in buckets)])
-            self._cond.notify_all()
-
-    @property
-    def max_size_bytes(self) -> int:
-        """The largest ``size_bytes`` of the buckets declared so far, in bytes."""
-        return self._max_size
-
-    def close(self) -> None:
-        """No more buckets will be appended. Idempotent."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._buckets)
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    def get(self, i: int, timeout: float | None) -> Bucket | None:
-        """Return bucket ``i``; ``None`` when the feed is closed before it.
-
-        ``timeout`` (seconds) bounds the wait for bucket ``i`` to be declared;
-        ``0`` does not wait.
-
-        Raises:
-            LookupError: ``timeout`` was 0 and bucket ``i`` is not declared yet.
-            GroupTimeout: bucket ``i`` was not declared within ``timeout``.
-        """
-        with self._cond:
-            if timeout == 0:
-                if i < len(self._buckets):
-                    return self._buckets[i]
-                if self._closed:
-                    return None
-                raise LookupError(i)
-            ok = self._cond.wait_for(lambda: i < len(self._buckets) or self._closed, timeout)
-            if not ok:
-                raise GroupTimeout(f"no bucket {i} was declared within {timeout:g} s (Update or Complete)")
-            return self._buckets[i] if i < len(self._buckets) else None
-
-
-class BufferPool:
-    """Flat ``uint8`` receive buffers of one worker, reused across buckets and updates.
-
-    On CPU a fresh multi-MB buffer is fresh memory from the OS: the first
-    write into it page-faults every 4 KiB, which measured 3-5x slower than
-    receiving into memory already touched. The pool hands out the smallest
-    free buffer that is large enough and takes buffers back after they were
-    applied (streaming) or after Complete (staged).
-
-    What it holds stays bounded by what the last update needed: at the end
-    of an update (:meth:`trim`) it keeps only the buffers that update used,
-    and a buffer left over from an earlier update that is too small for a
-    request is released before a new one is allocated. With streaming apply
-    the receiver asks for buffers of the update's largest bucket
-    (``capacity``), so that two buffers serve every bucket of the update
-    however their sizes differ.
-
-    Args:
-        device: where buffers live.
-        keep: keep the buffers an update used for the next one (True), or
-            drop every free buffer when :meth:`trim` is called at the end of
-            each update (False). Keeping costs memory between syncs: about
-            two buckets with streaming apply, the update's size with staged
-            apply.
-    """
-
-    def __init__(self, device: torch.device, keep: bool) -> None:
-        self.device = device
-        self.keep = keep
-        self._free: list[torch.Tensor] = []
-        self._used: set[int] = set()  # data_ptr of every buffer handed out since the last trim
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int, capacity: int = 0) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` bytes (its first ``nbytes`` are returned as a view).
-
-        Args:
-            nbytes: bytes needed, in bytes.
-            capacity: when no free buffer is large enough, allocate
-                ``max(nbytes, capacity)`` bytes, so that the buffer also
-                fits the larger buckets still to come.
-        """
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
-            if fits:
-                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-                self._used.add(buf.data_ptr())
-                return buf[:nbytes]
-            # Leftovers of an earlier update too small for this one: give their memory back first.
-            self._free = [b for b in self._free if b.data_ptr() in self._used]
-        buf = torch.empty(max(nbytes, capacity), dtype=torch.uint8, device=self.device)
-        with self._lock:
-            self._used.add(buf.data_ptr())
-        return buf[:nbytes]
-
-    def take_exact(self, nbytes: int) -> torch.Tensor:
-        """A buffer of exactly ``nbytes`` bytes, of its own (not a view of a larger one).
-
-        For a tensor an engine will serve from the buffer itself
-        (:class:`~wsync_grpc.core.adapter.StorageSwap`): a larger buffer would stay
-        allocated behind it.
-        """
-        with self._lock:
-            for i, b in enumerate(self._free):
-                if b.numel() == nbytes:
-                    buf = self._free.pop(i)
-                    self._used.add(buf.data_ptr())
-                    return buf
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        with self._lock:
-            self._used.add(buf.data_ptr())
-        return buf
-
-    def give(self, buf: torch.Tensor, *, used: bool = False) -> None:
-        """Return a buffer (or a view of one) for reuse.
-
-        Args:
-            used: count it as used by this update, so that :meth:`trim` keeps
-                it (memory an engine gave back in exchange for a buffer).
-        """
-        base = buf if buf._base is None else buf._base
-        with self._lock:
-            if all(b.data_ptr() != base.data_ptr() for b in self._free):
-                self._free.append(base)
-            if used:
-                self._used.add(base.data_ptr())
-
-    def trim(self) -> None:
-        """End of an update: keep only the free buffers it used (none unless the pool keeps them)."""
-        with self._lock:
-            self._free = [b for b in self._free if self.keep and b.data_ptr() in self._used]
-            self._used = set()
-
-    @property
-    def free_bytes(self) -> int:
-        """Bytes held in free buffers."""
-        with self._lock:
-            return sum(b.numel() for b in self._free)
 
 
 @dataclass
@@ -292,8 +95,8 @@ class WorkerReceiver(threading.Thread):
         group: the worker's weight-sync group membership.
         adapter: the engine, for streaming apply.
         feed: the update's buckets.
-        flattened: layout (True: one broadcast per bucket).
-        streaming: apply each bucket as it arrives (True) or keep it for Complete.
+        layout: flattened (one broadcast per bucket) or individual (one per tensor).
+        apply_mode: streaming (apply each bucket as it arrives) or staged (keep it for Complete).
         cancel: set to stop at the next wait.
         pool: the worker's flat receive buffers.
         on_event: called from this thread after each received bucket and when
@@ -307,8 +110,8 @@ class WorkerReceiver(threading.Thread):
         group: WeightSyncGroup,
         adapter: EngineAdapter,
         feed: BucketFeed,
-        flattened: bool,
-        streaming: bool,
+        layout: Layout,
+        apply_mode: ApplyMode,
         cancel: threading.Event,
         pool: BufferPool,
         on_event: Callable[[WorkerReceiver], None],
@@ -318,8 +121,8 @@ class WorkerReceiver(threading.Thread):
         self.group = group
         self.adapter = adapter
         self.feed = feed
-        self.flattened = flattened
-        self.streaming = streaming
+        self.flattened = layout is Layout.FLATTENED
+        self.streaming = apply_mode is ApplyMode.STREAMING
         self.cancel = cancel
         self.on_event = on_event
         self.device = group.device
@@ -341,8 +144,8 @@ class WorkerReceiver(threading.Thread):
         """Whether a receive was posted straight into a served tensor (it may be half written)."""
         self.tensors_direct = 0
         """Tensors received straight into the served ones (counted in :attr:`tensors_applied` too)."""
-        self._in_place = adapter if streaming and isinstance(adapter, InPlaceReceive) else None
-        self._swap = adapter if not streaming and isinstance(adapter, StorageSwap) else None
+        self._in_place = adapter if self.streaming and isinstance(adapter, InPlaceReceive) else None
+        self._swap = adapter if not self.streaming and isinstance(adapter, StorageSwap) else None
         self.swaps: list[tuple[str, torch.Tensor]] = []
         """Staged apply on a :class:`StorageSwap` engine: ``(canonical name, tensor)`` to serve as they are."""
         self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
@@ -351,7 +154,7 @@ class WorkerReceiver(threading.Thread):
         try:
             self._receive_all()
         except BaseException as e:
-            if not isinstance(e, (GroupError, GroupTimeout)):  # reported as the group breaking or timing out
+            if not isinstance(e, (GroupError, GroupTimeout, Cancelled)):  # reported as such, without a traceback
                 log.exception("receiver of worker %d failed", self.worker)
             self.error = e
         finally:
@@ -369,7 +172,7 @@ class WorkerReceiver(threading.Thread):
         while True:
             while sum(p.holds_buffer for p in pending) < depth and len(pending) < MAX_POSTED and not closed:
                 if self.cancel.is_set():
-                    raise GroupError("cancelled")
+                    raise Cancelled("the update was cancelled")
                 if partial is not None:
                     bucket, start = partial.bucket, partial.end
                 else:
@@ -408,7 +211,7 @@ class WorkerReceiver(threading.Thread):
         deadline = time.monotonic() + timeout
         while True:
             if self.cancel.is_set():
-                raise GroupError("cancelled")
+                raise Cancelled("the update was cancelled")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise GroupTimeout(f"no bucket {i} was declared within {timeout:g} s (Update or Complete)")
@@ -417,7 +220,7 @@ class WorkerReceiver(threading.Thread):
             except GroupTimeout:
                 continue
 
-    def _served_target(self, t: Tensor) -> torch.Tensor | None:
+    def _served_target(self, t: TensorSlot) -> torch.Tensor | None:
         """The served tensor to receive ``t`` straight into, or None (see :class:`InPlaceReceive`).
 
         Only with streaming apply on an engine that offers it, for a tensor to
@@ -441,9 +244,9 @@ class WorkerReceiver(threading.Thread):
             return None
         return target.detach()
 
-    def _swappable(self, t: Tensor | None, size_bytes: int) -> bool:
+    def _swappable(self, t: TensorSlot | None) -> bool:
         """Whether the lone tensor ``t`` can be received into a buffer the engine then serves (staged apply)."""
-        if self._swap is None or t is None or not t.load or t.offset != 0 or t.nbytes != size_bytes or t.nbytes == 0:
+        if self._swap is None or t is None or not t.load:
             return False
         served = self.adapter.get_weight(t.canonical)
         return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self.device
@@ -453,13 +256,13 @@ class WorkerReceiver(threading.Thread):
         if self.first_post_at is None:
             self.first_post_at = time.monotonic()
         if self.flattened:
-            only = bucket.tensors[0] if len(bucket.tensors) == 1 else None
-            target = self._served_target(only) if only is not None and only.offset == 0 else None
-            if target is not None and only is not None and only.nbytes == bucket.size_bytes:
+            lone = bucket.lone
+            target = self._served_target(lone) if lone is not None else None
+            if target is not None:
                 self.wrote_served = True  # before posting: bytes may land at once
                 flat = target.view(-1).view(torch.uint8)
                 return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(True,))
-            if self._swappable(only, bucket.size_bytes):
+            if self._swappable(lone):
                 flat = self.pool.take_exact(bucket.size_bytes)
                 return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(False,), swap=True)
             # Streaming reuses two buffers for every bucket: size them for the largest one.

@@ -177,9 +177,12 @@ class WeightSyncServiceServicer:
     def Resume(self, request, context):
         """Resume admits generation requests again and continues frozen ones.
 
-        Allowed in every state except while a streaming update is applying.
+        Allowed in every state, except while a streaming update is in flight
+        (from its Prepare until its Complete ends or it is cancelled or fails):
+        that fails with FAILED_PRECONDITION (reason STREAMING_UPDATE_IN_FLIGHT),
+        because the weights change bucket by bucket and the engine stays frozen.
         Fails with FAILED_PRECONDITION (reason ENGINE_DIRTY) when a failed
-        streaming update left the weights half-updated, unless force = true.
+        update left the weights half-updated, unless force = true.
         Idempotent: resuming a serving engine succeeds with was_paused = false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -120,9 +120,12 @@ class WeightSyncServiceStub:
     Resume: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.ResumeRequest, _weight_sync_pb2.ResumeResponse]
     """Resume admits generation requests again and continues frozen ones.
 
-    Allowed in every state except while a streaming update is applying.
+    Allowed in every state, except while a streaming update is in flight
+    (from its Prepare until its Complete ends or it is cancelled or fails):
+    that fails with FAILED_PRECONDITION (reason STREAMING_UPDATE_IN_FLIGHT),
+    because the weights change bucket by bucket and the engine stays frozen.
     Fails with FAILED_PRECONDITION (reason ENGINE_DIRTY) when a failed
-    streaming update left the weights half-updated, unless force = true.
+    update left the weights half-updated, unless force = true.
     Idempotent: resuming a serving engine succeeds with was_paused = false.
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.GetStatusRequest, _weight_sync_pb2.GetStatusResponse]
@@ -233,9 +236,12 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     Resume: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.ResumeRequest, _weight_sync_pb2.ResumeResponse]  # type: ignore[assignment]
     """Resume admits generation requests again and continues frozen ones.
 
-    Allowed in every state except while a streaming update is applying.
+    Allowed in every state, except while a streaming update is in flight
+    (from its Prepare until its Complete ends or it is cancelled or fails):
+    that fails with FAILED_PRECONDITION (reason STREAMING_UPDATE_IN_FLIGHT),
+    because the weights change bucket by bucket and the engine stays frozen.
     Fails with FAILED_PRECONDITION (reason ENGINE_DIRTY) when a failed
-    streaming update left the weights half-updated, unless force = true.
+    update left the weights half-updated, unless force = true.
     Idempotent: resuming a serving engine succeeds with was_paused = false.
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.GetStatusRequest, _weight_sync_pb2.GetStatusResponse]  # type: ignore[assignment]
@@ -379,9 +385,12 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_weight_sync_pb2.ResumeResponse, _abc.Awaitable[_weight_sync_pb2.ResumeResponse]]:
         """Resume admits generation requests again and continues frozen ones.
 
-        Allowed in every state except while a streaming update is applying.
+        Allowed in every state, except while a streaming update is in flight
+        (from its Prepare until its Complete ends or it is cancelled or fails):
+        that fails with FAILED_PRECONDITION (reason STREAMING_UPDATE_IN_FLIGHT),
+        because the weights change bucket by bucket and the engine stays frozen.
         Fails with FAILED_PRECONDITION (reason ENGINE_DIRTY) when a failed
-        streaming update left the weights half-updated, unless force = true.
+        update left the weights half-updated, unless force = true.
         Idempotent: resuming a serving engine succeeds with was_paused = false.
         """
 

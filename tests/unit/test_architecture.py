@@ -1,0 +1,88 @@
+"""The package's layering (docs/architecture.md): import arrows run one way, and every room stays small."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "wsync_grpc"
+
+ALLOWED: dict[str, set[str]] = {
+    "core": {"core"},
+    "wire": {"core", "wire"},
+    "group": {"core", "group"},
+    "worker": {"core", "group", "worker"},
+    "service": {"core", "wire", "group", "worker", "service"},
+    "trainer": {"core", "wire", "group", "trainer"},
+    "engines": {"core", "engines"},
+}
+"""Layer -> the layers of ``wsync_grpc`` its modules may import (tools and testing may import any)."""
+
+FORBIDDEN_IN_CORE = ("grpc", "grpc_status", "google.protobuf", "google.rpc", "wsync.v1", "torch.distributed")
+
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 60
+"""A function's lines, its docstring left out."""
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.stat().st_size > 0)
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(tree: ast.AST) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_the_layers_exist() -> None:
+    layers = {_layer(p) for p in _modules()}
+    assert set(ALLOWED) <= layers, f"missing layers: {set(ALLOWED) - layers}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(path: Path) -> None:
+    layer = _layer(path)
+    imports = _imports(ast.parse(path.read_text()))
+    if layer == "core":
+        bad = [m for m in imports if any(m == f or m.startswith(f + ".") for f in FORBIDDEN_IN_CORE)]
+        assert not bad, f"the pure core imports {bad}"
+    if layer not in ALLOWED:
+        return  # tools, testing: the top of the picture
+    ours = {m.split(".")[1] for m in imports if m.startswith("wsync_grpc.")}
+    assert ours <= ALLOWED[layer], f"{layer} imports {sorted(ours - ALLOWED[layer])}"
+
+
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> int:
+    assert node.end_lineno is not None
+    lines = node.end_lineno - node.lineno + 1
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        doc = body[0]
+        assert doc.end_lineno is not None
+        if isinstance(doc.value.value, str) and not isinstance(node, ast.ClassDef):
+            lines -= doc.end_lineno - doc.lineno + 1
+    return lines
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_rooms_stay_small(path: Path) -> None:
+    text = path.read_text()
+    assert text.count("\n") <= MAX_MODULE_LINES, f"{path.name}: {text.count(chr(10))} lines"
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef):
+            assert _code_lines(node) <= MAX_CLASS_LINES, f"class {node.name}: {_code_lines(node)} lines"
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            assert _code_lines(node) <= MAX_FUNCTION_LINES, f"{node.name}: {_code_lines(node)} lines"

@@ -1,0 +1,127 @@
+"""The one model of an update's buckets, shared by the trainer (planning, packing) and the engines (receive).
+
+A weight update travels as *buckets*. In the flattened layout
+(:attr:`Layout.FLATTENED`, SGLang's ``flattened_bucket`` load format) a bucket
+is one contiguous ``uint8`` buffer of ``size_bytes`` holding its tensors at
+aligned byte offsets, sent with one broadcast. In the individual layout
+(:attr:`Layout.INDIVIDUAL`, SGLang's default ``update_weights_from_distributed``)
+every tensor is its own broadcast, in its wire dtype and shape; buckets then
+only group the metadata (and bound the engine's memory in streaming apply).
+
+The enums here are the domain side of ``wsync.v1.BucketLayout``,
+``wsync.v1.ApplyMode`` and ``wsync.v1.Transport``; their values are the names
+a trainer passes to :meth:`~wsync_grpc.trainer.client.TrainerClient.sync`
+(``"flattened"``, ``"staged"``...). :mod:`wsync_grpc.wire.convert` maps them to
+and from the proto numbers, one map per enum. Sizes are in bytes throughout.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+class Layout(enum.Enum):
+    """How a bucket travels: one broadcast per bucket, or one per tensor (``wsync.v1.BucketLayout``)."""
+
+    FLATTENED = "flattened"
+    INDIVIDUAL = "individual"
+
+
+class ApplyMode(enum.Enum):
+    """When an engine applies an update (``wsync.v1.ApplyMode``)."""
+
+    STAGED = "staged"
+    """Received into buffers while the engine serves the old weights; applied at Complete."""
+    STREAMING = "streaming"
+    """Applied bucket by bucket as it arrives; the engine is frozen until Complete."""
+
+
+class Transport(enum.Enum):
+    """How the bytes of an update travel (``wsync.v1.Transport``)."""
+
+    BROADCAST = "broadcast"
+    CUDA_IPC = "cuda_ipc"
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One tensor's place in a bucket.
+
+    Attributes:
+        name: the name it is sent under (Hugging Face naming).
+        dtype: the wire dtype.
+        shape: its shape; ``()`` for a scalar.
+        offset: where it starts inside the bucket's flat buffer, in bytes (a
+            multiple of its element size; 0 in the individual layout).
+        nbytes: its size on the wire, in bytes (``numel * element_size(dtype)``).
+        canonical: the engine's canonical name for it (tied aliases resolved);
+            the name itself on the trainer side.
+        load: False for a tied alias whose canonical tensor is already in the
+            same update: its bytes are received but loaded only once.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    canonical: str
+    load: bool = True
+
+    @property
+    def end(self) -> int:
+        """One past its last byte inside the flat buffer, in bytes."""
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of an update.
+
+    Attributes:
+        index: position in the update, from 0.
+        size_bytes: length of the flat buffer, in bytes: the end of its last
+            tensor (no trailing padding; padding sits only between tensors). In
+            the individual layout, the sum of its tensors' sizes.
+        tensors: its tensors, in the order they travel.
+    """
+
+    index: int
+    size_bytes: int
+    tensors: tuple[TensorSlot, ...]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Sum of the tensors' sizes, in bytes (``size_bytes`` minus padding)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def wire_bytes(self, layout: Layout = Layout.FLATTENED) -> int:
+        """Bytes this bucket puts on the wire in ``layout``, in bytes.
+
+        Flattened: ``size_bytes`` (padding included). Individual: the sum of
+        the tensors' sizes, which is what the contract requires the
+        ``BucketSpec.size_bytes`` of that layout to be.
+        """
+        return self.payload_bytes if layout is Layout.INDIVIDUAL else self.size_bytes
+
+    @property
+    def lone(self) -> TensorSlot | None:
+        """The bucket's only tensor when the bucket is exactly that tensor's bytes (no padding), else None.
+
+        Such a bucket needs no packing on the sender and no unpacking on the
+        receiver: its flat buffer is the tensor itself.
+        """
+        if len(self.tensors) != 1:
+            return None
+        t = self.tensors[0]
+        return t if t.offset == 0 and t.nbytes == self.size_bytes and t.nbytes > 0 else None
+
+
+def total_wire_bytes(buckets: Iterable[Bucket], layout: Layout = Layout.FLATTENED) -> int:
+    """Sum of :meth:`Bucket.wire_bytes` over ``buckets``: the Prepare header's ``total_bytes``, in bytes."""
+    return sum(b.wire_bytes(layout) for b in buckets)

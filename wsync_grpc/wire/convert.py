@@ -1,0 +1,191 @@
+"""``wsync.v1`` messages <-> domain values: one map per enum, durations, headers and bucket specs.
+
+The domain enums live in the core (:class:`~wsync_grpc.core.layout.Layout`,
+:class:`~wsync_grpc.core.layout.ApplyMode`,
+:class:`~wsync_grpc.core.layout.Transport`,
+:class:`~wsync_grpc.core.adapter.PauseMode`, the backend names ``"gloo"`` /
+``"nccl"``); each has exactly one map to its proto enum here, and its inverse is
+derived from it. An ``*_UNSPECIFIED`` value means the contract's default; a
+number the contract does not define is refused with INVALID_ARGUMENT
+(reason UNKNOWN_ENUM_VALUE).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+from google.protobuf import duration_pb2
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.core.adapter import PauseMode
+from wsync_grpc.core.dtypes import dtype_name
+from wsync_grpc.core.errors import InvalidArgument
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport
+from wsync_grpc.core.validation import UpdateHeader
+
+E = TypeVar("E")
+
+LAYOUTS: dict[Layout, pb.BucketLayout.ValueType] = {
+    Layout.FLATTENED: pb.BUCKET_LAYOUT_FLATTENED,
+    Layout.INDIVIDUAL: pb.BUCKET_LAYOUT_INDIVIDUAL,
+}
+APPLY_MODES: dict[ApplyMode, pb.ApplyMode.ValueType] = {
+    ApplyMode.STAGED: pb.APPLY_MODE_STAGED,
+    ApplyMode.STREAMING: pb.APPLY_MODE_STREAMING,
+}
+TRANSPORTS: dict[Transport, pb.Transport.ValueType] = {
+    Transport.BROADCAST: pb.TRANSPORT_BROADCAST,
+    Transport.CUDA_IPC: pb.TRANSPORT_CUDA_IPC,
+    Transport.DISK: pb.TRANSPORT_DISK,
+}
+PAUSE_MODES: dict[PauseMode, pb.PauseMode.ValueType] = {
+    PauseMode.ABORT: pb.PAUSE_MODE_ABORT,
+    PauseMode.WAIT: pb.PAUSE_MODE_WAIT,
+    PauseMode.KEEP: pb.PAUSE_MODE_KEEP,
+}
+BACKENDS: dict[str, pb.Backend.ValueType] = {"gloo": pb.BACKEND_GLOO, "nccl": pb.BACKEND_NCCL}
+"""Backend name (``torch.distributed``'s) -> ``wsync.v1.Backend``; ``""`` (choose by device) is UNSPECIFIED."""
+
+PREPARE_BATCH_BYTES = 1024 * 1024
+"""Bound on the serialized bucket specs batched into one Prepare message, in bytes (1 MiB).
+
+An engine pays a fixed cost on every stream message whatever its size, so a
+trainer that sends hundreds of buckets (large tensors alone in their
+buckets, a large MoE) batches them. 1 MiB stays far below gRPC's default
+4 MiB receive limit.
+"""
+
+
+def from_proto(table: Mapping[E, int], value: int, default: E, what: str) -> E:
+    """The domain value of proto enum number ``value`` by ``table`` (one of the maps above).
+
+    Args:
+        default: what ``0`` (``*_UNSPECIFIED``) means.
+        what: the field's name, for the error message.
+
+    Raises:
+        InvalidArgument: UNKNOWN_ENUM_VALUE, a number the contract does not define.
+    """
+    if value == 0:
+        return default
+    for domain, number in table.items():
+        if number == value:
+            return domain
+    raise InvalidArgument("UNKNOWN_ENUM_VALUE", f"{what} value {value} is not defined in wsync.v1")
+
+
+def backend_from_proto(value: int) -> str:
+    """``"gloo"``, ``"nccl"``, or ``""`` for BACKEND_UNSPECIFIED (each side chooses by device).
+
+    Raises:
+        InvalidArgument: UNKNOWN_ENUM_VALUE.
+    """
+    return from_proto(BACKENDS, value, "", "backend")
+
+
+def backend_to_proto(backend: str) -> pb.Backend.ValueType:
+    """The ``wsync.v1.Backend`` of ``backend`` (``""``: BACKEND_UNSPECIFIED)."""
+    return BACKENDS.get(backend, pb.BACKEND_UNSPECIFIED)
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    """``seconds`` as a ``google.protobuf.Duration``."""
+    d = duration_pb2.Duration()
+    d.FromTimedelta(datetime.timedelta(seconds=seconds))
+    return d
+
+
+def seconds(d: duration_pb2.Duration, default: float) -> float:
+    """A ``google.protobuf.Duration`` in seconds; ``default`` when unset or zero.
+
+    Raises:
+        InvalidArgument: NEGATIVE_TIMEOUT, a negative duration.
+    """
+    s = d.seconds + d.nanos / 1e9
+    if s < 0:
+        raise InvalidArgument("NEGATIVE_TIMEOUT", f"timeout must not be negative, got {s} s")
+    return s if s > 0 else default
+
+
+def transport_from_proto(value: int) -> Transport:
+    """The transport of a ``wsync.v1.Transport`` number (UNSPECIFIED: broadcast).
+
+    Raises:
+        InvalidArgument: UNKNOWN_ENUM_VALUE.
+    """
+    return from_proto(TRANSPORTS, value, Transport.BROADCAST, "transport")
+
+
+def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
+    """The domain :class:`~wsync_grpc.core.validation.UpdateHeader` of a ``PrepareHeader`` (not validated yet).
+
+    Unspecified enums take the contract's defaults: broadcast, flattened, staged.
+
+    Raises:
+        InvalidArgument: UNKNOWN_ENUM_VALUE for a transport, layout or apply mode the contract does not define.
+    """
+    return UpdateHeader(
+        update_id=h.update_id,
+        weight_version=h.weight_version,
+        transport=transport_from_proto(h.transport),
+        layout=from_proto(LAYOUTS, h.layout, Layout.FLATTENED, "layout"),
+        apply_mode=from_proto(APPLY_MODES, h.apply_mode, ApplyMode.STAGED, "apply_mode"),
+        bucket_count=h.bucket_count,
+        total_bytes=h.total_bytes,
+        incremental=h.incremental,
+    )
+
+
+def bucket_spec(bucket: Bucket, layout: Layout = Layout.FLATTENED) -> pb.BucketSpec:
+    """Build the ``wsync.v1.BucketSpec`` message of ``bucket`` for ``layout``.
+
+    The name/dtype/shape fields are the same as SGLang's
+    ``UpdateWeightsFromDistributedReqInput.names/dtypes/shapes``; the dtype is
+    torch's own name (``"bfloat16"``). ``offset_bytes`` is 0 in the individual
+    layout, where the contract ignores it, and ``size_bytes`` is
+    :meth:`~wsync_grpc.core.layout.Bucket.wire_bytes`.
+    """
+    individual = layout is Layout.INDIVIDUAL
+    msg = pb.BucketSpec(index=bucket.index, size_bytes=bucket.wire_bytes(layout))
+    add = msg.tensors.add  # appending in place: faster than building a list of TensorSpec
+    for t in bucket.tensors:
+        add(name=t.name, dtype=dtype_name(t.dtype), shape=t.shape, offset_bytes=0 if individual else t.offset)
+    return msg
+
+
+def batch_bucket_specs(specs: Sequence[pb.BucketSpec], max_bytes: int = PREPARE_BATCH_BYTES) -> list[pb.PrepareRequest]:
+    """The Prepare stream's bucket messages for ``specs``: consecutive buckets batched into messages.
+
+    Each message holds as many consecutive buckets as fit in ``max_bytes``
+    of serialized specs (at least one), as a ``bucket`` when it is one and a
+    ``buckets`` batch otherwise (``wsync.v1.PrepareRequest``).
+
+    Args:
+        specs: the buckets' specs, in index order.
+        max_bytes: bound on the specs' serialized size per message, in bytes
+            (a spec larger than it travels alone).
+
+    Returns:
+        The messages to stream after the header, in order; ``[]`` for no specs.
+    """
+    out: list[pb.PrepareRequest] = []
+    batch: list[pb.BucketSpec] = []
+    size = 0
+
+    def flush() -> None:
+        if len(batch) == 1:
+            out.append(pb.PrepareRequest(bucket=batch[0]))
+        elif batch:
+            out.append(pb.PrepareRequest(buckets=pb.BucketBatch(buckets=batch)))
+
+    for spec in specs:
+        n = spec.ByteSize() + 6  # field tag and length prefix
+        if batch and size + n > max_bytes:
+            flush()
+            batch, size = [], 0
+        batch.append(spec)
+        size += n
+    flush()
+    return out

@@ -1,0 +1,107 @@
+"""A worker's flat receive buffers, reused across buckets and updates."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class BufferPool:
+    """Flat ``uint8`` receive buffers of one worker, reused across buckets and updates.
+
+    On CPU a fresh multi-MB buffer is fresh memory from the OS: the first
+    write into it page-faults every 4 KiB, which makes receiving into it much
+    slower than into memory already touched. The pool hands out the smallest
+    free buffer that is large enough and takes buffers back after they were
+    applied (streaming) or after Complete (staged).
+
+    What it holds stays bounded by what the last update needed: at the end
+    of an update (:meth:`trim`) it keeps only the buffers that update used,
+    and a buffer left over from an earlier update that is too small for a
+    request is released before a new one is allocated. With streaming apply
+    the receiver asks for buffers of the update's largest bucket
+    (``capacity``), so that two buffers serve every bucket of the update
+    however their sizes differ.
+
+    Args:
+        device: where buffers live.
+        keep: keep the buffers an update used for the next one (True), or
+            drop every free buffer when :meth:`trim` is called at the end of
+            each update (False). Keeping costs memory between syncs: about
+            two buckets with streaming apply, the update's size with staged
+            apply.
+    """
+
+    def __init__(self, device: torch.device, keep: bool) -> None:
+        self.device = device
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._used: set[int] = set()  # data_ptr of every buffer handed out since the last trim
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, capacity: int = 0) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes (its first ``nbytes`` are returned as a view).
+
+        Args:
+            nbytes: bytes needed, in bytes.
+            capacity: when no free buffer is large enough, allocate
+                ``max(nbytes, capacity)`` bytes, so that the buffer also
+                fits the larger buckets still to come.
+        """
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                self._used.add(buf.data_ptr())
+                return buf[:nbytes]
+            # Leftovers of an earlier update too small for this one: give their memory back first.
+            self._free = [b for b in self._free if b.data_ptr() in self._used]
+        buf = torch.empty(max(nbytes, capacity), dtype=torch.uint8, device=self.device)
+        with self._lock:
+            self._used.add(buf.data_ptr())
+        return buf[:nbytes]
+
+    def take_exact(self, nbytes: int) -> torch.Tensor:
+        """A buffer of exactly ``nbytes`` bytes, of its own (not a view of a larger one).
+
+        For a tensor an engine will serve from the buffer itself
+        (:class:`~wsync_grpc.core.adapter.StorageSwap`): a larger buffer would stay
+        allocated behind it.
+        """
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.numel() == nbytes:
+                    buf = self._free.pop(i)
+                    self._used.add(buf.data_ptr())
+                    return buf
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        with self._lock:
+            self._used.add(buf.data_ptr())
+        return buf
+
+    def give(self, buf: torch.Tensor, *, used: bool = False) -> None:
+        """Return a buffer (or a view of one) for reuse.
+
+        Args:
+            used: count it as used by this update, so that :meth:`trim` keeps
+                it (memory an engine gave back in exchange for a buffer).
+        """
+        base = buf if buf._base is None else buf._base
+        with self._lock:
+            if all(b.data_ptr() != base.data_ptr() for b in self._free):
+                self._free.append(base)
+            if used:
+                self._used.add(base.data_ptr())
+
+    def trim(self) -> None:
+        """End of an update: keep only the free buffers it used (none unless the pool keeps them)."""
+        with self._lock:
+            self._free = [b for b in self._free if self.keep and b.data_ptr() in self._used]
+            self._used = set()
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes held in free buffers."""
+        with self._lock:
+            return sum(b.numel() for b in self._free)

@@ -1,0 +1,71 @@
+"""The buckets of one update, appended by the engine's control plane and read by every worker's receiver."""
+
+from __future__ import annotations
+
+import threading
+
+from wsync_grpc.core.errors import GroupTimeout
+from wsync_grpc.core.layout import Bucket
+
+
+class BucketFeed:
+    """The buckets of one update, appended by Prepare/Update and read by every worker.
+
+    Thread-safe. :meth:`close` says no more buckets will come (Complete, or a
+    failure).
+    """
+
+    def __init__(self) -> None:
+        self._buckets: list[Bucket] = []
+        self._closed = False
+        self._max_size = 0
+        self._cond = threading.Condition()
+
+    def extend(self, buckets: list[Bucket]) -> None:
+        """Append validated buckets."""
+        with self._cond:
+            self._buckets.extend(buckets)
+            self._max_size = max([self._max_size, *(b.size_bytes for b in buckets)])
+            self._cond.notify_all()
+
+    @property
+    def max_size_bytes(self) -> int:
+        """The largest ``size_bytes`` of the buckets declared so far, in bytes."""
+        return self._max_size
+
+    def close(self) -> None:
+        """No more buckets will be appended. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._buckets)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def get(self, i: int, timeout: float | None) -> Bucket | None:
+        """Return bucket ``i``; ``None`` when the feed is closed before it.
+
+        ``timeout`` (seconds) bounds the wait for bucket ``i`` to be declared;
+        ``0`` does not wait.
+
+        Raises:
+            LookupError: ``timeout`` was 0 and bucket ``i`` is not declared yet.
+            GroupTimeout: bucket ``i`` was not declared within ``timeout``.
+        """
+        with self._cond:
+            if timeout == 0:
+                if i < len(self._buckets):
+                    return self._buckets[i]
+                if self._closed:
+                    return None
+                raise LookupError(i)
+            ok = self._cond.wait_for(lambda: i < len(self._buckets) or self._closed, timeout)
+            if not ok:
+                raise GroupTimeout(f"no bucket {i} was declared within {timeout:g} s (Update or Complete)")
+            return self._buckets[i] if i < len(self._buckets) else None
