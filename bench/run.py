@@ -54,7 +54,7 @@ from wsync_grpc.core.layout import total_wire_bytes
 from wsync_grpc.core.planning import DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES, plan_buckets
 from wsync_grpc.group.process_group import free_port
 from wsync_grpc.testing import EngineProcess, child_env, spawn_process, wait_all
-from wsync_grpc.trainer.client import TrainerClient
+from wsync_grpc.trainer import TrainerClient
 from wsync_grpc.wire.convert import batch_bucket_specs, bucket_spec
 
 log = logging.getLogger("bench")
@@ -667,7 +667,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cases", default="models,moe,fanout,control,profile", help="which cases to run")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
+    p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
     args = p.parse_args(argv)
+    if args.report_only:
+        return _report(json.loads((args.plots / "results.json").read_text()), args.out, args.plots)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
 
@@ -724,10 +727,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["total_seconds"] = time.monotonic() - start
     args.plots.mkdir(parents=True, exist_ok=True)
     (args.plots / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    checks = report.write(results, args.out, args.plots)
-    for c in checks:
-        print(f"{'PASS' if c.passed else 'FAIL'}  {c.target}: {c.measured}")
+    _report(results, args.out, args.plots)
     _say(f"done in {results['total_seconds']:.0f} s; wrote {args.out}")
+    return 0
+
+
+def _report(results: dict[str, Any], out: Path, plots: Path) -> int:
+    """Write ``out`` and the plots from ``results`` (:func:`bench.report.write`) and print the checks."""
+    for c in report.write(results, out, plots):
+        print(f"{'PASS' if c.passed else 'FAIL'}  {c.target}: {c.measured}")
     return 0
 
 

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from wsync_grpc.engines.models import load_causal_lm
-from wsync_grpc.trainer.client import TrainerClient
+from wsync_grpc.trainer import TrainerClient
 
 model, tokenizer, _ = load_causal_lm("smollm2")  # the same weights the engines serve
 model.requires_grad_(True)

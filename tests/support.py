@@ -1,10 +1,12 @@
-"""Shared helpers for the tests: free ports, in-process engines, the stub trainer process."""
+"""Shared helpers for the tests: in-process engines, the stub trainer process, short RPC helpers.
+
+Engine processes, in-process servers, free ports and joining as the trainer come from
+:mod:`wsync_grpc.testing`; the names re-exported here are the ones the tests import.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,18 +20,25 @@ from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.tensor import TensorEngine
-from wsync_grpc.group.process_group import WeightSyncGroup, join_group
-from wsync_grpc.service.server import WsyncServer, build_server
+from wsync_grpc.service.server import WsyncServer
+from wsync_grpc.testing import child_env, free_port, in_process_server, join_as_trainer
+
+__all__ = [
+    "ENV",
+    "ROOT",
+    "code_of",
+    "free_port",
+    "join_as_trainer",
+    "run_stub_trainer",
+    "start_stub_trainer",
+    "status",
+    "tensor_server",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'generated'}"}
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+"""The repository root."""
+ENV = child_env()
+"""The environment for child processes: this one's, with ``PYTHONPATH`` for the package and ``generated/``."""
 
 
 @contextmanager
@@ -38,13 +47,8 @@ def tensor_server(
 ) -> Iterator[tuple[WsyncServer, TensorEngine, weight_sync_pb2_grpc.WeightSyncServiceStub]]:
     """A real gRPC server on a loopback port serving a synthetic :class:`TensorEngine`."""
     engine = TensorEngine(synthetic.build(preset, seed=seed, dtype=dtype), aliases=synthetic.aliases(preset))
-    srv = build_server(engine)
-    channel = grpc.insecure_channel(srv.address)
-    try:
-        yield srv, engine, weight_sync_pb2_grpc.WeightSyncServiceStub(channel)
-    finally:
-        channel.close()
-        srv.stop(0.5)
+    with in_process_server(engine) as (srv, stub):
+        yield srv, engine, stub
 
 
 def _stub_trainer_cmd(target: str, port: int, args: tuple[str, ...]) -> list[str]:
@@ -76,14 +80,3 @@ def code_of(e: grpc.RpcError) -> grpc.StatusCode:
     """The status code of a failed call."""
     code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
     return code
-
-
-def join_as_trainer(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, timeout_s: float = 30) -> WeightSyncGroup:
-    """Init the engine and join its group as rank 0 from this process; returns the trainer's group."""
-    port = free_port()
-    req = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
-    req.timeout.FromSeconds(int(timeout_s))
-    fut = stub.Init.future(req, timeout=timeout_s + 10)
-    group = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=timeout_s)
-    fut.result()
-    return group

@@ -7,11 +7,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from support import ENV, ROOT
+
+from wsync_grpc.testing import spawn_engine
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,32 +43,12 @@ def _wsync(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_serve_status_pause_resume_and_sigterm(tmp_path: Path) -> None:
-    port_file = tmp_path / "port"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "wsync_grpc.tools.cli",
-            "serve",
-            "--synthetic",
-            "tiny",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
+    engine = spawn_engine(
+        ["--synthetic", "tiny"], port_file=tmp_path / "port", log=subprocess.PIPE, env=ENV, timeout_s=60
     )
+    proc = engine.process
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        target = f"127.0.0.1:{port_file.read_text().strip()}"
+        target = engine.target
         st = json.loads(_wsync("status", "--target", target).stdout)
         assert st["state"] == "LIFECYCLE_STATE_UNINITIALIZED" and st["paused"] is False
         assert st["engine"]["tensor_count"] == 20
@@ -83,7 +64,7 @@ def test_cli_serve_status_pause_resume_and_sigterm(tmp_path: Path) -> None:
         sums = json.loads(_wsync("checksums", "model.norm.weight", "--target", target).stdout)
         assert len(sums["checksums"][0]["sha256"]) == 64
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out = proc.communicate(timeout=60)[0].decode()
         assert proc.returncode == 0, out
         assert "listening on 127.0.0.1:" in out and "stopped" in out
     finally:

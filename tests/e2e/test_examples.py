@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,32 +15,19 @@ from support import ENV, ROOT
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.service.servicer import tensor_sha256
+from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.testing import spawn_engine
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @contextmanager
 def serve(tmp_path: Path, *args: str) -> Iterator[str]:
-    port_file = tmp_path / "port"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "wsync_grpc.tools.cli", "serve", "--port", "0", "--port-file", str(port_file), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=ENV,
-    )
+    engine = spawn_engine(args, port_file=tmp_path / "port", env=ENV, timeout_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        yield f"127.0.0.1:{port_file.read_text().strip()}"
+        yield engine.target
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        engine.stop(30)
 
 
 def run_example(name: str, *args: str) -> str:

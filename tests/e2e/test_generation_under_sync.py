@@ -42,7 +42,8 @@ from wsync.v1 import generation_pb2, generation_pb2_grpc, weight_sync_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.engines.reference import ReferenceEngine
-from wsync_grpc.trainer.client import ApplyMode, PauseModeName, TrainerClient
+from wsync_grpc.testing import EngineProcess, spawn_engine
+from wsync_grpc.trainer import ApplyMode, PauseModeName, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
 pytest.importorskip("transformers")
@@ -141,20 +142,10 @@ def explain(tokens: list[int], prompt_ids: list[int], sets: list[Greedy]) -> boo
     return fits(0, 0)
 
 
-def _start_engine(model_dir: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port_file = tmp / "engine.port"
+def _start_engine(model_dir: Path, tmp: Path) -> EngineProcess:
+    args = ["--model", str(model_dir), "--grace", "1"]
     log = tmp / "engine.log"
-    cmd = [sys.executable, "-m", "wsync_grpc.tools.cli", "serve", "--model", str(model_dir)]
-    cmd += ["--port", "0", "--port-file", str(port_file), "--grace", "1"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"engine did not start: {log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{int(port_file.read_text())}", log
+    return spawn_engine(args, port_file=tmp / "engine.port", log=log, env=ENV, cwd=ROOT, timeout_s=START_TIMEOUT_S)
 
 
 @dataclasses.dataclass
@@ -197,16 +188,12 @@ def served_tiny_llama(
     greedy = {name: Greedy(m, eos, prompt_ids) for name, m in models.items()}
     for name in models:  # the helper reproduces the engine's decoding
         assert tuple(greedy[name].run(MAX_NEW_TOKENS)) == reference[name]
-    proc, target, log = _start_engine(model_dir, tmp)
+    engine = _start_engine(model_dir, tmp)
+    assert engine.log is not None
     try:
-        yield Fixture(target, log, models, greedy, prompt_ids, reference, texts)
+        yield Fixture(engine.target, engine.log, models, greedy, prompt_ids, reference, texts)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        engine.stop(10)
 
 
 def generate(stub: generation_pb2_grpc.GenerationServiceStub) -> generation_pb2.GenerateResponse:
@@ -440,7 +427,7 @@ def test_streaming_apply_freezes_requests_left_running_by_a_timed_out_drain(serv
 DOOMED_TRAINER = r"""
 import os, signal, sys
 import torch
-from wsync_grpc.trainer.client import TrainerClient
+from wsync_grpc.trainer import TrainerClient
 
 target, weights, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
 state_dict = torch.load(weights)

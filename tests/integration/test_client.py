@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,7 +25,8 @@ import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.engines import synthetic
-from wsync_grpc.trainer.client import (
+from wsync_grpc.testing import EngineProcess, child_env, free_port, spawn_engine, spawn_process, stop_all
+from wsync_grpc.trainer import (
     TRAINER,
     ApplyMode,
     EngineCallError,
@@ -37,11 +35,10 @@ from wsync_grpc.trainer.client import (
     SyncError,
     SyncProgress,
     TrainerClient,
-    free_port,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'generated'}", "WSYNC_LOG_LEVEL": "INFO"}
+ENV = child_env({"WSYNC_LOG_LEVEL": "INFO"})
 START_TIMEOUT_S = 120.0
 
 # name, dtype, shape: mixed dtypes, a scalar, ints, bools, a tied embedding (lm_head is its alias).
@@ -92,68 +89,37 @@ srv.wait()
 # ----------------------------------------------------------------------------- engine processes
 
 
-@dataclass
-class Engine:
-    """One engine process and its control address."""
-
-    proc: subprocess.Popen[bytes]
-    target: str
-    log: Path
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
-
-
-def _start(cmd: list[str], port_file: Path, log: Path) -> Engine:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not port_file.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}: {log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"engine did not start within {START_TIMEOUT_S} s: {log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    port = int(port_file.read_text().strip())
-    return Engine(proc, f"127.0.0.1:{port}", log)
-
-
-def start_tensor_engine(tmp: Path, name: str, tensors: list[tuple[str, str, list[int]]], seed: int = 0) -> Engine:
+def start_tensor_engine(
+    tmp: Path, name: str, tensors: list[tuple[str, str, list[int]]], seed: int = 0
+) -> EngineProcess:
     """Start the launcher above serving ``tensors`` (random bit patterns from ``seed``)."""
     port_file = tmp / f"{name}.port"
     spec = {"tensors": tensors, "aliases": TIED, "name": name, "seed": seed, "port_file": str(port_file)}
-    return _start([sys.executable, "-c", ENGINE_SCRIPT, json.dumps(spec)], port_file, tmp / f"{name}.log")
+    cmd = [sys.executable, "-c", ENGINE_SCRIPT, json.dumps(spec)]
+    return spawn_process(
+        cmd, ready_file=port_file, log=tmp / f"{name}.log", env=ENV, cwd=ROOT, timeout_s=START_TIMEOUT_S
+    )
 
 
-def start_cli_engine(tmp: Path, name: str, preset: str = "tiny", dtype: str = "bfloat16") -> Engine:
+def start_cli_engine(tmp: Path, name: str, preset: str = "tiny", dtype: str = "bfloat16") -> EngineProcess:
     """Start ``python -m wsync_grpc.tools.cli serve --synthetic PRESET --port 0 --port-file ...``."""
-    port_file = tmp / f"{name}.port"
-    cmd = [sys.executable, "-m", "wsync_grpc.tools.cli", "serve", "--synthetic", preset, "--dtype", dtype]
-    cmd += ["--port", "0", "--port-file", str(port_file), "--grace", "1"]
-    return _start(cmd, port_file, tmp / f"{name}.log")
+    args = ["--synthetic", preset, "--dtype", dtype, "--grace", "1"]
+    port_file, log = tmp / f"{name}.port", tmp / f"{name}.log"
+    return spawn_engine(args, port_file=port_file, log=log, env=ENV, cwd=ROOT, timeout_s=START_TIMEOUT_S)
 
 
-def stop(engines: list[Engine]) -> None:
+def stop(engines: list[EngineProcess]) -> None:
     """SIGTERM, then SIGKILL after 5 s.
 
     An engine whose armed update was cancelled may take until its group
     timeout to exit (a posted gloo receive that nobody will match); the
     tests do not wait for that.
     """
-    for e in engines:
-        if e.proc.poll() is None:
-            e.proc.send_signal(signal.SIGTERM)
-    for e in engines:
-        try:
-            e.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            e.proc.kill()
-            e.proc.wait(5)
+    stop_all(engines, grace_s=5)
 
 
 @pytest.fixture(scope="module")
-def mixed_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
+def mixed_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
     """Two engines serving MIXED (different initial values)."""
     tmp = tmp_path_factory.mktemp("mixed")
     engines = [
@@ -165,7 +131,7 @@ def mixed_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine
 
 
 @pytest.fixture(scope="module")
-def cli_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
+def cli_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
     """Two engines started with the real CLI, serving the synthetic 'tiny' model in bf16."""
     tmp = tmp_path_factory.mktemp("cli")
     engines = [start_cli_engine(tmp, "cli-a"), start_cli_engine(tmp, "cli-b")]
@@ -224,7 +190,7 @@ def assert_serves(client: TrainerClient, tensors: dict[str, torch.Tensor], versi
     ("layout", "apply_mode"), [("flattened", "staged"), ("individual", "staged"), ("flattened", "streaming")]
 )
 def test_sync_bit_exact_mixed_dtypes_tied_embeddings(
-    mixed_pair: list[Engine], layout: Layout, apply_mode: ApplyMode
+    mixed_pair: list[EngineProcess], layout: Layout, apply_mode: ApplyMode
 ) -> None:
     targets = [e.target for e in mixed_pair]
     progress: list[SyncProgress] = []
@@ -274,7 +240,7 @@ def test_sync_bit_exact_mixed_dtypes_tied_embeddings(
             assert not st.HasField("group")
 
 
-def test_dtype_conversion_on_request(mixed_pair: list[Engine]) -> None:
+def test_dtype_conversion_on_request(mixed_pair: list[EngineProcess]) -> None:
     """fp32 master weights sent as bf16; engines convert into their own dtypes on apply."""
     native = trainer_tensors(seed=20)
     master = {
@@ -299,7 +265,7 @@ def test_dtype_conversion_on_request(mixed_pair: list[Engine]) -> None:
             assert sums == expected, target
 
 
-def test_cli_engines_synthetic_model(cli_pair: list[Engine]) -> None:
+def test_cli_engines_synthetic_model(cli_pair: list[EngineProcess]) -> None:
     targets = [e.target for e in cli_pair]
     tensors = synthetic.build("tiny", dtype=torch.bfloat16, seed=5)
     with TrainerClient(targets) as client:
@@ -318,7 +284,7 @@ def test_cli_engines_synthetic_model(cli_pair: list[Engine]) -> None:
         assert {st.weight_version for st in client.status().values()} == {"step-2"}
 
 
-def test_fan_out_helpers(cli_pair: list[Engine]) -> None:
+def test_fan_out_helpers(cli_pair: list[EngineProcess]) -> None:
     targets = [e.target for e in cli_pair]
     with TrainerClient(targets) as client:
         paused = client.pause("keep")
@@ -345,7 +311,7 @@ def test_fan_out_helpers(cli_pair: list[Engine]) -> None:
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).engine.workers == 1
 
 
-def test_stale_membership_is_replaced_on_init(cli_pair: list[Engine]) -> None:
+def test_stale_membership_is_replaced_on_init(cli_pair: list[EngineProcess]) -> None:
     """A trainer that went away without leaving: the next trainer's init still forms a new group."""
     targets = [e.target for e in cli_pair]
     first = TrainerClient(targets)
@@ -427,8 +393,8 @@ def test_engine_killed_mid_broadcast(tmp_path: Path) -> None:
 
             def kill_after_first(p: SyncProgress) -> None:
                 if p.buckets_sent == 1:
-                    victim.proc.send_signal(signal.SIGKILL)
-                    victim.proc.wait(10)
+                    victim.process.send_signal(signal.SIGKILL)
+                    victim.process.wait(10)
 
             t0 = time.monotonic()
             with pytest.raises(SyncError) as info:

@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -38,8 +37,9 @@ from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.engines import synthetic
-from wsync_grpc.group.process_group import wait_work
-from wsync_grpc.trainer.client import TRAINER, SyncError, SyncProgress, TrainerClient
+from wsync_grpc.group.waits import wait_work
+from wsync_grpc.testing import EngineProcess, spawn_engine
+from wsync_grpc.trainer import TRAINER, SyncError, SyncProgress, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
 START_TIMEOUT_S = 120.0
@@ -47,39 +47,12 @@ START_TIMEOUT_S = 120.0
 # ----------------------------------------------------------------------------- helpers
 
 
-@dataclass
-class EngineProcess:
-    proc: subprocess.Popen[bytes]
-    target: str
-    log: Path
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 def start_cli_engine(tmp: Path, name: str, *args: str) -> EngineProcess:
     """``python -m wsync_grpc.tools.cli serve ARGS --port 0 --port-file ...`` (the real CLI)."""
-    port_file = tmp / f"{name}.port"
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "wsync_grpc.tools.cli", "serve", *args, "--port", "0", "--port-file", str(port_file)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*cmd, "--grace", "1"], stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"engine {name} did not start: {log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    return EngineProcess(proc, f"127.0.0.1:{int(port_file.read_text())}", log)
+    port_file, log = tmp / f"{name}.port", tmp / f"{name}.log"
+    return spawn_engine(
+        [*args, "--grace", "1"], port_file=port_file, log=log, env=ENV, cwd=ROOT, timeout_s=START_TIMEOUT_S, name=name
+    )
 
 
 # ----------------------------------------------------------------------------- two trainers race
@@ -234,8 +207,8 @@ def test_engine_killed_mid_streaming_sync_leaves_survivor_dirty_and_paused(tmp_p
 
             def kill_after_first(p: SyncProgress) -> None:
                 if p.buckets_sent == 1:
-                    victim.proc.send_signal(signal.SIGKILL)
-                    victim.proc.wait(10)
+                    victim.process.send_signal(signal.SIGKILL)
+                    victim.process.wait(10)
 
             t0 = time.monotonic()
             with pytest.raises(SyncError) as info:
@@ -272,7 +245,7 @@ def test_engine_killed_mid_streaming_sync_leaves_survivor_dirty_and_paused(tmp_p
             st = alone.status()[survivor.target]
             assert st.weight_version == "recovered" and not st.dirty and not st.paused, st
             served = {c.name: c.sha256 for c in alone.checksums()[survivor.target].checksums}
-            from wsync_grpc.service.servicer import tensor_sha256
+            from wsync_grpc.core.checksums import tensor_sha256
 
             assert served == {n: tensor_sha256(t) for n, t in tensors.items()}
     finally:
@@ -367,7 +340,7 @@ def test_claims_far_beyond_the_model_allocate_nothing(tmp_path: Path) -> None:
     channel = grpc.insecure_channel(engine.target)
     stub = weight_sync_pb2_grpc.WeightSyncServiceStub(channel)
     trainer = join_as_trainer(stub)
-    pid = engine.proc.pid
+    pid = engine.process.pid
     try:
         info = status(stub).engine
         max_claim = info.parameter_count * 8 + info.tensor_count * 4096  # the validator's bound

@@ -14,7 +14,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.engines import synthetic
-from wsync_grpc.trainer.client import ApplyMode, TrainerClient
+from wsync_grpc.trainer import ApplyMode, TrainerClient
 
 
 @pytest.mark.parametrize(

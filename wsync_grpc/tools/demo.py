@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,8 +36,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from wsync.v1 import generation_pb2, generation_pb2_grpc
 
-from wsync_grpc.service.servicer import tensor_sha256
-from wsync_grpc.trainer.client import SyncProgress, TrainerClient
+from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.testing import EngineProcess, spawn_engine, stop_all, wait_all
+from wsync_grpc.trainer import SyncProgress, TrainerClient
 
 log = logging.getLogger("wsync.demo")
 
@@ -52,57 +51,33 @@ TARGET = "The best tool is wsync: one gRPC contract for weight sync, with no han
 
 @contextmanager
 def engines(count: int, model: str | None, dtype: str, workdir: Path) -> Iterator[list[str]]:
-    """Start ``count`` ``wsync serve`` processes; yield their addresses; SIGTERM them at the end."""
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
+    """Start ``count`` ``wsync serve`` processes; yield their addresses; SIGTERM them at the end.
+
+    Raises:
+        EngineStartError: an engine exited before it served, or did not serve within 300 s.
+    """
+    procs: list[EngineProcess] = []
     try:
-        port_files = []
+        args = ["--dtype", dtype] + (["--model", model] if model else [])
         for i in range(count):
-            port_file = workdir / f"engine{i}.port"
-            log_file = open(workdir / f"engine{i}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(log_file)
-            cmd = [
-                sys.executable,
-                "-m",
-                "wsync_grpc.tools.cli",
-                "serve",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-            ]
-            cmd += ["--dtype", dtype] + (["--model", model] if model else [])
-            procs.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT))
-            port_files.append(port_file)
+            port_file, log_file = workdir / f"engine{i}.port", workdir / f"engine{i}.log"
+            procs.append(spawn_engine(args, port_file=port_file, log=log_file, wait=False, name=f"{i}"))
+        wait_all(procs, timeout_s=300)
         targets = []
-        deadline = time.monotonic() + 300
-        for i, (proc, pf) in enumerate(zip(procs, port_files, strict=True)):
-            while not pf.exists():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"engine {i} exited with {proc.returncode}; see {workdir}/engine{i}.log")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"engine {i} did not start within 300 s; see {workdir}/engine{i}.log")
-                time.sleep(0.1)
-            target = f"127.0.0.1:{int(pf.read_text())}"
-            with grpc.insecure_channel(target) as ch:
+        for i, proc in enumerate(procs):
+            with grpc.insecure_channel(proc.target) as ch:
                 r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
                 assert r.status == health_pb2.HealthCheckResponse.SERVING
-            print(f"engine {i}: serving on {target} (pid {proc.pid}, log {workdir}/engine{i}.log)", flush=True)
-            targets.append(target)
+            print(f"engine {i}: serving on {proc.target} (pid {proc.pid}, log {proc.log})", flush=True)
+            targets.append(proc.target)
         yield targets
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for i, p in enumerate(procs):
-            try:
-                rc = p.wait(30)
-                print(f"engine {i}: stopped (exit {rc})", flush=True)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs, grace_s=30)
+        for i, proc in enumerate(procs):
+            if proc.killed:
                 print(f"engine {i}: killed after 30 s", flush=True)
-        for f in logs:
-            f.close()
+            else:
+                print(f"engine {i}: stopped (exit {proc.process.returncode})", flush=True)
 
 
 def generate_on(target: str, prompt: str, max_new_tokens: int) -> generation_pb2.GenerateResponse:

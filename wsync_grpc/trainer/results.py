@@ -1,0 +1,254 @@
+"""What :class:`~wsync_grpc.trainer.client.TrainerClient` returns and raises.
+
+- :class:`SyncResult` (one update, trainer-side timings) and
+  :class:`EngineSyncResult` (one engine's ``wsync.v1.CompleteResponse``);
+- :class:`SyncProgress`, passed to ``sync``'s progress callback;
+- the errors: :class:`ClientError` and below it :class:`EngineCallError`
+  (a fan-out call failed), :class:`InitError` (the group did not form) and
+  :class:`SyncError` (an update failed), each naming every failed engine by
+  an :class:`EngineFailure` (gRPC code, ``google.rpc.ErrorInfo`` reason and
+  metadata, message).
+
+Units: sizes in bytes, times in seconds, throughputs in GB/s (10^9 bytes per
+second).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import grpc
+
+from wsync_grpc.trainer.options import ApplyMode, Layout
+from wsync_grpc.wire.status import error_info
+
+TRAINER = "trainer"
+"""The key under which the trainer's own failure (rank 0) appears in :attr:`EngineCallError.failures`."""
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Why one engine (or the trainer, target :data:`TRAINER`) failed one call.
+
+    Attributes:
+        target: the engine's ``host:port``, or :data:`TRAINER`.
+        rpc: the RPC (``"Prepare"``, ``"Complete"``...) or trainer step (``"broadcast"``).
+        code: the gRPC status code; ``None`` for a failure that is not an RPC's.
+        reason: the ``google.rpc.ErrorInfo`` reason (UPPER_SNAKE_CASE); ``""`` when none came.
+        message: the status message (or exception text).
+        metadata: the ``ErrorInfo`` metadata (e.g. ``{"tensor": ..., "bucket": ...}``).
+    """
+
+    target: str
+    rpc: str
+    code: grpc.StatusCode | None
+    reason: str
+    message: str
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        if self.code is None:
+            reason = f" ({self.reason})" if self.reason else ""
+            return f"{self.target}: {self.rpc} failed{reason}: {self.message}"
+        reason = f" {self.reason}" if self.reason else ""
+        return f"{self.target}: {self.rpc} failed with {self.code.name}{reason}: {self.message}"
+
+    @classmethod
+    def from_exception(cls, target: str, rpc: str, exc: BaseException) -> EngineFailure:
+        """Describe ``exc``, reading code, ErrorInfo reason and metadata from a failed gRPC call.
+
+        The rich status is parsed by :func:`wsync_grpc.wire.status.error_info`
+        (the grpc-status-details-bin trailer), as the engines send it.
+        """
+        if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+            call = cast(grpc.Call, exc)
+            reason, metadata = error_info(exc)
+            return cls(target, rpc, call.code(), reason, call.details() or "", metadata)
+        if isinstance(exc, grpc.FutureCancelledError):
+            return cls(target, rpc, grpc.StatusCode.CANCELLED, "", "the call was cancelled by the client")
+        if isinstance(exc, grpc.FutureTimeoutError):
+            return cls(target, rpc, grpc.StatusCode.DEADLINE_EXCEEDED, "", "no reply before the deadline")
+        return cls(target, rpc, None, type(exc).__name__, str(exc) or type(exc).__name__)
+
+
+class ClientError(RuntimeError):
+    """Base class of the errors :class:`~wsync_grpc.trainer.client.TrainerClient` raises."""
+
+
+class EngineCallError(ClientError):
+    """A fan-out call failed on at least one engine.
+
+    Attributes:
+        rpc: the RPC fanned out.
+        failures: target -> :class:`EngineFailure`, for every engine that failed.
+        results: target -> reply, for every engine that succeeded.
+    """
+
+    def __init__(
+        self, message: str, *, rpc: str, failures: Mapping[str, EngineFailure], results: Mapping[str, Any]
+    ) -> None:
+        super().__init__(message)
+        self.rpc = rpc
+        self.failures = dict(failures)
+        self.results = dict(results)
+
+
+class InitError(EngineCallError):
+    """Forming the weight-sync group failed (an engine's Init, or the trainer's own join).
+
+    The trainer's own failure appears under :data:`TRAINER` in :attr:`failures`.
+    """
+
+
+class SyncError(EngineCallError):
+    """One :meth:`~wsync_grpc.trainer.client.TrainerClient.sync` failed; the message names every engine that failed.
+
+    By the time it is raised the update was cancelled on every engine, the
+    trainer left the group, and the client is marked for re-initialization
+    (the next ``sync`` re-inits automatically).
+
+    Attributes:
+        stage: where it failed: ``"init"``, ``"prepare"``, ``"broadcast"`` or ``"complete"``.
+        update_id: the update's id.
+        weight_version: the version that was being installed.
+        failures: target (or :data:`TRAINER`) -> :class:`EngineFailure`.
+        results: target -> :class:`EngineSyncResult` for engines whose
+            Complete succeeded (they serve ``weight_version`` now).
+        cancelled: target -> whether Cancel abandoned an update in flight there.
+        broadcast_started: whether any byte was broadcast.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str,
+        update_id: str,
+        weight_version: str,
+        failures: Mapping[str, EngineFailure],
+        results: Mapping[str, EngineSyncResult],
+        cancelled: Mapping[str, bool],
+        broadcast_started: bool,
+    ) -> None:
+        super().__init__(message, rpc=stage, failures=failures, results=results)
+        self.stage = stage
+        self.update_id = update_id
+        self.weight_version = weight_version
+        self.cancelled = dict(cancelled)
+        self.broadcast_started = broadcast_started
+        self.results: dict[str, EngineSyncResult] = dict(results)
+
+
+@dataclass(frozen=True)
+class EngineSyncResult:
+    """What one engine reported for a completed update (``wsync.v1.CompleteResponse``).
+
+    Attributes:
+        target: the engine's ``host:port``.
+        update_id: the update's id.
+        weight_version: the version the engine serves now.
+        bucket_count: buckets received.
+        tensor_count: tensors applied.
+        bytes_received: bytes received per worker, in bytes.
+        ready_seconds: Prepare's first message to armed receivers, in seconds.
+        receive_seconds: Prepare's reply to the last bucket's arrival, in seconds.
+        apply_seconds: apply time at Complete, in seconds.
+        total_seconds: first Prepare message to the end of Complete, in seconds.
+        cache_flushed: whether the engine flushed its cache.
+    """
+
+    target: str
+    update_id: str
+    weight_version: str
+    bucket_count: int
+    tensor_count: int
+    bytes_received: int
+    ready_seconds: float
+    receive_seconds: float
+    apply_seconds: float
+    total_seconds: float
+    cache_flushed: bool
+
+    @property
+    def gb_per_s(self) -> float:
+        """``bytes_received`` over ``total_seconds``, in GB/s (10^9 bytes/s); 0 when unmeasurable."""
+        return self.bytes_received / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """The outcome of one successful :meth:`~wsync_grpc.trainer.client.TrainerClient.sync`.
+
+    Attributes:
+        update_id: the update's id.
+        weight_version: the version every engine serves now.
+        layout: ``"flattened"`` or ``"individual"``.
+        apply_mode: ``"staged"`` or ``"streaming"``.
+        bucket_count: buckets sent.
+        tensor_count: tensors sent (tied duplicates counted once).
+        payload_bytes: sum of the tensors' sizes on the wire, in bytes.
+        wire_bytes: bytes broadcast (flattened: padding included), in bytes.
+        init_seconds: time spent (re-)initializing the group in this call, in seconds.
+        plan_seconds: bucket planning, in seconds.
+        prepare_seconds: first Prepare sent to the last engine's reply, in seconds.
+        broadcast_seconds: first broadcast posted to the last one finished, in seconds.
+        pack_seconds: time spent packing (overlapped with the broadcast), in seconds.
+        complete_seconds: Complete sent to the last engine's reply, in seconds.
+        total_seconds: first Prepare sent to the last Complete reply, in seconds.
+        engines: target -> :class:`EngineSyncResult`, in target order.
+    """
+
+    update_id: str
+    weight_version: str
+    layout: Layout
+    apply_mode: ApplyMode
+    bucket_count: int
+    tensor_count: int
+    payload_bytes: int
+    wire_bytes: int
+    init_seconds: float
+    plan_seconds: float
+    prepare_seconds: float
+    broadcast_seconds: float
+    pack_seconds: float
+    complete_seconds: float
+    total_seconds: float
+    engines: dict[str, EngineSyncResult]
+
+    @property
+    def gb_per_s(self) -> float:
+        """End-to-end throughput: ``payload_bytes`` over ``total_seconds`` (Prepare to Complete), GB/s."""
+        return self.payload_bytes / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
+
+    @property
+    def broadcast_gb_per_s(self) -> float:
+        """``wire_bytes`` over ``broadcast_seconds``, in GB/s."""
+        return self.wire_bytes / self.broadcast_seconds / 1e9 if self.broadcast_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SyncProgress:
+    """Passed to ``sync``'s ``progress`` callback after each bucket is on every engine.
+
+    Attributes:
+        update_id: the update's id.
+        buckets_sent: buckets broadcast so far.
+        bucket_count: buckets in the update.
+        bytes_sent: bytes broadcast so far, in bytes.
+        total_bytes: bytes the update broadcasts, in bytes.
+        elapsed_seconds: since the first broadcast was posted, in seconds.
+    """
+
+    update_id: str
+    buckets_sent: int
+    bucket_count: int
+    bytes_sent: int
+    total_bytes: int
+    elapsed_seconds: float
+
+
+def failure_lines(failures: Mapping[str, EngineFailure]) -> str:
+    """Every failure of ``failures`` on one line, ``"; "``-separated (for error messages)."""
+    return "; ".join(str(f) for f in failures.values())

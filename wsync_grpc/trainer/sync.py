@@ -1,0 +1,348 @@
+"""One update pushed from the trainer to every engine, and the failure protocol when it fails.
+
+Steps (:meth:`SyncRunner.run`): bucket planning
+(:class:`~wsync_grpc.trainer.planning.Planner`); (re-)initializing the group
+if it is stale; the streaming Prepare (header, then the bucket messages) to
+every engine at once, every engine replying once its receivers are armed;
+the broadcast of every bucket (:mod:`wsync_grpc.trainer.broadcast`);
+Complete everywhere; per-engine results and trainer-side timings.
+
+The failure protocol (:meth:`SyncRunner._abandon`): when any engine fails
+(or the trainer's broadcast does), no further byte is broadcast, the update
+is cancelled on every engine that did not complete it, the trainer leaves
+the group, and one :class:`~wsync_grpc.trainer.results.SyncError` names
+every failed engine with its gRPC code, its ``google.rpc.ErrorInfo`` reason
+and its message; the next sync re-initializes the group.
+
+Units: sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.core import layout as core_layout
+from wsync_grpc.core.layout import Bucket, total_wire_bytes
+from wsync_grpc.group.process_group import WeightSyncGroup
+from wsync_grpc.trainer.broadcast import PackBuffers, broadcast_flattened, broadcast_individual
+from wsync_grpc.trainer.fleet import Fleet
+from wsync_grpc.trainer.membership import Membership
+from wsync_grpc.trainer.options import ApplyMode, Layout
+from wsync_grpc.trainer.planning import Planner
+from wsync_grpc.trainer.results import (
+    TRAINER,
+    ClientError,
+    EngineFailure,
+    EngineSyncResult,
+    InitError,
+    SyncError,
+    SyncProgress,
+    SyncResult,
+    failure_lines,
+)
+from wsync_grpc.trainer.settings import ClientSettings
+from wsync_grpc.wire.convert import APPLY_MODES, LAYOUTS, duration
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    """One update, as ``TrainerClient.sync`` was asked for it (bucket size and id resolved).
+
+    Attributes:
+        weight_version: the version the engines serve once it succeeded.
+        layout: ``"flattened"`` or ``"individual"``.
+        apply_mode: ``"staged"`` or ``"streaming"``.
+        bucket_bytes: bucket capacity, in bytes.
+        dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
+        flush_cache: whether the engines flush their prefix/KV cache.
+        progress: called after every bucket, or ``None``.
+        update_id: the update's id.
+    """
+
+    weight_version: str
+    layout: Layout
+    apply_mode: ApplyMode
+    bucket_bytes: int
+    dtype: torch.dtype | None
+    flush_cache: bool
+    progress: Callable[[SyncProgress], None] | None
+    update_id: str
+
+
+def check_request(weight_version: str, layout: str, apply_mode: str) -> None:
+    """Reject a sync's arguments before anything runs.
+
+    Raises:
+        ValueError: empty ``weight_version``, unknown ``layout`` or ``apply_mode``.
+    """
+    if not weight_version:
+        raise ValueError("weight_version is required")
+    if layout not in {m.value for m in core_layout.Layout}:
+        raise ValueError(f"unknown layout {layout!r}; use 'flattened' or 'individual'")
+    if apply_mode not in {m.value for m in core_layout.ApplyMode}:
+        raise ValueError(f"unknown apply_mode {apply_mode!r}; use 'staged' or 'streaming'")
+
+
+class SyncRunner:
+    """Runs one update at a time over the client's engines (the caller holds the client's op lock).
+
+    Args:
+        fleet: the engines.
+        membership: the trainer's group membership (re-formed when stale).
+        settings: the client's settings (timeouts are read at every update).
+        cancel_event: the client's cancel signal; set, it stops the update at its next wait.
+        buffers: the trainer's pack buffers.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        membership: Membership,
+        settings: ClientSettings,
+        cancel_event: threading.Event,
+        buffers: PackBuffers,
+    ) -> None:
+        self._fleet = fleet
+        self._membership = membership
+        self._settings = settings
+        self._cancel_event = cancel_event
+        self._buffers = buffers
+        self._planner = Planner(settings)
+
+    def run(self, named_tensors: Iterable[tuple[str, torch.Tensor]], request: UpdateRequest) -> SyncResult:
+        """Push ``named_tensors`` to every engine as ``request`` says.
+
+        Raises:
+            ValueError: nothing to send, or a planning error.
+            SyncError: the update failed; it was abandoned on every engine.
+            ClientError: the client was closed.
+        """
+        if self._membership.closed:
+            raise ClientError("the client is closed")
+        t_plan = time.monotonic()
+        pairs = list(named_tensors)
+        layout_enum = core_layout.Layout(request.layout)
+        buckets, messages = self._planner.plan(pairs, request.bucket_bytes, request.dtype, layout_enum)
+        if not buckets:
+            raise ValueError("nothing to sync: no tensors given")
+        by_name = dict(pairs)
+        wire_bytes = total_wire_bytes(buckets, layout_enum)
+        plan_s = time.monotonic() - t_plan
+        init_s, group = self._ensure_group(request)
+        prepared, t0, prepare_s = self._prepare(request, buckets, messages, wire_bytes)
+        t_bcast = time.monotonic()
+        pack_s = self._broadcast(request, group, buckets, by_name, wire_bytes)
+        broadcast_s = time.monotonic() - t_bcast
+        t_complete = time.monotonic()
+        results, done = self._complete(request, prepared)
+        return SyncResult(
+            update_id=request.update_id,
+            weight_version=request.weight_version,
+            layout=request.layout,
+            apply_mode=request.apply_mode,
+            bucket_count=len(buckets),
+            tensor_count=sum(len(b.tensors) for b in buckets),
+            payload_bytes=sum(b.payload_bytes for b in buckets),
+            wire_bytes=wire_bytes,
+            init_seconds=init_s,
+            plan_seconds=plan_s,
+            prepare_seconds=prepare_s,
+            broadcast_seconds=broadcast_s,
+            pack_seconds=pack_s,
+            complete_seconds=done - t_complete,
+            total_seconds=done - t0,
+            engines={e.target: results[e.target] for e in self._fleet.engines},
+        )
+
+    def _ensure_group(self, request: UpdateRequest) -> tuple[float, WeightSyncGroup]:
+        """(Re-)initialize the group if it is stale; returns the time it took, in seconds, and the group.
+
+        Raises:
+            SyncError: the group did not form (stage ``"init"``).
+        """
+        t_init = time.monotonic()
+        if self._membership.needs_init:
+            try:
+                self._membership.form()
+            except InitError as e:
+                raise self._abandon(request, "init", e.failures) from e
+        init_s = time.monotonic() - t_init
+        self._cancel_event.clear()
+        group = self._membership.group
+        assert group is not None
+        return init_s, group
+
+    def _prepare(
+        self, request: UpdateRequest, buckets: Sequence[Bucket], messages: Sequence[pb.PrepareRequest], wire_bytes: int
+    ) -> tuple[dict[str, pb.PrepareResponse], float, float]:
+        """Prepare everywhere; every engine replies once its receivers are armed.
+
+        Returns:
+            target -> reply; when the first Prepare was sent (``time.monotonic()``); the
+            seconds from then to the last reply.
+
+        Raises:
+            SyncError: some engine failed, or ``cancel()`` was called meanwhile (stage ``"prepare"``).
+        """
+        header = pb.PrepareHeader(
+            update_id=request.update_id,
+            weight_version=request.weight_version,
+            transport=pb.TRANSPORT_BROADCAST,
+            layout=LAYOUTS[core_layout.Layout(request.layout)],
+            apply_mode=APPLY_MODES[core_layout.ApplyMode(request.apply_mode)],
+            bucket_count=len(buckets),
+            total_bytes=wire_bytes,
+        )
+
+        def stream() -> Iterator[pb.PrepareRequest]:
+            yield pb.PrepareRequest(header=header)
+            yield from messages
+
+        t0 = time.monotonic()
+        prepared, failures = self._fleet.gather(
+            "Prepare",
+            lambda e: e.stub.Prepare.future(
+                stream(), timeout=self._settings.rpc_timeout_s, metadata=self._fleet.metadata
+            ),
+        )
+        prepare_s = time.monotonic() - t0
+        if not failures and self._cancel_event.is_set():
+            failures[TRAINER] = EngineFailure(TRAINER, "Prepare", None, "CANCELLED", "cancel() was called")
+        if failures:
+            raise self._abandon(request, "prepare", failures)
+        return prepared, t0, prepare_s
+
+    def _broadcast(
+        self,
+        request: UpdateRequest,
+        group: WeightSyncGroup,
+        buckets: Sequence[Bucket],
+        by_name: Mapping[str, torch.Tensor],
+        wire_bytes: int,
+    ) -> float:
+        """Broadcast every bucket in the request's layout; returns the time spent packing, in seconds.
+
+        Raises:
+            SyncError: the trainer's broadcast failed or was cancelled (stage ``"broadcast"``).
+        """
+        try:
+            if request.layout == "flattened":
+                slots = self._buffers.for_update()
+                return broadcast_flattened(
+                    group, buckets, by_name, request.update_id, wire_bytes, request.progress, self._cancel_event, slots
+                )
+            return broadcast_individual(
+                group, buckets, by_name, request.update_id, wire_bytes, request.progress, self._cancel_event
+            )
+        except Exception as exc:
+            trainer = EngineFailure.from_exception(TRAINER, "broadcast", exc)
+            raise self._abandon(request, "broadcast", {TRAINER: trainer}, broadcast_started=True) from exc
+        except BaseException:  # KeyboardInterrupt and the like: clean up, then let it go
+            self._abandon(request, "broadcast", {}, broadcast_started=True)
+            raise
+
+    def _complete(
+        self, request: UpdateRequest, prepared: Mapping[str, pb.PrepareResponse]
+    ) -> tuple[dict[str, EngineSyncResult], float]:
+        """Complete everywhere; returns target -> result and when the last reply came (``time.monotonic()``).
+
+        Raises:
+            SyncError: some engine failed (stage ``"complete"``); ``results`` has the engines that completed.
+        """
+        req = pb.CompleteRequest(
+            update_id=request.update_id,
+            flush_cache=request.flush_cache,
+            timeout=duration(self._settings.group_timeout_s),
+        )
+        completed, failures = self._fleet.gather(
+            "Complete",
+            lambda e: e.stub.Complete.future(
+                req,
+                timeout=self._settings.timeouts.group_rpc_s,
+                metadata=self._fleet.metadata,
+            ),
+        )
+        done = time.monotonic()
+        results = {t: _engine_result(t, r, prepared[t]) for t, r in completed.items()}
+        if failures:
+            raise self._abandon(request, "complete", failures, results, broadcast_started=True)
+        return results, done
+
+    def _abandon(
+        self,
+        request: UpdateRequest,
+        stage: str,
+        failures: Mapping[str, EngineFailure],
+        results: Mapping[str, EngineSyncResult] | None = None,
+        broadcast_started: bool = False,
+    ) -> SyncError:
+        """The failure protocol: Cancel everywhere, leave the group, build the one error to raise."""
+        update_id, weight_version, results = request.update_id, request.weight_version, results or {}
+        cancelled: dict[str, bool] = {}
+        cancel_failures: dict[str, EngineFailure] = {}
+        if stage != "init":
+            # Cancel is idempotent: engines that rejected Prepare (or completed)
+            # answer cancelled = false and keep their state.
+            pending = [e for e in self._fleet.engines if e.target not in results]
+            replies, cancel_failures = self._fleet.gather(
+                "Cancel",
+                lambda e: self._fleet.start_cancel(e, update_id, f"the trainer abandoned the update ({stage} failed)"),
+                pending,
+            )
+            cancelled = {t: r.cancelled for t, r in replies.items()}
+        self._membership.drop()
+        self._buffers.release()  # a broadcast abandoned half-way may still read them
+        all_failures = dict(failures)
+        for t, f in cancel_failures.items():
+            all_failures.setdefault(t, f)
+        engine_failures = len([t for t in all_failures if t != TRAINER])
+        where = [f"{engine_failures} of {len(self._fleet.engines)} engine(s)"] if engine_failures else []
+        where += ["the trainer"] if TRAINER in all_failures else []
+        parts = [
+            f"sync of weight version {weight_version!r} (update {update_id}) failed at {stage} on "
+            f"{' and '.join(where) or 'no engine'}: {failure_lines(all_failures)}"
+        ]
+        if not broadcast_started and stage != "init":
+            parts.append("no byte was broadcast")
+        if any(cancelled.values()):
+            parts.append("cancelled on " + ", ".join(t for t, c in cancelled.items() if c))
+        if results:
+            parts.append(f"applied on {', '.join(results)} (they serve {weight_version!r} now)")
+        parts.append("the trainer left the group; the next sync re-initializes it")
+        log.warning("%s", "; ".join(parts))
+        return SyncError(
+            "; ".join(parts),
+            stage=stage,
+            update_id=update_id,
+            weight_version=weight_version,
+            failures=all_failures,
+            results=results,
+            cancelled=cancelled,
+            broadcast_started=broadcast_started,
+        )
+
+
+def _engine_result(target: str, r: pb.CompleteResponse, prepared: pb.PrepareResponse) -> EngineSyncResult:
+    """One engine's :class:`~wsync_grpc.trainer.results.EngineSyncResult` from its Complete and Prepare replies."""
+    return EngineSyncResult(
+        target=target,
+        update_id=r.update_id,
+        weight_version=r.weight_version,
+        bucket_count=r.bucket_count,
+        tensor_count=r.tensor_count,
+        bytes_received=r.bytes_received,
+        ready_seconds=prepared.ready_seconds,
+        receive_seconds=r.receive_seconds,
+        apply_seconds=r.apply_seconds,
+        total_seconds=r.total_seconds,
+        cache_flushed=r.cache_flushed,
+    )
