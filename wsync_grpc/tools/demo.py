@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +103,22 @@ def training_batch(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the demo; return the exit status (0: every check held)."""
+@dataclass
+class _Trainer:
+    """The demo's trainer: the policy it trains, a local engine over a copy of it, and the fixed batch."""
+
+    policy: Any
+    local: Any  # ReferenceEngine over a copy of the policy: the trainer's own greedy output
+    optimizer: torch.optim.Optimizer
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+def _load_trainer(args: argparse.Namespace) -> _Trainer:
+    """Load the policy twice (one to train, one for the local engine) and build the batch."""
     from wsync_grpc.engines.models import ensure_smollm2_dir, load_causal_lm
     from wsync_grpc.engines.reference import ReferenceEngine
 
-    t_start = time.monotonic()
     if args.model is None:
         print("preparing SmolLM2-135M-Instruct (the GGUF is converted once, then cached) ...", flush=True)
         ensure_smollm2_dir()
@@ -123,80 +134,101 @@ def run(args: argparse.Namespace) -> int:
     input_ids, labels = training_batch(tokenizer)
     n_params = sum(p.numel() for p in policy.parameters())
     print(f"policy: {name}, {n_params / 1e6:.1f}M parameters, {args.dtype}", flush=True)
+    return _Trainer(policy, local, optimizer, input_ids, labels)
 
+
+def _on_progress(p: SyncProgress) -> None:
+    print(
+        f"  bucket {p.buckets_sent}/{p.bucket_count}: {p.bytes_sent / 1e6:7.1f}/{p.total_bytes / 1e6:.1f} MB "
+        f"({p.elapsed_seconds:.2f} s)",
+        flush=True,
+    )
+
+
+def _train_and_sync(tr: _Trainer, client: TrainerClient, version: str, step: int) -> list[tuple[str, torch.Tensor]]:
+    """One supervised step, then a sync of every parameter as ``version``; returns what was sent."""
+    t0 = time.monotonic()
+    out = tr.policy(input_ids=tr.input_ids, labels=tr.labels)
+    out.loss.backward()
+    tr.optimizer.step()
+    tr.optimizer.zero_grad(set_to_none=True)
+    train_s = time.monotonic() - t0
+    print(f"\nstep {step}: loss {out.loss.item():.3f} ({train_s:.1f} s); syncing {version} ...", flush=True)
+    named = [(n, p.detach()) for n, p in tr.policy.named_parameters()]
+    result = client.sync(named, version, flush_cache=True, progress=_on_progress)
+    for e in result.engines.values():
+        print(
+            f"  {e.target}: version {e.weight_version}, {e.bucket_count} buckets, "
+            f"{e.tensor_count} tensors, {e.bytes_received / 1e6:.1f} MB, "
+            f"{e.total_seconds:.3f} s, {e.gb_per_s:.2f} GB/s",
+            flush=True,
+        )
+    print(
+        f"  sync {result.weight_version}: {result.bucket_count} buckets, {result.wire_bytes / 1e6:.1f} MB "
+        f"to {len(result.engines)} engines in {result.total_seconds:.3f} s ({result.gb_per_s:.2f} GB/s)",
+        flush=True,
+    )
+    # The trainer's expectation: the same weights in the local copy.
+    with tr.local.weights_lock():
+        tr.local.load_weights(0, named)
+        tr.local.flush_cache()
+        tr.local.set_weight_version(version)
+    return named
+
+
+def _check_checksums(client: TrainerClient, named: list[tuple[str, torch.Tensor]], version: str) -> list[str]:
+    """Every engine serves ``version`` with exactly the trainer's bytes; returns the failures."""
+    failures = []
+    want = {n: tensor_sha256(p) for n, p in named}
+    for t, sums in client.checksums().items():
+        got = {c.name: c.sha256 for c in sums.checksums}
+        bad = [n for n, s in want.items() if got.get(n) != s]
+        if sums.weight_version != version or bad:
+            failures.append(f"{version}: {t} checksums differ for {len(bad)} tensors ({bad[:3]})")
+        else:
+            print(f"  {t}: all {len(want)} tensor checksums match", flush=True)
+    return failures
+
+
+def _check_generations(tr: _Trainer, targets: list[str], version: str, max_new_tokens: int) -> tuple[Any, list[str]]:
+    """Every engine's greedy answer equals the trainer's; returns the trainer's result and the failures."""
+    failures = []
+    mine = tr.local.generate(PROMPT, max_new_tokens)
+    print(f"  trainer greedy: {mine.text!r}", flush=True)
+    for t in targets:
+        r = generate_on(t, PROMPT, max_new_tokens)
+        same = r.text == mine.text and list(r.weight_versions) == [version]
+        print(f"  {t} greedy ({','.join(r.weight_versions)}): {'same' if same else repr(r.text)}", flush=True)
+        if not same:
+            failures.append(f"{version}: {t} generated {r.text!r} with {list(r.weight_versions)}")
+    return mine, failures
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; return the exit status (0: every check held)."""
+    t_start = time.monotonic()
+    tr = _load_trainer(args)
     failures: list[str] = []
     with (
         tempfile.TemporaryDirectory(prefix="wsync-demo-") as tmp,
         engines(args.engines, args.model, args.dtype, Path(tmp)) as targets,
     ):
         before = [generate_on(t, PROMPT, args.max_new_tokens) for t in targets]
-        mine = local.generate(PROMPT, args.max_new_tokens)
+        mine = tr.local.generate(PROMPT, args.max_new_tokens)
         print(f"\nprompt: {PROMPT!r}\nstep 0 (initial weights): {mine.text!r}", flush=True)
         for t, r in zip(targets, before, strict=True):
             if r.text != mine.text:
                 failures.append(f"initial weights: {t} generated {r.text!r}, trainer {mine.text!r}")
-
-        def on_progress(p: SyncProgress) -> None:
-            print(
-                f"  bucket {p.buckets_sent}/{p.bucket_count}: {p.bytes_sent / 1e6:7.1f}/{p.total_bytes / 1e6:.1f} MB "
-                f"({p.elapsed_seconds:.2f} s)",
-                flush=True,
-            )
-
         with TrainerClient(targets, rpc_timeout_s=120, group_timeout_s=120) as client:
             client.init()
             for step in range(1, args.steps + 1):
-                t0 = time.monotonic()
-                out = policy(input_ids=input_ids, labels=labels)
-                out.loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                train_s = time.monotonic() - t0
                 version = f"step-{step}"
-                print(
-                    f"\nstep {step}: loss {out.loss.item():.3f} ({train_s:.1f} s); syncing {version} ...",
-                    flush=True,
-                )
-                named = [(n, p.detach()) for n, p in policy.named_parameters()]
-                result = client.sync(named, version, flush_cache=True, progress=on_progress)
-                for e in result.engines.values():
-                    print(
-                        f"  {e.target}: version {e.weight_version}, {e.bucket_count} buckets, "
-                        f"{e.tensor_count} tensors, {e.bytes_received / 1e6:.1f} MB, "
-                        f"{e.total_seconds:.3f} s, {e.gb_per_s:.2f} GB/s",
-                        flush=True,
-                    )
-                print(
-                    f"  sync {result.weight_version}: {result.bucket_count} buckets, {result.wire_bytes / 1e6:.1f} MB "
-                    f"to {len(targets)} engines in {result.total_seconds:.3f} s ({result.gb_per_s:.2f} GB/s)",
-                    flush=True,
-                )
-                # The trainer's expectation: the same weights in the local copy.
-                with local.weights_lock():
-                    local.load_weights(0, named)
-                    local.flush_cache()
-                    local.set_weight_version(version)
-                want = {n: tensor_sha256(p) for n, p in named}
-                for t, sums in client.checksums().items():
-                    got = {c.name: c.sha256 for c in sums.checksums}
-                    bad = [n for n, s in want.items() if got.get(n) != s]
-                    if sums.weight_version != version or bad:
-                        failures.append(f"{version}: {t} checksums differ for {len(bad)} tensors ({bad[:3]})")
-                    else:
-                        print(f"  {t}: all {len(want)} tensor checksums match", flush=True)
-                mine = local.generate(PROMPT, args.max_new_tokens)
-                print(f"  trainer greedy: {mine.text!r}", flush=True)
-                for t in targets:
-                    r = generate_on(t, PROMPT, args.max_new_tokens)
-                    same = r.text == mine.text and list(r.weight_versions) == [version]
-                    print(
-                        f"  {t} greedy ({','.join(r.weight_versions)}): {'same' if same else repr(r.text)}",
-                        flush=True,
-                    )
-                    if not same:
-                        failures.append(f"{version}: {t} generated {r.text!r} with {list(r.weight_versions)}")
+                named = _train_and_sync(tr, client, version, step)
+                failures += _check_checksums(client, named, version)
+                mine, failed = _check_generations(tr, targets, version, args.max_new_tokens)
+                failures += failed
             client.leave()
-    local.close()
+    tr.local.close()
     print(f"\nfirst answer: {before[0].text!r}\nlast answer:  {mine.text!r}", flush=True)
     print(f"total {time.monotonic() - t_start:.1f} s", flush=True)
     if failures:
