@@ -21,6 +21,9 @@ DEFAULT_GROUP_TIMEOUT_S = 120.0
 DEFAULT_PAUSE_TIMEOUT_S = 60.0
 """Drain bound of a WAIT pause when the request gives none, in seconds."""
 
+DEFAULT_PREPARE_TIMEOUT_S = 30.0
+"""An engine's default bound on arming its receivers at Prepare and on a Prepare stream's silence, in seconds."""
+
 JOIN_OVERRUN_S = 10.0
 """How long an engine waits for a join past the join's own timeout before it gives up on it, in seconds.
 

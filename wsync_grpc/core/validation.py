@@ -119,6 +119,14 @@ def validate_transport(transport: Transport) -> None:
     )
 
 
+@dataclass
+class _Declared:
+    """The tensors an update declared: every name as sent, and the canonical names they resolve to."""
+
+    names: set[str] = dataclasses.field(default_factory=set)
+    canonical: set[str] = dataclasses.field(default_factory=set)
+
+
 class UpdateValidator:
     """Validates one update's metadata, message by message, for the whole update (Prepare and every Update).
 
@@ -130,7 +138,7 @@ class UpdateValidator:
     def __init__(self, specs: Mapping[str, ParamSpec], aliases: Mapping[str, str]) -> None:
         self._specs = specs
         self._aliases = aliases
-        self._seen: dict[str, str] = {}  # canonical -> name it arrived as
+        self._declared = _Declared()
         self.header: UpdateHeader | None = None
         self.buckets_declared = 0
         self.bytes_declared = 0
@@ -182,17 +190,18 @@ class UpdateValidator:
                 and tensor.
         """
         assert self.header is not None, "header first"
-        pending: dict[str, str] = {}  # canonical -> name, of this batch's buckets
+        pending = _Declared()  # this batch's tensors, kept apart until every bucket passed
         counts = (self.buckets_declared, self.bytes_declared, self.tensors_declared)
         try:
             out = [self._bucket(b, pending) for b in specs]
         except InvalidArgument:
             self.buckets_declared, self.bytes_declared, self.tensors_declared = counts
             raise
-        self._seen.update(pending)
+        self._declared.names |= pending.names
+        self._declared.canonical |= pending.canonical
         return out
 
-    def _bucket(self, b: BucketSpecFields, pending: dict[str, str]) -> Bucket:
+    def _bucket(self, b: BucketSpecFields, pending: _Declared) -> Bucket:
         assert self.header is not None
         idx = str(b.index)
         if b.index != self.buckets_declared:
@@ -203,10 +212,8 @@ class UpdateValidator:
             )
         if not b.tensors:
             raise InvalidArgument("EMPTY_BUCKET", f"bucket {b.index} has no tensors", bucket=idx)
-        seen_here: dict[str, str] = {}
-        tensors = tuple(self._tensor(t, b, pending, seen_here) for t in b.tensors)
+        tensors = tuple(self._tensor(t, b, pending) for t in b.tensors)
         self._check_size(b, tensors)
-        pending.update(seen_here)
         self.buckets_declared += 1
         self.bytes_declared += b.size_bytes
         self.tensors_declared += len(tensors)
@@ -250,9 +257,7 @@ class UpdateValidator:
                 bucket=idx,
             )
 
-    def _tensor(
-        self, t: TensorSpecFields, b: BucketSpecFields, pending: Mapping[str, str], seen_here: dict[str, str]
-    ) -> TensorSlot:
+    def _tensor(self, t: TensorSpecFields, b: BucketSpecFields, pending: _Declared) -> TensorSlot:
         name = t.name
         idx = str(b.index)
         canonical = self._aliases.get(name, name)
@@ -264,17 +269,18 @@ class UpdateValidator:
                 bucket=idx,
                 tensor=name[:_MAX_NAME_IN_MESSAGE],
             )
-        earlier = self._seen.get(canonical) or pending.get(canonical) or seen_here.get(canonical)
-        if earlier == name:
+        if name in self._declared.names or name in pending.names:
             raise InvalidArgument(
                 "DUPLICATE_TENSOR",
                 f"tensor {_show(name)} appears twice in this update (again in bucket {b.index})",
                 bucket=idx,
                 tensor=name,
             )
-        load = earlier is None
+        # A tied alias of a tensor already in the update is received but loaded once.
+        load = canonical not in self._declared.canonical and canonical not in pending.canonical
+        pending.names.add(name)
         if load:
-            seen_here[canonical] = name
+            pending.canonical.add(canonical)
         dtype = _wire_dtype(t, spec, idx)
         shape = _shape(t, spec, idx)
         esize = element_size(dtype)

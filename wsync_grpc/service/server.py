@@ -4,7 +4,7 @@
 (and, for the reference engine, ``wsync.v1.GenerationService``), standard
 health checking (``grpc.health.v1``) and server reflection, so that
 ``grpcurl`` and ``buf curl`` work without proto files. It binds to loopback
-by default (DESIGN.md invariant 7); when exposed, use TLS and a shared-secret
+by default (``docs/architecture.md``, "Invariants"); when exposed, use TLS and a shared-secret
 token (``authorization: Bearer <token>`` metadata).
 """
 

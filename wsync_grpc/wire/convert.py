@@ -23,6 +23,7 @@ from wsync_grpc.core.adapter import PauseMode
 from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport
+from wsync_grpc.core.lifecycle import State
 from wsync_grpc.core.validation import UpdateHeader
 
 E = TypeVar("E")
@@ -189,3 +190,11 @@ def batch_bucket_specs(specs: Sequence[pb.BucketSpec], max_bytes: int = PREPARE_
         size += n
     flush()
     return out
+
+
+def state_to_proto(state: State) -> pb.LifecycleState.ValueType:
+    """The ``wsync.v1.LifecycleState`` of ``state``.
+
+    The :class:`~wsync_grpc.core.lifecycle.State` values are the ``LifecycleState`` numbers.
+    """
+    return pb.LifecycleState.ValueType(state.value)

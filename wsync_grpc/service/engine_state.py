@@ -1,0 +1,182 @@
+"""What an engine keeps across updates: lifecycle, group membership, receive buffers, served version, dirt.
+
+:class:`EngineState` is shared by the servicer and the update in flight
+(:class:`~wsync_grpc.service.session.UpdateSession`) and guarded by one
+re-entrant lock. Locking order: that lock first, then the adapter's own
+(admission, weights lock); never the other way round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from wsync_grpc.core.adapter import EngineAdapter, PauseMode, PauseOutcome
+from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
+from wsync_grpc.core.lifecycle import Lifecycle
+from wsync_grpc.service.membership import Membership
+from wsync_grpc.service.status import EngineFacts, ErrorRecord, StatusSnapshot
+from wsync_grpc.worker.buffers import BufferPool
+
+if TYPE_CHECKING:
+    from wsync_grpc.service.session import UpdateSession
+
+log = logging.getLogger(__name__)
+
+
+class EngineState:
+    """The engine-wide state of the weight-sync service, guarded by :attr:`lock`.
+
+    Args:
+        adapter: the engine.
+        keep_buffers: keep receive buffers between updates (see
+            :class:`~wsync_grpc.worker.buffers.BufferPool`); ``None``: on CPU
+            workers only.
+
+    Attributes:
+        adapter: the engine.
+        lifecycle: the lifecycle state machine.
+        lock: the re-entrant lock that guards everything here.
+        membership: the workers' membership of the weight-sync group.
+        pools: each worker's receive buffers, in worker order.
+        facts: what the engine serves (fixed).
+        weight_version: the version of the weights served.
+        dirty: a failed update left the weights half-updated.
+        dirty_paused: the engine is paused because of dirty weights, not by an operator.
+        updates_completed: updates applied since the engine started.
+        last_error: the last error reported (a failed update or Init).
+        update: the update in flight, from the moment its receivers start to its apply or failure.
+        failed_update: the last update that failed, until the next Init (Complete reports its error).
+    """
+
+    def __init__(self, adapter: EngineAdapter, keep_buffers: bool | None = None) -> None:
+        self.adapter = adapter
+        self.lifecycle = Lifecycle()
+        self.lock = threading.RLock()
+        specs = adapter.parameter_specs()
+        devices = list(adapter.worker_devices())
+        self.membership = Membership(devices)
+        self.pools = [BufferPool(d, d.type == "cpu" if keep_buffers is None else keep_buffers) for d in devices]
+        self.facts = EngineFacts.of(adapter.name, specs, len(devices))
+        self.weight_version = ""
+        self.dirty = False
+        self.dirty_paused = False
+        self.updates_completed = 0
+        self.last_error: ErrorRecord | None = None
+        self.update: UpdateSession | None = None
+        self.failed_update: UpdateSession | None = None
+
+    def record_error(self, err: WsyncError, update_id: str = "") -> None:
+        """Remember ``err`` as the last error (GetStatus reports it)."""
+        self.last_error = ErrorRecord.of(err, update_id)
+
+    def current(self, update_id: str) -> UpdateSession:
+        """The update in flight, which ``update_id`` must name.
+
+        Raises:
+            FailedPrecondition: NO_UPDATE, UPDATE_ID_MISMATCH.
+        """
+        upd = self.update
+        if upd is None:
+            raise FailedPrecondition("NO_UPDATE", "no update is in flight")
+        if update_id != upd.header.update_id:
+            raise FailedPrecondition(
+                "UPDATE_ID_MISMATCH",
+                f"update_id {update_id!r} does not name the update in flight ({upd.header.update_id!r})",
+            )
+        return upd
+
+    def failure_of(self, update_id: str) -> WsyncError:
+        """In FAILED: the error that ended update ``update_id``, or WRONG_STATE when it names no failed update."""
+        failed = self.failed_update
+        if failed is not None and failed.error is not None and update_id == failed.header.update_id:
+            return failed.error
+        return FailedPrecondition("WRONG_STATE", "Complete is not allowed in state FAILED: no such update")
+
+    def snapshot(self) -> StatusSnapshot:
+        """Everything GetStatus reports, read under the lock."""
+        with self.lock:
+            state = self.lifecycle.state
+            paused = self.adapter.is_paused()
+            mode = self.adapter.pause_mode()
+            progress = self.update.progress() if self.update is not None else None
+            running, waiting = self.adapter.request_counts()
+            return StatusSnapshot(
+                state=state,
+                paused=paused,
+                pause_mode=mode,
+                dirty=self.dirty,
+                weight_version=self.weight_version,
+                updates_completed=self.updates_completed,
+                group=self.membership.params,
+                devices=tuple(str(d) for d in self.membership.devices),
+                update=progress,
+                last_error=self.last_error,
+                engine=self.facts,
+                running_requests=running,
+                waiting_requests=waiting,
+            )
+
+    def pause(self, mode: PauseMode, timeout_s: float) -> tuple[bool, PauseOutcome, PauseMode]:
+        """An operator's pause: stop admission; requests in flight go as ``mode`` says.
+
+        The operator's pause then holds after the update in flight and after
+        dirty weights are repaired. The drain of a WAIT pause is bounded by
+        ``timeout_s`` seconds.
+
+        Returns:
+            Whether the engine was paused already, the adapter's outcome, and the mode in force.
+
+        Raises:
+            DeadlineExceeded: DRAIN_TIMEOUT; the engine stays paused.
+        """
+        with self.lock:
+            already = self.adapter.is_paused()
+            if self.update is not None:
+                self.update.auto_paused = False  # the operator's pause now holds after the update
+            self.dirty_paused = False
+        try:
+            outcome = self.adapter.pause(mode, timeout_s)
+        except TimeoutError as e:
+            raise DeadlineExceeded(
+                "DRAIN_TIMEOUT",
+                f"requests in flight did not finish within {timeout_s:g} s; the engine stays paused "
+                f"and they keep running (Pause with mode ABORT ends them): {e}",
+            ) from None
+        return already, outcome, self.adapter.pause_mode() or mode
+
+    def resume(self, force: bool) -> tuple[bool, int]:
+        """An operator's resume: admit requests again.
+
+        Returns:
+            Whether the engine was paused, and how many requests resumed.
+
+        Raises:
+            FailedPrecondition: STREAMING_UPDATE_IN_FLIGHT; ENGINE_DIRTY (unless ``force``).
+        """
+        with self.lock:
+            upd = self.update
+            if upd is not None and upd.header.streaming:
+                raise FailedPrecondition(
+                    "STREAMING_UPDATE_IN_FLIGHT",
+                    f"a streaming update is changing the weights (state {self.lifecycle.state.name}); "
+                    "Resume after Complete or Cancel",
+                )
+            if self.dirty and not force:
+                raise FailedPrecondition(
+                    "ENGINE_DIRTY",
+                    "a failed update left the weights half-updated; run a complete update, "
+                    "or Resume with force = true to serve them anyway",
+                )
+            was_paused = self.adapter.is_paused()
+            resumed = self.adapter.resume() if was_paused else 0
+            self.dirty_paused = False
+            if self.dirty:
+                log.warning("resumed with dirty weights (forced by the operator)")
+            return was_paused, resumed
+
+    @property
+    def receive_buffer_bytes(self) -> int:
+        """Bytes of receive buffers the workers keep for the next update, in bytes."""
+        return sum(p.free_bytes for p in self.pools)

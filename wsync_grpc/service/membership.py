@@ -1,0 +1,217 @@
+"""The engine's membership of the weight-sync group: Init's parameters, the join of every worker, leave.
+
+Every worker of the engine joins the group at rank ``rank_offset + worker``
+(``docs/architecture.md``, "Roles"); the joins run concurrently, because each
+one blocks until the whole group has formed. The servicer's lock guards a
+:class:`Membership`; :meth:`Membership.join` is called without it (it blocks
+for up to the join timeout).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.core.errors import GroupTimeout, InvalidArgument
+from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, JOIN_OVERRUN_S, Deadline
+from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group, resolve_backend
+from wsync_grpc.wire.convert import backend_from_proto, backend_to_proto, duration, seconds
+
+
+@dataclass(frozen=True)
+class GroupParams:
+    """The weight-sync group an engine joins, from a validated ``wsync.v1.InitRequest``.
+
+    Two Init calls with equal parameters are the same join (Init is idempotent).
+
+    Attributes:
+        master_address: host of the trainer's rendezvous store.
+        master_port: its TCP port, 1..65535.
+        rank_offset: the group rank of the engine's worker 0 (at least 1: rank 0 is the trainer).
+        world_size: ranks in the group, trainer included.
+        group_name: the group's name (its store prefix).
+        backend: ``"gloo"`` or ``"nccl"``, resolved for the workers' devices.
+        timeout_s: join deadline and per-collective timeout, in seconds.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float
+
+
+def init_params(r: pb.InitRequest, devices: Sequence[torch.device]) -> GroupParams:
+    """Validate an Init request for an engine whose workers run on ``devices``.
+
+    Defaults: group name :data:`~wsync_grpc.group.process_group.DEFAULT_GROUP_NAME`,
+    backend by device (gloo on CPU, NCCL on CUDA), timeout
+    :data:`~wsync_grpc.core.timeouts.DEFAULT_GROUP_TIMEOUT_S`.
+
+    Raises:
+        InvalidArgument: MISSING_MASTER_ADDRESS, INVALID_PORT,
+            INVALID_RANK_OFFSET, INVALID_WORLD_SIZE (the ranks of the engine's
+            workers do not fit), UNKNOWN_ENUM_VALUE (backend), INVALID_BACKEND
+            (the backend does not suit the devices, or they need different
+            ones), NEGATIVE_TIMEOUT.
+    """
+    if not r.master_address:
+        raise InvalidArgument("MISSING_MASTER_ADDRESS", "master_address is required")
+    if not 1 <= r.master_port <= 65535:
+        raise InvalidArgument("INVALID_PORT", f"master_port {r.master_port} is not in 1..65535")
+    if r.rank_offset < 1:
+        raise InvalidArgument("INVALID_RANK_OFFSET", "rank_offset must be at least 1 (rank 0 is the trainer)")
+    workers = len(devices)
+    if r.world_size < r.rank_offset + workers:
+        raise InvalidArgument(
+            "INVALID_WORLD_SIZE",
+            f"world_size {r.world_size} cannot hold ranks {r.rank_offset}..{r.rank_offset + workers - 1} "
+            f"of this engine's {workers} worker(s)",
+        )
+    backend = backend_from_proto(r.backend)
+    try:
+        backends = {resolve_backend(backend, d) for d in devices}
+    except ValueError as e:
+        raise InvalidArgument("INVALID_BACKEND", str(e)) from None
+    if len(backends) != 1:
+        raise InvalidArgument("INVALID_BACKEND", "the workers' devices need different backends")
+    return GroupParams(
+        master_address=r.master_address,
+        master_port=r.master_port,
+        rank_offset=r.rank_offset,
+        world_size=r.world_size,
+        group_name=r.group_name or DEFAULT_GROUP_NAME,
+        backend=backends.pop(),
+        timeout_s=seconds(r.timeout, DEFAULT_GROUP_TIMEOUT_S),
+    )
+
+
+def group_info(params: GroupParams | None, devices: Sequence[str]) -> pb.GroupInfo:
+    """The ``wsync.v1.GroupInfo`` of a group joined with ``params`` by workers on ``devices``; empty for ``None``."""
+    if params is None:
+        return pb.GroupInfo()
+    return pb.GroupInfo(
+        group_name=params.group_name,
+        world_size=params.world_size,
+        ranks=[params.rank_offset + i for i in range(len(devices))],
+        backend=backend_to_proto(params.backend),
+        master_address=params.master_address,
+        master_port=params.master_port,
+        devices=list(devices),
+        timeout=duration(params.timeout_s),
+    )
+
+
+class Membership:
+    """The engine's workers' memberships of one weight-sync group, at most one at a time.
+
+    Not thread-safe: the servicer's lock guards it, except around :meth:`join`.
+
+    Args:
+        devices: the workers' devices, in worker order.
+
+    Attributes:
+        params: the joined group's parameters; ``None`` when not a member.
+        groups: one membership per worker, in worker order; empty when not a member.
+    """
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.devices = list(devices)
+        self.params: GroupParams | None = None
+        self.groups: list[WeightSyncGroup] = []
+
+    def params_of(self, request: pb.InitRequest) -> GroupParams:
+        """Validate ``request`` for these workers (see :func:`init_params`)."""
+        return init_params(request, self.devices)
+
+    @property
+    def group_timeout_s(self) -> float:
+        """The joined group's per-collective timeout, in seconds; the default one when not a member."""
+        return self.groups[0].timeout_s if self.groups else DEFAULT_GROUP_TIMEOUT_S
+
+    def info(self) -> pb.GroupInfo:
+        """The ``wsync.v1.GroupInfo`` of the joined group (empty when not a member)."""
+        return group_info(self.params, [str(d) for d in self.devices])
+
+    def join(self, p: GroupParams) -> list[WeightSyncGroup]:
+        """Join every worker concurrently; return their memberships (not yet recorded: see :meth:`joined`).
+
+        Bounded by ``p.timeout_s`` plus :data:`~wsync_grpc.core.timeouts.JOIN_OVERRUN_S`
+        even when a join overruns its own timeout (torch's store connect
+        retries can): such a join is left to finish in the background, and
+        the group it forms, if any, is destroyed. When one worker fails, the
+        memberships of the others are destroyed.
+
+        Raises:
+            GroupTimeout: the group did not form in time.
+            GroupError: the store could not be reached or the group broke while forming.
+            ValueError: inconsistent ranks, backend or device.
+        """
+        ex = concurrent.futures.ThreadPoolExecutor(len(self.devices), thread_name_prefix="wsync-join")
+        deadline = Deadline(p.timeout_s + JOIN_OVERRUN_S)
+        try:
+            futures = [
+                ex.submit(
+                    join_group,
+                    master_address=p.master_address,
+                    master_port=p.master_port,
+                    rank=p.rank_offset + i,
+                    world_size=p.world_size,
+                    group_name=p.group_name,
+                    backend=p.backend,
+                    device=d,
+                    timeout_s=p.timeout_s,
+                )
+                for i, d in enumerate(self.devices)
+            ]
+            return _collect(futures, deadline, p.timeout_s)
+        finally:
+            ex.shutdown(wait=False)
+
+    def joined(self, p: GroupParams, groups: list[WeightSyncGroup]) -> None:
+        """Record a successful :meth:`join`."""
+        self.params = p
+        self.groups = groups
+
+    def leave(self) -> bool:
+        """Destroy every worker's membership; return whether there was any. Idempotent."""
+        was_member = bool(self.groups)
+        for g in self.groups:
+            g.destroy()
+        self.groups = []
+        self.params = None
+        return was_member
+
+
+def _collect(
+    futures: list[concurrent.futures.Future[WeightSyncGroup]], deadline: Deadline, timeout_s: float
+) -> list[WeightSyncGroup]:
+    """The groups of every join by ``deadline``, or the first error (the groups formed are destroyed)."""
+    groups: list[WeightSyncGroup] = []
+    error: BaseException | None = None
+    for f in futures:
+        try:
+            groups.append(f.result(timeout=deadline.left()))
+        except BaseException as e:
+            failure: BaseException = e
+            if not f.done():  # the join overran its own timeout: give up on it
+                failure = GroupTimeout(f"the group did not form within {timeout_s:g} s")
+                f.add_done_callback(_destroy_late_group)
+            error = error or failure
+    if error is not None:
+        for g in groups:
+            g.destroy()
+        raise error
+    return groups
+
+
+def _destroy_late_group(f: concurrent.futures.Future[WeightSyncGroup]) -> None:
+    """Leave a group whose join finished after Init gave up on it."""
+    if not f.cancelled() and f.exception() is None:
+        f.result().destroy()

@@ -1,0 +1,406 @@
+"""One weight update on the engine side, from its Prepare to its Complete or its failure.
+
+An :class:`UpdateSession` owns what one update needs: its header; its
+validator, kept for the whole update so that every Update is checked against
+what Prepare and earlier Updates declared; the bucket feed its receivers
+read; its cancel event; one background receiver per worker
+(:class:`~wsync_grpc.worker.receiver.WorkerReceiver`); its progress counters;
+the apply at Complete; and the failure policy.
+
+Failure policy (``docs/architecture.md``, "Invariants"): a failed, timed-out
+or cancelled update is abandoned: its receivers are cancelled, its feed
+closed and its buffers released (never reused while a receive may still be
+posted into them); the engine moves to FAILED and leaves the group, because
+collectives already posted can no longer be matched, and a fresh Init starts
+over. With staged apply the served weights are untouched. A streaming update
+that already changed weights, or a staged apply that broke half-way, marks
+the weights dirty and keeps the engine paused until an update succeeds or an
+operator forces a Resume.
+
+Locking: the engine's lock (:attr:`~wsync_grpc.service.engine_state.EngineState.lock`)
+comes before the adapter's own locks. Each method says whether it expects the
+lock held, takes it, or must run without it (the bounded waits).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from wsync_grpc.core.adapter import EngineAdapter, PauseMode
+from wsync_grpc.core.errors import Aborted, DeadlineExceeded, FailedPrecondition, Phase, WsyncError, domain_error
+from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.lifecycle import Event
+from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
+from wsync_grpc.core.validation import BucketSpecFields, UpdateHeader, UpdateValidator
+from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.status import Progress
+from wsync_grpc.worker.feed import BucketFeed
+from wsync_grpc.worker.receiver import WorkerReceiver
+
+log = logging.getLogger(__name__)
+
+
+def may_step(adapter: EngineAdapter) -> bool:
+    """Whether requests in flight may still run inference steps: serving, or paused in WAIT mode."""
+    return adapter.pause_mode() in (None, PauseMode.WAIT)
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """An armed update (the fields of ``wsync.v1.PrepareResponse``; sizes in bytes, times in seconds)."""
+
+    update_id: str
+    bucket_count: int
+    tensor_count: int
+    total_bytes: int
+    ready_seconds: float
+
+
+@dataclass(frozen=True)
+class CompleteResult:
+    """An applied update (the fields of ``wsync.v1.CompleteResponse``; sizes in bytes, times in seconds).
+
+    The counts are worker 0's; every worker receives the same buckets.
+    """
+
+    update_id: str
+    weight_version: str
+    bucket_count: int
+    tensor_count: int
+    bytes_received: int
+    receive_seconds: float
+    apply_seconds: float
+    total_seconds: float
+    cache_flushed: bool
+
+
+class UpdateSession:
+    """One update in flight on one engine.
+
+    Args:
+        engine: the engine-wide state.
+        header: the validated header.
+        validator: the validator that read the Prepare stream (it holds what was declared).
+        buckets: the Prepare stream's buckets.
+        started: when the Prepare began, on the monotonic clock (seconds).
+
+    Attributes:
+        feed: the declared buckets, read by every receiver; closed at Complete or on failure
+            (at once for a non-incremental update).
+        cancel: set when the update is abandoned; every receiver's wait ends on it.
+        receivers: one per worker, in worker order, once :meth:`start` ran.
+        tensors: tensors declared so far.
+        bytes: bytes declared so far (``size_bytes`` of every bucket), in bytes.
+        armed_at: when the receivers were armed, on the monotonic clock (seconds).
+        completing: Complete was called.
+        auto_paused: the session paused the engine for a streaming update and resumes it afterwards.
+        error: why the update failed; ``None`` while it has not.
+    """
+
+    def __init__(
+        self,
+        engine: EngineState,
+        header: UpdateHeader,
+        validator: UpdateValidator,
+        buckets: list[Bucket],
+        started: float,
+    ) -> None:
+        self.engine = engine
+        self.header = header
+        self.validator = validator
+        self.started = started
+        self.feed = BucketFeed()
+        self.feed.extend(buckets)
+        if not header.incremental:
+            self.feed.close()
+        self.cancel = threading.Event()
+        self.receivers: list[WorkerReceiver] = []
+        self.prepared_buckets = len(buckets)
+        self.tensors = sum(len(b.tensors) for b in buckets)
+        self.bytes = sum(b.size_bytes for b in buckets)
+        self.armed_at: float | None = None
+        self.completing = False
+        self.auto_paused = False
+        self.error: WsyncError | None = None
+
+    # ------------------------------------------------------------------ Prepare
+
+    def start(self) -> None:
+        """Freeze the engine for a streaming update, become the engine's update, start the receivers. Lock held."""
+        eng = self.engine
+        if self.header.streaming and may_step(eng.adapter):
+            # Streaming apply changes weights bucket by bucket: freeze requests
+            # between two steps until Complete. A WAIT pause does not stop the
+            # requests it is draining (or failed to drain): freeze them too.
+            self.auto_paused = not eng.adapter.is_paused()
+            eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
+        eng.update = self
+        for i, g in enumerate(eng.membership.groups):
+            r = WorkerReceiver(
+                worker=i,
+                group=g,
+                adapter=eng.adapter,
+                feed=self.feed,
+                layout=self.header.layout,
+                apply_mode=self.header.apply_mode,
+                cancel=self.cancel,
+                pool=eng.pools[i],
+                on_event=self._on_receiver_event,
+            )
+            self.receivers.append(r)
+        for r in self.receivers:
+            r.start()
+
+    def wait_armed(self, timeout_s: float) -> None:
+        """Wait until every receiver has posted its first receive, at most ``timeout_s`` seconds. Lock not held.
+
+        Raises:
+            DeadlineExceeded: ARM_TIMEOUT; the update has failed.
+        """
+        deadline = Deadline(timeout_s)
+        for r in self.receivers:
+            if not r.armed.wait(deadline.left()):
+                err = DeadlineExceeded("ARM_TIMEOUT", f"the receivers were not armed within {timeout_s:g} s")
+                self.fail(err)
+                raise err
+
+    def armed(self) -> PrepareResult:
+        """Move to RECEIVING (RECEIVED when every bucket already arrived). Lock held.
+
+        Raises:
+            WsyncError: the update failed while it was being armed.
+        """
+        if self.error is not None:
+            raise self.error
+        self.engine.lifecycle.fire(Event.ARMED)
+        self.armed_at = time.monotonic()
+        # Receivers may have finished already (tiny updates): re-check.
+        if self.receivers and all(r.buckets_done == len(self.feed) for r in self.receivers):
+            self.engine.lifecycle.fire_if(Event.ALL_RECEIVED)
+        h = self.header
+        result = PrepareResult(
+            h.update_id, self.prepared_buckets, self.tensors, self.bytes, self.armed_at - self.started
+        )
+        log.info(
+            "update %s (version %s): %d buckets, %d tensors, %d bytes armed in %.1f ms",
+            h.update_id,
+            h.weight_version,
+            result.bucket_count,
+            result.tensor_count,
+            result.total_bytes,
+            result.ready_seconds * 1e3,
+        )
+        return result
+
+    # ------------------------------------------------------------------- Update
+
+    def check_accepts_buckets(self) -> None:
+        """Refuse further buckets for an update not prepared as incremental, or already completing. Lock held.
+
+        Raises:
+            FailedPrecondition: NOT_INCREMENTAL, COMPLETING.
+        """
+        if not self.header.incremental:
+            raise FailedPrecondition("NOT_INCREMENTAL", "the update in flight was not prepared with incremental = true")
+        if self.completing:
+            raise FailedPrecondition("COMPLETING", "Complete was already called for this update")
+
+    def declare(self, specs: Sequence[BucketSpecFields]) -> None:
+        """Validate further buckets against what this update declared, and feed them to the receivers. Lock held.
+
+        All or none: a refused batch changes nothing.
+
+        Raises:
+            InvalidArgument: see :meth:`~wsync_grpc.core.validation.UpdateValidator.bucket_messages`.
+        """
+        new = self.validator.bucket_messages(specs)
+        self.feed.extend(new)
+        self.tensors += sum(len(b.tensors) for b in new)
+        self.bytes += sum(b.size_bytes for b in new)
+        self.engine.lifecycle.fire(Event.MORE_BUCKETS)
+
+    # ----------------------------------------------------------------- Complete
+
+    def begin_complete(self) -> None:
+        """Mark the update completing: no bucket may be declared any more. Lock held.
+
+        Raises:
+            Aborted: COMPLETE_IN_PROGRESS, Complete is already running.
+        """
+        if self.completing:
+            raise Aborted("COMPLETE_IN_PROGRESS", "Complete is already running for this update")
+        self.completing = True
+        self.feed.close()
+
+    def complete(self, timeout_s: float, flush_cache: bool) -> CompleteResult:
+        """Wait for every bucket (at most ``timeout_s`` seconds), apply, publish the weight version. Lock not held.
+
+        Raises:
+            DeadlineExceeded: RECEIVE_TIMEOUT.
+            WsyncError: the receive or the apply failed (the update has failed).
+        """
+        deadline = Deadline(timeout_s)
+        for r in self.receivers:
+            if not r.done.wait(deadline.left()):
+                self.fail(
+                    DeadlineExceeded(
+                        "RECEIVE_TIMEOUT",
+                        f"{r.buckets_done} of {len(self.feed)} buckets arrived within the Complete timeout "
+                        f"of {timeout_s:g} s",
+                    )
+                )
+                break
+            if r.error is not None:
+                self.fail(domain_error(r.error, Phase.RECEIVE, timeout_s=r.group.timeout_s))
+                break
+        with self.engine.lock:
+            if self.error is not None:
+                raise self.error
+            self.engine.lifecycle.fire_if(Event.ALL_RECEIVED)
+            self.engine.lifecycle.fire(Event.APPLY)
+        return self._apply(flush_cache)
+
+    def _apply(self, flush_cache: bool) -> CompleteResult:
+        eng = self.engine
+        t0 = time.monotonic()
+        try:
+            with eng.adapter.weights_lock():
+                if not self.header.streaming:
+                    for r in self.receivers:
+                        for named in r.staged:
+                            r.tensors_applied += eng.adapter.load_weights(r.worker, named)
+                        r.tensors_applied += r.apply_swaps()
+                if flush_cache:
+                    eng.adapter.flush_cache()
+                eng.adapter.set_weight_version(self.header.weight_version)
+        except BaseException as e:
+            err = domain_error(e)
+            with eng.lock:
+                self.fail(err)
+                if not self.header.streaming:
+                    # A staged apply that broke half-way is as dirty as a streaming one.
+                    self._mark_dirty()
+            raise err from e
+        done = time.monotonic()
+        with eng.lock:
+            for r in self.receivers:
+                r.release(reuse=True)
+            eng.weight_version = self.header.weight_version
+            eng.dirty = False
+            eng.updates_completed += 1
+            eng.update = None
+            eng.lifecycle.fire(Event.APPLIED)
+            if self.auto_paused or eng.dirty_paused:
+                eng.adapter.resume()
+            eng.dirty_paused = False
+        return _applied(self, t0, done, flush_cache)
+
+    # ----------------------------------------------------------------- progress
+
+    def progress(self) -> Progress:
+        """Where the update stands (the slowest worker's counts). Lock held."""
+        h = self.header
+        return Progress(
+            update_id=h.update_id,
+            weight_version=h.weight_version,
+            layout=h.layout,
+            apply_mode=h.apply_mode,
+            buckets_expected=len(self.feed),
+            buckets_received=min((r.buckets_done for r in self.receivers), default=0),
+            bytes_expected=self.bytes,
+            bytes_received=min((r.bytes_done for r in self.receivers), default=0),
+            elapsed_seconds=time.monotonic() - self.started,
+            incremental=h.incremental,
+        )
+
+    # ------------------------------------------------------------------ failure
+
+    def fail(self, err: WsyncError) -> None:
+        """Abandon the update: stop its receivers, leave the group, move to FAILED, record ``err``.
+
+        Idempotent, and a no-op once the update is no longer the engine's
+        update (applied, or failed already). Takes the lock.
+        """
+        eng = self.engine
+        with eng.lock:
+            if self.error is not None or eng.update is not self:
+                return
+            self.error = err
+            self.cancel.set()
+            self.feed.close()
+            applied = any(r.tensors_applied or r.wrote_served for r in self.receivers)
+            for r in self.receivers:
+                # A receive may still be posted into these buffers: never reuse them.
+                r.release(reuse=r.done.is_set() and r.error is None)
+            eng.membership.leave()
+            eng.lifecycle.fire(Event.FAIL)
+            eng.update = None
+            eng.failed_update = self
+            eng.record_error(err, self.header.update_id)
+            log.warning(
+                "update %s (version %s) failed: %s %s",
+                self.header.update_id,
+                self.header.weight_version,
+                err.reason,
+                err.message,
+            )
+            if self.header.streaming and applied:
+                self._mark_dirty()
+                log.error("streaming update failed half-way: weights are dirty, the engine stays paused")
+            elif self.auto_paused:
+                eng.adapter.resume()
+
+    def _mark_dirty(self) -> None:
+        """Flag half-updated weights and keep the engine paused until an update succeeds. Lock held."""
+        eng = self.engine
+        eng.dirty = True
+        if may_step(eng.adapter):  # serving, or a WAIT pause whose requests still run
+            eng.dirty_paused = not eng.adapter.is_paused()
+            eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
+        elif self.auto_paused:
+            eng.dirty_paused = True  # our own freeze now holds because of the dirt
+
+    def _on_receiver_event(self, r: WorkerReceiver) -> None:
+        """A receiver got a bucket or ended: fail the update on an error, move to RECEIVED once all arrived."""
+        eng = self.engine
+        with eng.lock:
+            if eng.update is not self or r not in self.receivers:
+                return
+            if r.error is not None:
+                err = domain_error(r.error, Phase.RECEIVE, timeout_s=r.group.timeout_s)
+                threading.Thread(target=self.fail, args=(err,), daemon=True).start()
+                return
+            declared = len(self.feed)
+            if all(x.buckets_done == declared for x in self.receivers):
+                eng.lifecycle.fire_if(Event.ALL_RECEIVED)
+
+
+def _applied(s: UpdateSession, t0: float, done: float, flush_cache: bool) -> CompleteResult:
+    """The result of update ``s``, applied from ``t0`` to ``done`` (monotonic seconds), logged."""
+    last = max((r.last_arrival_at or done) for r in s.receivers) if s.receivers else done
+    armed = s.armed_at or s.started
+    r0 = s.receivers[0] if s.receivers else None
+    result = CompleteResult(
+        update_id=s.header.update_id,
+        weight_version=s.header.weight_version,
+        bucket_count=r0.buckets_done if r0 else 0,
+        tensor_count=r0.tensors_applied if r0 else 0,
+        bytes_received=r0.bytes_done if r0 else 0,
+        receive_seconds=max(0.0, last - armed),
+        apply_seconds=done - t0,
+        total_seconds=done - s.started,
+        cache_flushed=flush_cache,
+    )
+    log.info(
+        "update %s applied: version %s, %d tensors, %d bytes, %.3f s total",
+        result.update_id,
+        result.weight_version,
+        result.tensor_count,
+        result.bytes_received,
+        result.total_seconds,
+    )
+    return result
