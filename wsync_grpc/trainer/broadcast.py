@@ -1,9 +1,9 @@
 """The trainer's side of an update's data path: every bucket broadcast from rank 0, and progress reports.
 
-Two pipelines, one per bucket layout: :func:`broadcast_flattened` (one
+Two pipelines, one per bucket layout: :meth:`Broadcast.flattened` (one
 broadcast per bucket, the next bucket packed while the current one is on the
 wire, into one of the two reusable buffers of :class:`PackBuffers`) and
-:func:`broadcast_individual` (one broadcast per tensor, up to two buckets in
+:meth:`Broadcast.individual` (one broadcast per tensor, up to two buckets in
 flight). Both wait with the group's timeout and stop at the next wait when
 the client's cancel signal is set; both call the ``progress`` callback once
 a bucket is on every engine.
@@ -17,6 +17,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,133 +58,123 @@ class PackBuffers:
         self._slots = [None, None]
 
 
-def _wait(group: WeightSyncGroup, work: torch.distributed.Work, cancel: threading.Event) -> None:
-    wait_work(work, time.monotonic() + group.timeout_s, cancel, sliced=group.sliced_waits)
+@dataclass
+class Broadcast:
+    """One update's broadcasts from rank 0, and the progress they report.
 
-
-def _report(
-    progress: Callable[[SyncProgress], None] | None,
-    update_id: str,
-    buckets_sent: int,
-    bucket_count: int,
-    bytes_sent: int,
-    total: int,
-    start: float,
-) -> None:
-    if progress is not None:
-        progress(SyncProgress(update_id, buckets_sent, bucket_count, bytes_sent, total, time.monotonic() - start))
-
-
-def broadcast_flattened(
-    group: WeightSyncGroup,
-    buckets: Sequence[Bucket],
-    by_name: Mapping[str, torch.Tensor],
-    update_id: str,
-    total: int,
-    progress: Callable[[SyncProgress], None] | None,
-    cancel: threading.Event,
-    slots: list[torch.Tensor | None],
-) -> float:
-    """One broadcast per bucket, double-buffered: pack k+1 while k is on the wire.
-
-    A bucket that is one tensor already laid out as its bytes is broadcast
-    from the tensor itself (:func:`~wsync_grpc.core.packing.bucket_bytes_view`),
-    without packing and without a buffer; other buckets are packed into
-    one of two reused buffers (``slots``, filled as needed), a buffer being
-    repacked only once the broadcast that read it has completed. Up to
-    :data:`FLAT_WINDOW` broadcasts are in flight, so that the wire never
-    waits for this thread between two buckets.
-
-    Returns the time spent packing, in seconds.
+    Attributes:
+        group: the trainer's membership of the weight-sync group.
+        buckets: the planned buckets, in index order.
+        by_name: the trainer's tensors by the names planned.
+        update_id: the update's id, for progress reports.
+        total: bytes the update broadcasts, in bytes.
+        progress: called from this thread once a bucket is on every engine; ``None`` for none.
+        cancel: set to stop at the next wait (the waits then raise
+            :class:`~wsync_grpc.core.errors.Cancelled`).
     """
-    pack_s = 0.0
-    sent = 0
-    start = time.monotonic()
-    window: collections.deque[tuple[torch.distributed.Work, Bucket, int]] = collections.deque()
-    packed = 0  # buckets packed so far; bucket p uses slot p % 2
 
-    def finish() -> None:
-        nonlocal sent
-        work, b, _slot = window.popleft()
-        _wait(group, work, cancel)
-        sent += b.size_bytes
-        _report(progress, update_id, b.index + 1, len(buckets), sent, total, start)
+    group: WeightSyncGroup
+    buckets: Sequence[Bucket]
+    by_name: Mapping[str, torch.Tensor]
+    update_id: str
+    total: int
+    progress: Callable[[SyncProgress], None] | None
+    cancel: threading.Event
+    sent: int = 0
+    """Bytes on every engine so far, in bytes."""
+    start: float = field(default_factory=time.monotonic)
 
-    for b in buckets:
-        t = time.monotonic()
-        buf = bucket_bytes_view(b, by_name, group.device)
-        slot_index = -1
-        if buf is None:
-            slot_index = packed % 2
-            packed += 1
-            while any(s == slot_index for _w, _b, s in window):  # the slot is still on the wire
-                finish()
+    def _deadline(self) -> float:
+        return time.monotonic() + self.group.timeout_s
+
+    def _report(self, b: Bucket) -> None:
+        if self.progress is not None:
+            elapsed = time.monotonic() - self.start
+            self.progress(SyncProgress(self.update_id, b.index + 1, len(self.buckets), self.sent, self.total, elapsed))
+
+    def flattened(self, slots: list[torch.Tensor | None]) -> float:
+        """One broadcast per bucket, double-buffered: pack k+1 while k is on the wire.
+
+        A bucket that is one tensor already laid out as its bytes is broadcast
+        from the tensor itself (:func:`~wsync_grpc.core.packing.bucket_bytes_view`),
+        without packing and without a buffer; other buckets are packed into
+        one of two reused buffers (``slots``, filled as needed), a buffer being
+        repacked only once the broadcast that read it has completed. Up to
+        :data:`FLAT_WINDOW` broadcasts are in flight, so that the wire never
+        waits for this thread between two buckets.
+
+        Returns the time spent packing, in seconds.
+        """
+        group = self.group
+        pack_s = 0.0
+        window: collections.deque[tuple[torch.distributed.Work, Bucket, int]] = collections.deque()
+        packed = 0  # buckets packed so far; bucket p uses slot p % 2
+
+        def finish() -> None:
+            work, b, _slot = window.popleft()
+            wait_work(work, self._deadline(), self.cancel, sliced=group.sliced_waits)
+            self.sent += b.size_bytes
+            self._report(b)
+
+        for b in self.buckets:
             t = time.monotonic()
-            slot = slots[slot_index]
-            if slot is None or slot.numel() < b.size_bytes or slot.device != group.device:
-                slot = slots[slot_index] = torch.empty(b.size_bytes, dtype=torch.uint8, device=group.device)
-            buf = slot[: b.size_bytes]
-            # Padding zeroed: a reused or fresh buffer never puts stale trainer memory on the wire.
-            pack_bucket(b, by_name, buf, zero_padding=True)
-        pack_s += time.monotonic() - t
-        while len(window) >= FLAT_WINDOW:
+            buf = bucket_bytes_view(b, self.by_name, group.device)
+            slot_index = -1
+            if buf is None:
+                slot_index = packed % 2
+                packed += 1
+                while any(s == slot_index for _w, _b, s in window):  # the slot is still on the wire
+                    finish()
+                t = time.monotonic()
+                slot = slots[slot_index]
+                if slot is None or slot.numel() < b.size_bytes or slot.device != group.device:
+                    slot = slots[slot_index] = torch.empty(b.size_bytes, dtype=torch.uint8, device=group.device)
+                buf = slot[: b.size_bytes]
+                # Padding zeroed: a reused or fresh buffer never puts stale trainer memory on the wire.
+                pack_bucket(b, self.by_name, buf, zero_padding=True)
+            pack_s += time.monotonic() - t
+            while len(window) >= FLAT_WINDOW:
+                finish()
+            window.append((group.broadcast(buf), b, slot_index))
+        while window:
             finish()
-        window.append((group.broadcast(buf), b, slot_index))
-    while window:
-        finish()
-    return pack_s
+        return pack_s
 
+    def individual(self) -> float:
+        """One broadcast per tensor, in order, up to two buckets in flight.
 
-def broadcast_individual(
-    group: WeightSyncGroup,
-    buckets: Sequence[Bucket],
-    by_name: Mapping[str, torch.Tensor],
-    update_id: str,
-    total: int,
-    progress: Callable[[SyncProgress], None] | None,
-    cancel: threading.Event,
-) -> float:
-    """One broadcast per tensor, in order, up to two buckets in flight.
+        Every tensor of bucket k+1 is prepared (made contiguous in its wire
+        dtype) and posted before bucket k's broadcasts are waited for; the
+        engines keep two buckets of receives posted. Waiting for each tensor
+        before posting the next costs a round trip per tensor, which is what
+        dominates for a model of many small tensors (a large MoE).
+        Broadcasts are waited for half a window at a time
+        (:func:`~wsync_grpc.group.waits.wait_all`).
+        Converted copies (when a tensor is not already contiguous in its wire
+        dtype) are held for at most two buckets.
 
-    Every tensor of bucket k+1 is prepared (made contiguous in its wire
-    dtype) and posted before bucket k's broadcasts are waited for; the
-    engines keep two buckets of receives posted. Waiting for each tensor
-    before posting the next costs a round trip per tensor, which is what
-    dominates for a model of many small tensors (a large MoE).
-    Broadcasts are waited for half a window at a time
-    (:func:`~wsync_grpc.group.process_group.wait_all`).
-    Converted copies (when a tensor is not already contiguous in its wire
-    dtype) are held for at most two buckets.
+        Returns the time spent preparing tensors, in seconds.
+        """
+        group = self.group
+        pack_s = 0.0
+        window: collections.deque[tuple[torch.distributed.Work, torch.Tensor, Bucket, TensorSlot]] = collections.deque()
 
-    Returns the time spent preparing tensors, in seconds.
-    """
-    pack_s = 0.0
-    sent = 0
-    start = time.monotonic()
-    window: collections.deque[tuple[torch.distributed.Work, torch.Tensor, Bucket, TensorSlot]] = collections.deque()
+        def finish(n: int) -> None:
+            # The oldest n together: one completion callback for all of them (see wait_all).
+            done = [window.popleft() for _ in range(min(n, len(window)))]
+            wait_all([d[0] for d in done], self._deadline(), self.cancel, sliced=group.sliced_waits)
+            for _work, _wire, b, pt in done:
+                self.sent += pt.nbytes
+                if pt is b.tensors[-1]:
+                    self._report(b)
 
-    def finish(n: int) -> None:
-        # The oldest n together: one completion callback for all of them (see wait_all).
-        nonlocal sent
-        done = [window.popleft() for _ in range(min(n, len(window)))]
-        wait_all(
-            [d[0] for d in done],
-            time.monotonic() + group.timeout_s,
-            cancel,
-            sliced=group.sliced_waits,
-        )
-        for _work, _wire, b, pt in done:
-            sent += pt.nbytes
-            if pt is b.tensors[-1]:
-                _report(progress, update_id, b.index + 1, len(buckets), sent, total, start)
-
-    for b in buckets:
-        t = time.monotonic()
-        wires = [wire_tensor(pt, by_name[pt.name], group.device) for pt in b.tensors]
-        pack_s += time.monotonic() - t
-        for pt, wire in zip(b.tensors, wires, strict=True):
-            if len(window) >= INDIVIDUAL_WINDOW:
-                finish(INDIVIDUAL_WINDOW // 2)
-            window.append((group.broadcast(wire), wire, b, pt))
-    finish(len(window))
-    return pack_s
+        for b in self.buckets:
+            t = time.monotonic()
+            wires = [wire_tensor(pt, self.by_name[pt.name], group.device) for pt in b.tensors]
+            pack_s += time.monotonic() - t
+            for pt, wire in zip(b.tensors, wires, strict=True):
+                if len(window) >= INDIVIDUAL_WINDOW:
+                    finish(INDIVIDUAL_WINDOW // 2)
+                window.append((group.broadcast(wire), wire, b, pt))
+        finish(len(window))
+        return pack_s

@@ -31,7 +31,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core import layout as core_layout
 from wsync_grpc.core.layout import Bucket, total_wire_bytes
 from wsync_grpc.group.process_group import WeightSyncGroup
-from wsync_grpc.trainer.broadcast import PackBuffers, broadcast_flattened, broadcast_individual
+from wsync_grpc.trainer.broadcast import Broadcast, PackBuffers
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.membership import Membership
 from wsync_grpc.trainer.options import ApplyMode, Layout
@@ -234,15 +234,11 @@ class SyncRunner:
         Raises:
             SyncError: the trainer's broadcast failed or was cancelled (stage ``"broadcast"``).
         """
+        job = Broadcast(group, buckets, by_name, request.update_id, wire_bytes, request.progress, self._cancel_event)
         try:
             if request.layout == "flattened":
-                slots = self._buffers.for_update()
-                return broadcast_flattened(
-                    group, buckets, by_name, request.update_id, wire_bytes, request.progress, self._cancel_event, slots
-                )
-            return broadcast_individual(
-                group, buckets, by_name, request.update_id, wire_bytes, request.progress, self._cancel_event
-            )
+                return job.flattened(self._buffers.for_update())
+            return job.individual()
         except Exception as exc:
             trainer = EngineFailure.from_exception(TRAINER, "broadcast", exc)
             raise self._abandon(request, "broadcast", {TRAINER: trainer}, broadcast_started=True) from exc
