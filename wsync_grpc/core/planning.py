@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -210,8 +211,7 @@ def _check_plan_args(
         dtype_name(dtype)  # refuse an unsupported wire dtype up front
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     """One tensor to plan: its wire dtype, shape, size (bytes), offset step (bytes), metadata bound (bytes)."""
 
     name: str

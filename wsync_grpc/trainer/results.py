@@ -141,6 +141,11 @@ class SyncError(EngineCallError):
         self.results: dict[str, EngineSyncResult] = dict(results)
 
 
+def _gb_per_s(nbytes: int, seconds: float) -> float:
+    """``nbytes`` over ``seconds`` in GB/s (10^9 bytes per second); 0 when ``seconds`` is not positive."""
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class EngineSyncResult:
     """What one engine reported for a completed update (``wsync.v1.CompleteResponse``).
@@ -174,7 +179,7 @@ class EngineSyncResult:
     @property
     def gb_per_s(self) -> float:
         """``bytes_received`` over ``total_seconds``, in GB/s (10^9 bytes/s); 0 when unmeasurable."""
-        return self.bytes_received / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
+        return _gb_per_s(self.bytes_received, self.total_seconds)
 
 
 @dataclass(frozen=True)
@@ -220,12 +225,12 @@ class SyncResult:
     @property
     def gb_per_s(self) -> float:
         """End-to-end throughput: ``payload_bytes`` over ``total_seconds`` (Prepare to Complete), GB/s."""
-        return self.payload_bytes / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
+        return _gb_per_s(self.payload_bytes, self.total_seconds)
 
     @property
     def broadcast_gb_per_s(self) -> float:
         """``wire_bytes`` over ``broadcast_seconds``, in GB/s."""
-        return self.wire_bytes / self.broadcast_seconds / 1e9 if self.broadcast_seconds > 0 else 0.0
+        return _gb_per_s(self.wire_bytes, self.broadcast_seconds)
 
 
 @dataclass(frozen=True)
