@@ -57,7 +57,7 @@ class ParamSpec:
     @property
     def nbytes(self) -> int:
         """Size in the served dtype, in bytes."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    """Size of one element of ``dtype``, in bytes."""
-    return torch.empty((), dtype=dtype).element_size()
+    """Size of one element of ``dtype``, in bytes (``torch.dtype.itemsize``)."""
+    return dtype.itemsize
 
 
 def can_convert(wire: torch.dtype, served: torch.dtype) -> bool:

@@ -361,6 +361,8 @@ def _wire_dtype(t: TensorSpecFields, spec: ParamSpec, idx: str) -> torch.dtype:
 
 def _shape(t: TensorSpecFields, spec: ParamSpec, idx: str) -> tuple[int, ...]:
     """The declared shape of ``t``, which must be the served tensor's full shape."""
+    if tuple(t.shape) == spec.shape:  # the common case: no negative dimension either
+        return spec.shape
     shape = tuple(int(d) for d in t.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(
