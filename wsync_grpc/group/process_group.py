@@ -122,10 +122,7 @@ class WeightSyncGroup:
         """
         if self._destroyed:
             raise GroupError("the weight-sync group was left")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        opts = _bcast_opts(src, datetime.timedelta(seconds=self.timeout_s))
         try:
             work: dist.Work = self._pg.broadcast([tensor], opts)
         except RuntimeError as e:
@@ -293,6 +290,7 @@ def _create_nccl(
 
 
 def _bcast_opts(src: int, timeout: datetime.timedelta) -> dist.BroadcastOptions:
+    """Options of a broadcast from group rank ``src`` of one tensor, failing after ``timeout``."""
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     opts.rootTensor = 0
