@@ -197,6 +197,13 @@ class Harness:
             r = s.Leave(pb.LeaveRequest(), timeout=10)  # type: ignore[attr-defined]
             assert r.was_member == (state == State.READY)
             assert status(s).state == State.UNINITIALIZED.value  # type: ignore[arg-type]
+        elif rpc == Rpc.WATCH:
+            stream = s.Watch(pb.WatchRequest(update_id=self.update_id), timeout=10)  # type: ignore[attr-defined]
+            first = next(stream)
+            assert first.state == state.value and not first.ended
+            assert first.update.update_id == self.update_id and first.update.buckets_expected >= 1
+            stream.cancel()
+            assert status(s).state == state.value, "a Watch without hold changes nothing when it ends"  # type: ignore[arg-type]
         elif rpc == Rpc.GET_WEIGHT_CHECKSUMS:
             r = s.GetWeightChecksums(pb.GetWeightChecksumsRequest(names=[NAMES[0]]), timeout=30)  # type: ignore[attr-defined]
             assert len(r.checksums) == 1 and len(r.checksums[0].sha256) == 64
@@ -208,6 +215,9 @@ def call_any(stub: object, rpc: Rpc) -> None:
     if rpc == Rpc.PREPARE:
         header = pb.PrepareHeader(weight_version="x", bucket_count=1, total_bytes=B0.size_bytes)
         s.Prepare(iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=B0)]), timeout=10)  # type: ignore[attr-defined]
+        return
+    if rpc == Rpc.WATCH:
+        next(s.Watch(pb.WatchRequest(update_id="x", hold=True), timeout=10))  # type: ignore[attr-defined]
         return
     requests = {
         Rpc.INIT: pb.InitRequest(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2),

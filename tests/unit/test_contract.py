@@ -26,6 +26,7 @@ PROMISED = {
     "Cancel": (False, False),
     "Leave": (False, False),
     "GetWeightChecksums": (False, False),
+    "Watch": (False, True),
 }
 
 

@@ -46,6 +46,7 @@ class Rpc(enum.Enum):
     CANCEL = "Cancel"
     LEAVE = "Leave"
     GET_WEIGHT_CHECKSUMS = "GetWeightChecksums"
+    WATCH = "Watch"
 
 
 class Event(enum.Enum):
@@ -81,6 +82,7 @@ ALLOWED: dict[Rpc, frozenset[State]] = {
     Rpc.CANCEL: ALL_STATES - {S.APPLYING},
     Rpc.LEAVE: frozenset({S.UNINITIALIZED, S.READY, S.FAILED}),
     Rpc.GET_WEIGHT_CHECKSUMS: ALL_STATES,
+    Rpc.WATCH: frozenset({S.RECEIVING, S.RECEIVED, S.APPLYING}),  # after Prepare replied, until the update ends
 }
 """RPC -> the states it is allowed in."""
 

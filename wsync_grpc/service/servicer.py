@@ -30,6 +30,7 @@ from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.prepare import PrepareReader, cancelled_while_preparing
 from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.service.status import status_response
+from wsync_grpc.service.watch import DEFAULT_WATCH_INTERVAL_S, hold, watch_stream
 from wsync_grpc.wire.convert import PAUSE_MODES, from_proto, seconds, state_to_proto, transport_from_proto
 from wsync_grpc.wire.status import grpc_errors
 
@@ -238,6 +239,17 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         """Report state, admission, version, group, progress, last error."""
         return status_response(self.engine.snapshot())
+
+    @grpc_errors
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchResponse]:
+        """Stream the progress of the update in flight until it ends; with ``hold``, its end fails the update."""
+        interval_s = seconds(request.interval, DEFAULT_WATCH_INTERVAL_S)
+        with self._lock:
+            self.lifecycle.check(Rpc.WATCH)
+            session = self.engine.current(request.update_id)
+            if request.hold:
+                hold(session, context)
+        return watch_stream(self.engine, session, interval_s, context)
 
     @grpc_errors
     def GetWeightChecksums(

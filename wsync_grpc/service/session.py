@@ -126,6 +126,8 @@ class UpdateSession:
         self.completing = False
         self.auto_paused = False
         self.error: WsyncError | None = None
+        self.ended = threading.Event()
+        """Set once the update was applied or failed (``Watch`` streams end on it)."""
 
     # ------------------------------------------------------------------ Prepare
 
@@ -297,6 +299,7 @@ class UpdateSession:
             if self.auto_paused or eng.dirty_paused:
                 eng.adapter.resume()
             eng.dirty_paused = False
+            self.ended.set()
         return _applied(self, t0, done, flush_cache)
 
     # ----------------------------------------------------------------- progress
@@ -341,6 +344,7 @@ class UpdateSession:
             eng.update = None
             eng.failed_update = self
             eng.record_error(err, self.header.update_id)
+            self.ended.set()
             log.warning(
                 "update %s (version %s) failed: %s %s",
                 self.header.update_id,

@@ -33,6 +33,7 @@ from wsync_grpc.core.layout import Bucket, total_wire_bytes
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.broadcast import Broadcast, PackBuffers
 from wsync_grpc.trainer.fleet import Fleet
+from wsync_grpc.trainer.liveness import Holds
 from wsync_grpc.trainer.membership import Membership
 from wsync_grpc.trainer.options import ApplyMode, Layout
 from wsync_grpc.trainer.planning import Planner
@@ -117,6 +118,7 @@ class SyncRunner:
         self._cancel_event = cancel_event
         self._buffers = buffers
         self._planner = Planner(settings)
+        self._holds: Holds | None = None
 
     def run(self, named_tensors: Iterable[tuple[str, torch.Tensor]], request: UpdateRequest) -> SyncResult:
         """Push ``named_tensors`` to every engine as ``request`` says.
@@ -139,11 +141,17 @@ class SyncRunner:
         plan_s = time.monotonic() - t_plan
         init_s, group = self._ensure_group(request)
         prepared, t0, prepare_s = self._prepare(request, buckets, messages, wire_bytes)
-        t_bcast = time.monotonic()
-        pack_s = self._broadcast(request, group, buckets, by_name, wire_bytes)
-        broadcast_s = time.monotonic() - t_bcast
-        t_complete = time.monotonic()
-        results, done = self._complete(request, prepared)
+        # Held from Prepare's reply to Complete's: a dead engine or trainer is noticed at once.
+        self._holds = Holds(self._fleet.engines, request.update_id, self._fleet.metadata, self._cancel_event)
+        try:
+            t_bcast = time.monotonic()
+            pack_s = self._broadcast(request, group, buckets, by_name, wire_bytes)
+            broadcast_s = time.monotonic() - t_bcast
+            t_complete = time.monotonic()
+            results, done = self._complete(request, prepared)
+        finally:
+            holds, self._holds = self._holds, None
+            holds.close()
         return SyncResult(
             update_id=request.update_id,
             weight_version=request.weight_version,
@@ -283,6 +291,10 @@ class SyncRunner:
     ) -> SyncError:
         """The failure protocol: Cancel everywhere, leave the group, build the one error to raise."""
         update_id, weight_version, results = request.update_id, request.weight_version, results or {}
+        all_failures = dict(failures)
+        if self._holds is not None:  # engines whose stream ended first: dead, or their update failed
+            for t, f in self._holds.stop().items():
+                all_failures.setdefault(t, f)
         cancelled: dict[str, bool] = {}
         cancel_failures: dict[str, EngineFailure] = {}
         if stage != "init":
@@ -297,7 +309,6 @@ class SyncRunner:
             cancelled = {t: r.cancelled for t, r in replies.items()}
         self._membership.drop()
         self._buffers.release()  # a broadcast abandoned half-way may still read them
-        all_failures = dict(failures)
         for t, f in cancel_failures.items():
             all_failures.setdefault(t, f)
         engine_failures = len([t for t in all_failures if t != TRAINER])

@@ -1020,6 +1020,81 @@ class GetStatusRequest(_message.Message):
 Global___GetStatusRequest: _TypeAlias = GetStatusRequest  # noqa: Y015
 
 @_typing.final
+class WatchRequest(_message.Message):
+    """WatchRequest names the update to watch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPDATE_ID_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
+    INTERVAL_FIELD_NUMBER: _builtins.int
+    update_id: _builtins.str
+    """update_id is the update in flight to watch (from PrepareResponse); required."""
+    hold: _builtins.bool
+    """hold makes this call the trainer's proof of life for the update: its end
+    before the update ended fails the update (PEER_LOST). false: only watch
+    (an operator's `wsync` CLI).
+    """
+    @_builtins.property
+    def interval(self) -> _duration_pb2.Duration:
+        """interval is the time between two messages; unset or zero means 0.5 s."""
+
+    def __init__(
+        self,
+        *,
+        update_id: _builtins.str = ...,
+        hold: _builtins.bool = ...,
+        interval: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["interval", b"interval"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold", b"hold", "interval", b"interval", "update_id", b"update_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRequest: _TypeAlias = WatchRequest  # noqa: Y015
+
+@_typing.final
+class WatchResponse(_message.Message):
+    """WatchResponse is one look at the watched update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    UPDATE_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    state: Global___LifecycleState.ValueType
+    """state is the engine's lifecycle state when the message was sent."""
+    ended: _builtins.bool
+    """ended is true on the last message: the update was applied (state READY),
+    or failed or was cancelled (state FAILED; last_error says why).
+    """
+    @_builtins.property
+    def update(self) -> Global___UpdateProgress:
+        """update is the watched update's progress; unset once it has ended."""
+
+    @_builtins.property
+    def last_error(self) -> Global___ErrorDetail:
+        """last_error is the engine's last error; unset when there was none."""
+
+    def __init__(
+        self,
+        *,
+        state: Global___LifecycleState.ValueType = ...,
+        update: Global___UpdateProgress | None = ...,
+        ended: _builtins.bool = ...,
+        last_error: Global___ErrorDetail | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_error", b"last_error", "update", b"update"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended", b"ended", "last_error", b"last_error", "state", b"state", "update", b"update"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchResponse: _TypeAlias = WatchResponse  # noqa: Y015
+
+@_typing.final
 class UpdateProgress(_message.Message):
     """UpdateProgress describes the update in flight."""
 

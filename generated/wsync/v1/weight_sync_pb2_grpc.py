@@ -72,6 +72,11 @@ class WeightSyncServiceStub:
                 request_serializer=wsync_dot_v1_dot_weight__sync__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=wsync_dot_v1_dot_weight__sync__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/wsync.v1.WeightSyncService/Watch',
+                request_serializer=wsync_dot_v1_dot_weight__sync__pb2.WatchRequest.SerializeToString,
+                response_deserializer=wsync_dot_v1_dot_weight__sync__pb2.WatchResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/wsync.v1.WeightSyncService/Cancel',
                 request_serializer=wsync_dot_v1_dot_weight__sync__pb2.CancelRequest.SerializeToString,
@@ -199,6 +204,28 @@ class WeightSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Watch streams the progress of the update in flight until it ends, and,
+        with hold = true, is the trainer's proof of life for that update.
+
+        Precondition: the update named by update_id is in flight (after its
+        Prepare replied): FAILED_PRECONDITION (NO_UPDATE, UPDATE_ID_MISMATCH)
+        otherwise. The engine sends one message at once and one every
+        `interval`, and ends the stream with OK once the update has ended
+        (applied, failed or cancelled; the last message says which state it left
+        the engine in). With hold = true, the end of the call before the update
+        ended (the trainer's process died, its connection dropped, or it
+        cancelled the call) fails the update at once with UNAVAILABLE / PEER_LOST,
+        instead of at the group timeout; once Complete was called it no longer
+        does. A trainer keeps one held Watch open per engine from Prepare's reply
+        to Complete's, and treats the stream's early end as the engine's death.
+        Several calls may watch one update; each held one counts. Read-only
+        otherwise: safe to retry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Cancel(self, request, context):
         """Cancel abandons the update in flight. The receivers stop, received
         buffers are dropped, the served weights are untouched (staged apply) or
@@ -279,6 +306,11 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=wsync_dot_v1_dot_weight__sync__pb2.GetStatusRequest.FromString,
                     response_serializer=wsync_dot_v1_dot_weight__sync__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=wsync_dot_v1_dot_weight__sync__pb2.WatchRequest.FromString,
+                    response_serializer=wsync_dot_v1_dot_weight__sync__pb2.WatchResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -488,6 +520,33 @@ class WeightSyncService:
             '/wsync.v1.WeightSyncService/GetStatus',
             wsync_dot_v1_dot_weight__sync__pb2.GetStatusRequest.SerializeToString,
             wsync_dot_v1_dot_weight__sync__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/wsync.v1.WeightSyncService/Watch',
+            wsync_dot_v1_dot_weight__sync__pb2.WatchRequest.SerializeToString,
+            wsync_dot_v1_dot_weight__sync__pb2.WatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

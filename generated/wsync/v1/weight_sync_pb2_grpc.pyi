@@ -134,6 +134,24 @@ class WeightSyncServiceStub:
 
     Allowed in every state, never blocks, no side effects.
     """
+    Watch: _grpc.UnaryStreamMultiCallable[_weight_sync_pb2.WatchRequest, _weight_sync_pb2.WatchResponse]
+    """Watch streams the progress of the update in flight until it ends, and,
+    with hold = true, is the trainer's proof of life for that update.
+
+    Precondition: the update named by update_id is in flight (after its
+    Prepare replied): FAILED_PRECONDITION (NO_UPDATE, UPDATE_ID_MISMATCH)
+    otherwise. The engine sends one message at once and one every
+    `interval`, and ends the stream with OK once the update has ended
+    (applied, failed or cancelled; the last message says which state it left
+    the engine in). With hold = true, the end of the call before the update
+    ended (the trainer's process died, its connection dropped, or it
+    cancelled the call) fails the update at once with UNAVAILABLE / PEER_LOST,
+    instead of at the group timeout; once Complete was called it no longer
+    does. A trainer keeps one held Watch open per engine from Prepare's reply
+    to Complete's, and treats the stream's early end as the engine's death.
+    Several calls may watch one update; each held one counts. Read-only
+    otherwise: safe to retry.
+    """
     Cancel: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.CancelRequest, _weight_sync_pb2.CancelResponse]
     """Cancel abandons the update in flight. The receivers stop, received
     buffers are dropped, the served weights are untouched (staged apply) or
@@ -249,6 +267,24 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     membership, progress of the update in flight and the last error.
 
     Allowed in every state, never blocks, no side effects.
+    """
+    Watch: _aio.UnaryStreamMultiCallable[_weight_sync_pb2.WatchRequest, _weight_sync_pb2.WatchResponse]  # type: ignore[assignment]
+    """Watch streams the progress of the update in flight until it ends, and,
+    with hold = true, is the trainer's proof of life for that update.
+
+    Precondition: the update named by update_id is in flight (after its
+    Prepare replied): FAILED_PRECONDITION (NO_UPDATE, UPDATE_ID_MISMATCH)
+    otherwise. The engine sends one message at once and one every
+    `interval`, and ends the stream with OK once the update has ended
+    (applied, failed or cancelled; the last message says which state it left
+    the engine in). With hold = true, the end of the call before the update
+    ended (the trainer's process died, its connection dropped, or it
+    cancelled the call) fails the update at once with UNAVAILABLE / PEER_LOST,
+    instead of at the group timeout; once Complete was called it no longer
+    does. A trainer keeps one held Watch open per engine from Prepare's reply
+    to Complete's, and treats the stream's early end as the engine's death.
+    Several calls may watch one update; each held one counts. Read-only
+    otherwise: safe to retry.
     """
     Cancel: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.CancelRequest, _weight_sync_pb2.CancelResponse]  # type: ignore[assignment]
     """Cancel abandons the update in flight. The receivers stop, received
@@ -404,6 +440,30 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         membership, progress of the update in flight and the last error.
 
         Allowed in every state, never blocks, no side effects.
+        """
+
+    @_abc_1.abstractmethod
+    def Watch(
+        self,
+        request: _weight_sync_pb2.WatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_weight_sync_pb2.WatchResponse], _abc.AsyncIterator[_weight_sync_pb2.WatchResponse]]:
+        """Watch streams the progress of the update in flight until it ends, and,
+        with hold = true, is the trainer's proof of life for that update.
+
+        Precondition: the update named by update_id is in flight (after its
+        Prepare replied): FAILED_PRECONDITION (NO_UPDATE, UPDATE_ID_MISMATCH)
+        otherwise. The engine sends one message at once and one every
+        `interval`, and ends the stream with OK once the update has ended
+        (applied, failed or cancelled; the last message says which state it left
+        the engine in). With hold = true, the end of the call before the update
+        ended (the trainer's process died, its connection dropped, or it
+        cancelled the call) fails the update at once with UNAVAILABLE / PEER_LOST,
+        instead of at the group timeout; once Complete was called it no longer
+        does. A trainer keeps one held Watch open per engine from Prepare's reply
+        to Complete's, and treats the stream's early end as the engine's death.
+        Several calls may watch one update; each held one counts. Read-only
+        otherwise: safe to retry.
         """
 
     @_abc_1.abstractmethod

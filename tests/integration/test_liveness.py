@@ -1,0 +1,173 @@
+"""Failures noticed within about a second, whatever the group timeout (the held Watch of each update).
+
+- A real ``TrainerClient`` process is SIGKILLed at random points of the broadcast of a 0.25 GB model
+  (mid-collective, not only between buckets): the engine reaches FAILED with PEER_LOST within 2 s
+  (staged: the old weights, clean; streaming: dirty and paused), and a later sync succeeds.
+- An engine is SIGKILLed mid-broadcast: the trainer's ``SyncError`` names it within 2 s, and the
+  other engine's update is cancelled with its weights intact.
+The group timeout is 60 s in both, so nothing here can pass by waiting for it.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from support import ENV, ROOT
+from wsync.v1 import weight_sync_pb2 as pb
+from wsync.v1 import weight_sync_pb2_grpc
+
+from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.engines import synthetic
+from wsync_grpc.testing import EngineProcess, spawn_engine
+from wsync_grpc.trainer import SyncError, SyncProgress, TrainerClient
+
+GROUP_TIMEOUT_S = 60.0
+BOUND_S = 2.0
+PRESET = "0.25gb"
+
+TRAINER = r"""
+import sys, time, torch
+from wsync_grpc.engines import synthetic
+from wsync_grpc.trainer import TrainerClient
+
+target, mode = sys.argv[1], sys.argv[2]
+old = synthetic.build("0.25gb", seed=1, dtype=torch.bfloat16)
+new = synthetic.build("0.25gb", seed=2, dtype=torch.bfloat16)
+with TrainerClient([target], group_timeout_s=60, rpc_timeout_s=30, bucket_bytes=8 << 20, solo_bytes=0) as c:
+    c.sync(old.items(), "old", apply_mode=mode)
+    print("synced old", flush=True)
+    def progress(p):
+        print(f"bucket {p.buckets_sent}/{p.bucket_count}", flush=True)
+    c.sync(new.items(), "new", apply_mode=mode, progress=progress)
+    print("synced new", flush=True)
+    time.sleep(120)
+"""
+
+
+def wait_for(proc: subprocess.Popen[str], prefix: str, timeout_s: float) -> str:
+    """The first line of ``proc``'s stdout that starts with ``prefix``."""
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"trainer exited ({proc.returncode}): {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError(f"no {prefix!r} line within {timeout_s} s")
+
+
+def served(target: str) -> tuple[pb.GetStatusResponse, dict[str, str]]:
+    with TrainerClient([target], rpc_timeout_s=30) as c:
+        return c.status()[target], {x.name: x.sha256 for x in c.checksums()[target].checksums}
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[EngineProcess]:
+    e = spawn_engine(
+        ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1"],
+        port_file=tmp_path / "engine.port",
+        log=tmp_path / "engine.log",
+        env=ENV,
+        cwd=ROOT,
+    )
+    yield e
+    e.stop()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_a_killed_trainer_is_noticed_within_two_seconds(engine: EngineProcess, mode: str) -> None:
+    old = {n: tensor_sha256(t) for n, t in synthetic.build(PRESET, seed=1, dtype=torch.bfloat16).items()}
+    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(engine.target))
+    rng = random.Random(f"kills-{mode}")
+    mid_broadcast = 0
+    for _ in range(4):
+        cmd = [sys.executable, "-c", TRAINER, engine.target, mode]
+        trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+        try:
+            wait_for(trainer, "synced old", 120)
+            wait_for(trainer, "bucket 1/", 60)
+            time.sleep(rng.uniform(0.0, 0.1))  # somewhere in the broadcast, between or inside collectives
+            trainer.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            trainer.wait(10)
+        finally:
+            trainer.kill()
+        st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        while st.state != pb.LIFECYCLE_STATE_FAILED and st.weight_version != "new":
+            assert time.monotonic() - killed < BOUND_S, f"engine still {pb.LifecycleState.Name(st.state)}"
+            time.sleep(0.02)
+            st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        noticed = time.monotonic() - killed
+        if st.weight_version == "new":
+            continue  # the kill came after the last byte: nothing to notice
+        mid_broadcast += 1
+        print(f"{mode}: the engine noticed the dead trainer after {noticed:.2f} s")
+        assert st.last_error.reason == "PEER_LOST", st.last_error
+        assert st.weight_version == "old"
+        status, sums = served(engine.target)
+        if mode == "staged":
+            assert sums == old and not status.dirty and not status.paused, "staged: the old weights, clean"
+        else:
+            assert status.dirty and status.paused, "streaming: half-updated weights are flagged and not served"
+    assert mid_broadcast >= 2, f"only {mid_broadcast} of 4 kills landed before the last byte"
+    # The engine takes the next trainer: a complete sync clears everything.
+    fresh = synthetic.build(PRESET, seed=3, dtype=torch.bfloat16)
+    with TrainerClient([engine.target], group_timeout_s=GROUP_TIMEOUT_S, rpc_timeout_s=30) as c:
+        c.sync(fresh.items(), "after", apply_mode=mode)
+    status, sums = served(engine.target)
+    assert status.weight_version == "after" and not status.dirty and not status.paused
+    assert sums == {n: tensor_sha256(t) for n, t in fresh.items()}
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_engine_is_named_within_two_seconds(tmp_path: Path) -> None:
+    engines = [
+        spawn_engine(
+            ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1"],
+            port_file=tmp_path / f"{name}.port",
+            log=tmp_path / f"{name}.log",
+            env=ENV,
+            cwd=ROOT,
+            name=name,
+        )
+        for name in ("survivor", "victim")
+    ]
+    survivor, victim = engines
+    try:
+        before = served(survivor.target)[1]
+        killed: list[float] = []
+
+        def kill_after_first(p: SyncProgress) -> None:
+            if p.buckets_sent == 1:
+                victim.process.send_signal(signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        targets = [survivor.target, victim.target]
+        with TrainerClient(targets, group_timeout_s=GROUP_TIMEOUT_S, rpc_timeout_s=30, solo_bytes=0) as client:
+            tensors = synthetic.build(PRESET, seed=9, dtype=torch.bfloat16)
+            with pytest.raises(SyncError) as info:
+                client.sync(tensors.items(), "doomed", bucket_bytes=8 << 20, progress=kill_after_first)
+            noticed = time.monotonic() - killed[0]
+            print(f"the trainer named the dead engine after {noticed:.2f} s")
+            err = info.value
+            assert noticed < BOUND_S, f"the trainer took {noticed:.2f} s"
+            assert victim.target in err.failures and victim.target in str(err), err
+            assert err.failures[victim.target].code is not None
+            assert err.cancelled.get(survivor.target) is True
+        status, sums = served(survivor.target)
+        assert status.last_error.reason in ("UPDATE_CANCELLED", "PEER_LOST"), status.last_error
+        assert sums == before and status.weight_version == "", "staged: the survivor's weights are intact"
+    finally:
+        for e in engines:
+            e.stop()
