@@ -43,16 +43,28 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 class _TokenAuth(_Interceptor):
-    """Refuse calls without ``authorization: Bearer <token>`` (health and reflection stay open)."""
+    """Refuse calls without ``authorization: Bearer <token>`` (health and reflection stay open).
+
+    The scheme is case-insensitive (RFC 6750 section 2.1 after RFC 7235); the token is compared in
+    constant time.
+    """
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>'")
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "Prepare": grpc.stream_unary_rpc_method_handler(deny),
+            "Watch": grpc.unary_stream_rpc_method_handler(deny),
+        }
+        self._deny_unary: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(deny)
+
+    def _authorized(self, value: str | bytes) -> bool:
+        raw = value.encode() if isinstance(value, str) else value
+        scheme, _, token = raw.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
 
     def intercept_service(
         self,
@@ -62,11 +74,10 @@ class _TokenAuth(_Interceptor):
         if details.method.startswith(_OPEN_METHODS):
             return continuation(details)
         for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._expected):
-                    return continuation(details)
-        return self._deny_stream if details.method.endswith("/Prepare") else self._deny_unary
+            if key == "authorization" and self._authorized(value):
+                return continuation(details)
+        deny = self._deny.get(details.method.rsplit("/", 1)[-1], self._deny_unary)
+        return deny
 
 
 @dataclass
@@ -123,13 +134,20 @@ def build_server(
             Init and Complete may hold one for up to their timeout).
         token: if set, every call but health and reflection must carry
             ``authorization: Bearer <token>``.
-        tls_cert, tls_key: PEM files; both set = TLS.
+        tls_cert, tls_key: PEM files of the server's certificate chain and key; both set = TLS.
         extra: registers further services on the server; returns their full names
             (for reflection and health).
 
     Raises:
+        ValueError: only one of ``tls_cert`` and ``tls_key`` given.
+        OSError: a TLS file cannot be read.
         RuntimeError: the port could not be bound.
     """
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("TLS needs both a certificate and its key (tls_cert and tls_key)")
+    creds = (
+        grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())]) if tls_cert and tls_key else None
+    )
     interceptors: list[_Interceptor] = [_TokenAuth(token)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="wsync-grpc"),
@@ -147,11 +165,7 @@ def build_server(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bind = f"{host}:{port}"
-    if tls_cert and tls_key:
-        creds = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
-        bound = server.add_secure_port(bind, creds)
-    else:
-        bound = server.add_insecure_port(bind)
+    bound = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
     if bound == 0:
         raise RuntimeError(f"could not bind {bind}")
     server.start()

@@ -66,13 +66,47 @@ def _engine(
     return ref, ref.close, extra
 
 
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+"""Bind addresses that only this host reaches."""
+
+
+class UsageError(Exception):
+    """A command line that cannot work (printed as one line, exit status 2)."""
+
+
+def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
+    """Refuse half a TLS configuration, missing files, and an exposed port without TLS and token.
+
+    Raises:
+        UsageError: what is wrong and how to fix it, in one line.
+    """
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("TLS needs both --tls-cert and --tls-key")
+    for path in (args.tls_cert, args.tls_key):
+        if path is not None and not path.is_file():
+            raise UsageError(f"cannot read {path}: no such file")
+    tls = args.tls_cert is not None
+    if args.host in LOOPBACK:
+        return
+    if not (tls and token) and not args.insecure:
+        raise UsageError(
+            f"--host {args.host} exposes the engine: serve it with --tls-cert/--tls-key and --token "
+            "(or WSYNC_TOKEN), or pass --insecure to accept that anyone who reaches the port can change the weights"
+        )
+    if not token:
+        log.warning("serving on %s without a token: anyone who reaches the port can change the weights", args.host)
+    elif not tls:
+        log.warning("serving on %s without TLS: the token travels in plaintext", args.host)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get("WSYNC_TOKEN") or None
+    _check_exposure(args, token)
     engine, close, extra = _engine(args)
     specs = engine.parameter_specs()
     n_params = sum(s.numel for s in specs.values())
     n_bytes = sum(s.nbytes for s in specs.values())
     dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in specs.values()})
-    token = args.token or os.environ.get("WSYNC_TOKEN") or None
     srv: WsyncServer = build_server(
         engine,
         host=args.host,
@@ -91,8 +125,6 @@ def _serve(args: argparse.Namespace) -> int:
         ",".join(dtypes),
         srv.address,
     )
-    if args.host not in ("127.0.0.1", "::1", "localhost") and not token:
-        log.warning("serving on %s without a token: anyone who reaches the port can change the weights", args.host)
     if args.port_file:
         write_port_file(args.port_file, srv.port)
     stopped = threading.Event()
@@ -114,7 +146,25 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
-    return grpc.insecure_channel(args.target)
+    """A channel to ``--target``: TLS when ``--tls-ca`` is given (with a client certificate if asked), else plaintext.
+
+    Raises:
+        UsageError: half a client certificate, or a file that cannot be read.
+    """
+    if args.tls_ca is None:
+        if args.tls_client_cert or args.tls_client_key:
+            raise UsageError("--tls-client-cert/--tls-client-key need --tls-ca")
+        return grpc.insecure_channel(args.target)
+    if (args.tls_client_cert is None) != (args.tls_client_key is None):
+        raise UsageError("a client certificate needs both --tls-client-cert and --tls-client-key")
+    try:
+        ca = args.tls_ca.read_bytes()
+        key = args.tls_client_key.read_bytes() if args.tls_client_key else None
+        chain = args.tls_client_cert.read_bytes() if args.tls_client_cert else None
+    except OSError as e:
+        raise UsageError(f"cannot read {e.filename}: {e.strerror}") from None
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
+    return grpc.secure_channel(args.target, creds)
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str | bytes], ...]:
@@ -180,6 +230,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument("--token", help="require 'authorization: Bearer TOKEN' (or set WSYNC_TOKEN)")
     s.add_argument("--tls-cert", type=Path, help="PEM certificate (with --tls-key: serve TLS)")
     s.add_argument("--tls-key", type=Path, help="PEM private key")
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without TLS and token (anyone who reaches it can change the weights)",
+    )
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get at shutdown")
     s.set_defaults(func=_serve)
 
@@ -192,6 +247,9 @@ def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         c.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="engine address host:port")
         c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
         c.add_argument("--token", help="bearer token (or set WSYNC_TOKEN)")
+        c.add_argument("--tls-ca", type=Path, help="PEM CA certificate the engine's certificate chains to (TLS)")
+        c.add_argument("--tls-client-cert", type=Path, help="PEM client certificate, for an engine that asks for one")
+        c.add_argument("--tls-client-key", type=Path, help="PEM key of --tls-client-cert")
         c.set_defaults(func=func)
         return c
 
@@ -261,7 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except UsageError as e:
+        print(f"wsync {args.command}: {e}", file=sys.stderr)
+        return 2
     return result
 
 

@@ -1,0 +1,144 @@
+"""The control port when exposed: TLS and the bearer token, on the server and in the ``wsync`` CLI.
+
+Real servers on loopback ports with real certificates (``trustme``'s test CA); the CLI runs as its
+own process. Refusals of a half TLS configuration, a missing file and an exposed port without TLS and
+token come before any model is loaded, as one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import trustme
+from support import ENV, ROOT, code_of
+from wsync.v1 import weight_sync_pb2 as pb
+from wsync.v1 import weight_sync_pb2_grpc
+
+from wsync_grpc.engines import synthetic
+from wsync_grpc.engines.tensor import TensorEngine
+from wsync_grpc.service.server import WsyncServer, build_server
+from wsync_grpc.testing import spawn_engine
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A CA, and a server certificate for 127.0.0.1 signed by it, as PEM files."""
+    d = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    paths = {"ca": d / "ca.pem", "cert": d / "cert.pem", "key": d / "key.pem"}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    cert.private_key_pem.write_to_path(str(paths["key"]))
+    with paths["cert"].open("wb") as f:
+        for blob in cert.cert_chain_pems:
+            f.write(blob.bytes())
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tls_server(tls: dict[str, Path]) -> Iterator[WsyncServer]:
+    engine = TensorEngine(synthetic.build("tiny", dtype=torch.bfloat16), aliases=synthetic.aliases("tiny"))
+    srv = build_server(engine, token=TOKEN, tls_cert=tls["cert"], tls_key=tls["key"])
+    yield srv
+    srv.stop(0.5)
+
+
+def tls_stub(tls: dict[str, Path], srv: WsyncServer) -> weight_sync_pb2_grpc.WeightSyncServiceStub:
+    creds = grpc.ssl_channel_credentials(root_certificates=tls["ca"].read_bytes())
+    return weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.secure_channel(f"127.0.0.1:{srv.port}", creds))
+
+
+def wsync(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "wsync_grpc.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_bearer_scheme_is_case_insensitive(tls: dict[str, Path], tls_server: WsyncServer, scheme: str) -> None:
+    stub = tls_stub(tls, tls_server)
+    st = stub.GetStatus(pb.GetStatusRequest(), metadata=[("authorization", f"{scheme} {TOKEN}")], timeout=10)
+    assert st.engine.tensor_count == len(synthetic.build("tiny"))
+
+
+@pytest.mark.timeout(60)
+def test_every_kind_of_call_without_the_token_is_unauthenticated(tls: dict[str, Path], tls_server: WsyncServer) -> None:
+    stub = tls_stub(tls, tls_server)
+    wrong = [("authorization", "Bearer not-the-token")]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GetStatus(pb.GetStatusRequest(), metadata=wrong, timeout=10)
+    assert code_of(e.value) == grpc.StatusCode.UNAUTHENTICATED
+    header = pb.PrepareHeader(weight_version="x", bucket_count=1, total_bytes=1)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=10)
+    assert code_of(e.value) == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        next(stub.Watch(pb.WatchRequest(update_id="x", hold=True), timeout=10))
+    assert code_of(e.value) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_half_a_tls_configuration_is_refused_by_the_server(tls: dict[str, Path]) -> None:
+    engine = TensorEngine(synthetic.build("tiny", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="both a certificate and its key"):
+        build_server(engine, tls_cert=tls["cert"])
+
+
+@pytest.mark.timeout(120)
+def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server: WsyncServer) -> None:
+    target = f"127.0.0.1:{tls_server.port}"
+    r = wsync("status", "--target", target, "--tls-ca", str(tls["ca"]), "--token", TOKEN)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["engine"]["tensor_count"] == len(synthetic.build("tiny"))
+    plain = wsync("status", "--target", target, "--token", TOKEN, "--timeout", "5")
+    assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr, plain.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--tls-cert", "{cert}"], "both --tls-cert and --tls-key"),
+        (["--tls-cert", "{dir}/missing.pem", "--tls-key", "{key}"], "missing.pem: no such file"),
+        (["--host", "0.0.0.0"], "--insecure"),
+        (["--host", "0.0.0.0", "--token", "t"], "--insecure"),
+        (["--host", "0.0.0.0", "--tls-cert", "{cert}", "--tls-key", "{key}"], "--insecure"),
+    ],
+    ids=["half-tls", "missing-file", "exposed-plain", "exposed-token-only", "exposed-tls-only"],
+)
+def test_cli_serve_refuses_what_cannot_be_safe_in_one_line(tls: dict[str, Path], args: list[str], says: str) -> None:
+    fill = {"cert": str(tls["cert"]), "key": str(tls["key"]), "dir": str(tls["ca"].parent)}
+    r = wsync("serve", "--synthetic", "tiny", "--port", "0", *[a.format(**fill) for a in args])
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_cli_serve_exposed_with_insecure_warns_that_the_token_is_plaintext(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    engine = spawn_engine(
+        ["--synthetic", "tiny", "--host", "0.0.0.0", "--insecure", "--token", "t", "--grace", "1"],
+        port_file=tmp_path / "port",
+        log=log,
+        env=ENV,
+        cwd=ROOT,
+    )
+    try:
+        assert "without TLS: the token travels in plaintext" in log.read_text()
+    finally:
+        engine.stop()
