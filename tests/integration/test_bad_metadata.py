@@ -13,7 +13,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import code_of, free_port, run_stub_trainer, status, tensor_server
+from support import code_of, free_port, join_as_trainer, run_stub_trainer, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.lifecycle import State
@@ -300,3 +300,25 @@ def test_good_update_after_refusals() -> None:
             stub.Prepare(iter([h(), b(0, 128, t("nope"))]), timeout=10)  # not joined: FAILED_PRECONDITION
         out = run_stub_trainer(srv.address, free_port(), "--seed", "3", "--version", "good")
         assert out["ok"] is True and status(stub).weight_version == "good"
+
+
+def test_log_lines_stay_bounded_whatever_a_caller_sends(caplog: pytest.LogCaptureFixture) -> None:
+    """Caller strings of 100 KB (a dtype, a weight version, an update id) leave log lines of at most a few KB."""
+    huge = "x" * 100_000
+    caplog.set_level("DEBUG", logger="wsync_grpc")
+    with tensor_server("tiny", seed=0) as (_, _engine, stub):
+        trainer = join_as_trainer(stub)
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Prepare(iter([h(), b(0, 128, t(dtype=huge))]), timeout=30)
+            assert error_reason(e.value) == "UNSUPPORTED_DTYPE"
+            header = pb.PrepareHeader(update_id=huge, weight_version=huge, bucket_count=1, total_bytes=128)
+            stub.Prepare(iter([pb.PrepareRequest(header=header), b(0, 128, t())]), timeout=30)
+            assert stub.Cancel(pb.CancelRequest(update_id=huge, reason=huge), timeout=10).cancelled
+        finally:
+            trainer.destroy()
+    ours = [r for r in caplog.records if r.name.startswith("wsync_grpc")]
+    assert any("UNSUPPORTED_DTYPE" in r.getMessage() for r in ours), "the refusal is logged"
+    assert any("failed" in r.getMessage() for r in ours), "the cancelled update is logged"
+    longest = max(len(r.getMessage()) for r in ours)
+    assert longest < 4096, f"a log line of {longest} characters"

@@ -77,6 +77,22 @@ class Cancelled(Exception):
     """A wait ended because the update it served was cancelled (its cancel event was set)."""
 
 
+MAX_LOGGED_BYTES = 256
+"""Longest caller-supplied string (weight version, update id, error message) put in a log line, in UTF-8 bytes."""
+
+
+def clip(text: str, limit: int = MAX_LOGGED_BYTES) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (never inside a character), marked with an ellipsis.
+
+    For strings a caller chose: they go into log lines and status trailers, which must stay bounded
+    whatever a caller sends.
+    """
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - 3].decode("utf-8", "ignore") + "..."
+
+
 class Phase(enum.Enum):
     """What was going on when an exception was raised; it picks the reason :func:`domain_error` reports."""
 

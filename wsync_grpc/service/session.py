@@ -31,7 +31,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from wsync_grpc.core.adapter import EngineAdapter, PauseMode
-from wsync_grpc.core.errors import Aborted, DeadlineExceeded, FailedPrecondition, Phase, WsyncError, domain_error
+from wsync_grpc.core.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Phase,
+    WsyncError,
+    clip,
+    domain_error,
+)
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
@@ -189,8 +197,8 @@ class UpdateSession:
         )
         log.info(
             "update %s (version %s): %d buckets, %d tensors, %d bytes armed in %.1f ms",
-            h.update_id,
-            h.weight_version,
+            clip(h.update_id),
+            clip(h.weight_version),
             result.bucket_count,
             result.tensor_count,
             result.total_bytes,
@@ -347,10 +355,10 @@ class UpdateSession:
             self.ended.set()
             log.warning(
                 "update %s (version %s) failed: %s %s",
-                self.header.update_id,
-                self.header.weight_version,
+                clip(self.header.update_id),
+                clip(self.header.weight_version),
                 err.reason,
-                err.message,
+                clip(err.message),
             )
             if self.header.streaming and applied:
                 self._mark_dirty()
@@ -401,8 +409,8 @@ def _applied(s: UpdateSession, t0: float, done: float, flush_cache: bool) -> Com
     )
     log.info(
         "update %s applied: version %s, %d tensors, %d bytes, %.3f s total",
-        result.update_id,
-        result.weight_version,
+        clip(result.update_id),
+        clip(result.weight_version),
         result.tensor_count,
         result.bytes_received,
         result.total_seconds,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.errors import Unavailable
+from wsync_grpc.core.errors import Unavailable, clip
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.service.status import error_detail, progress_message
@@ -41,7 +41,7 @@ def hold(session: UpdateSession, context: grpc.ServicerContext) -> None:
     def on_call_end() -> None:
         if session.ended.is_set() or session.completing:
             return
-        log.warning("update %s: the trainer's Watch call ended before the update did", session.header.update_id)
+        log.warning("update %s: the trainer's Watch call ended before the update did", clip(session.header.update_id))
         session.fail(
             Unavailable(
                 "PEER_LOST",

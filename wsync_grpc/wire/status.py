@@ -31,6 +31,7 @@ from wsync_grpc.core.errors import (
     Unavailable,
     Unimplemented,
     WsyncError,
+    clip,
     domain_error,
 )
 
@@ -68,14 +69,6 @@ MAX_METADATA_VALUE_BYTES = 256
 """Longest ErrorInfo metadata value sent, in UTF-8 bytes."""
 
 
-def _clip(text: str, limit: int) -> str:
-    """``text`` cut to at most ``limit`` UTF-8 bytes (never inside a character)."""
-    raw = text.encode("utf-8", "replace")
-    if len(raw) <= limit:
-        return text
-    return raw[: limit - 3].decode("utf-8", "ignore") + "..."
-
-
 def to_status(err: WsyncError) -> grpc.Status:
     """Build the rich gRPC status (code, message, ErrorInfo detail) for ``err``.
 
@@ -85,11 +78,11 @@ def to_status(err: WsyncError) -> grpc.Status:
     client's metadata limit and arrive as a bare RESOURCE_EXHAUSTED without
     its code and reason.
     """
-    metadata = {k: _clip(v, MAX_METADATA_VALUE_BYTES) for k, v in err.metadata.items()}
+    metadata = {k: clip(v, MAX_METADATA_VALUE_BYTES) for k, v in err.metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    message = _clip(err.message, MAX_MESSAGE_BYTES)
+    message = clip(err.message, MAX_MESSAGE_BYTES)
     status = status_pb2.Status(code=getattr(code_pb2, status_code(err).name), message=message, details=[detail])
     return rpc_status.to_status(status)
 
@@ -112,7 +105,7 @@ def grpc_errors(method: F) -> F:
             if isinstance(err, Internal) and err is not exc:
                 log.exception("%s failed", method.__name__)
             else:
-                log.info("%s -> %s %s: %s", method.__name__, status_code(err).name, err.reason, err.message)
+                log.info("%s -> %s %s: %s", method.__name__, status_code(err).name, err.reason, clip(err.message))
             context.abort_with_status(to_status(err))
             raise AssertionError("abort_with_status returned") from None  # pragma: no cover
 
