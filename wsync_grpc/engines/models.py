@@ -229,6 +229,8 @@ def load_causal_lm(model: str | None, dtype: torch.dtype = torch.float32) -> tup
     Raises:
         FileNotFoundError: ``model`` is not an existing directory, or the
             embedded model's package is missing.
+        NotACausalLM: the checkpoint's architecture is not a causal LM, or it
+            leaves weights missing (randomly initialised), mismatched or unused.
         ImportError: the ``engine`` extra is not installed.
     """
     _set_offline()
@@ -243,10 +245,40 @@ def load_causal_lm(model: str | None, dtype: torch.dtype = torch.float32) -> tup
                 f"(hub ids are not fetched; use {SMOLLM2_NAME!r} for the embedded SmolLM2)"
             )
         name = path.resolve().name
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    architectures = list(AutoConfig.from_pretrained(path, local_files_only=True).architectures or [])
+    if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
+        raise NotACausalLM(f"{path} holds a {', '.join(architectures)}, not a causal LM (an *ForCausalLM model)")
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, output_loading_info=True
+    )
+    lm, info = loaded
+    _check_loaded(path, info)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    lm: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     lm.eval()
     lm.requires_grad_(False)
     return lm, tokenizer, name
+
+
+class NotACausalLM(ValueError):
+    """A checkpoint that is not a causal LM, or does not fill every weight of one with its own tensors."""
+
+
+def _check_loaded(path: Path, info: dict[str, Any]) -> None:
+    """Refuse weights the checkpoint lacks (randomly initialised), does not fit, or has but nothing uses.
+
+    Two engines loading such a checkpoint would serve different random weights.
+
+    Raises:
+        NotACausalLM: naming up to five of the tensors in question.
+    """
+    for key, what in (
+        ("missing_keys", "weights the checkpoint lacks (they would be random)"),
+        ("mismatched_keys", "weights whose shapes do not fit the model"),
+        ("unexpected_keys", "tensors of the checkpoint the model does not use"),
+    ):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or [])
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise NotACausalLM(f"{path}: {len(names)} {what}: {shown}")

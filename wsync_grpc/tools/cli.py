@@ -57,7 +57,10 @@ def _engine(
     from wsync_grpc.engines.generation_service import add_generation_service
     from wsync_grpc.engines.reference import ReferenceEngine
 
-    ref = ReferenceEngine.from_pretrained(args.model, dtype=dtype)
+    try:
+        ref = ReferenceEngine.from_pretrained(args.model, dtype=dtype)
+    except (FileNotFoundError, ValueError) as e:  # no such directory, not a causal LM, weights missing or unused
+        raise UsageError(str(e)) from None
 
     def extra(server: grpc.Server) -> list[str]:
         add_generation_service(server, ref)

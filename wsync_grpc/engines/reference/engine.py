@@ -87,6 +87,7 @@ class ReferenceEngine:
 
         Raises:
             FileNotFoundError: no such model (see ``load_causal_lm``).
+            NotACausalLM: not a causal LM, or weights missing, mismatched or unused (a ValueError).
             ImportError: the ``engine`` extra is not installed.
         """
         from wsync_grpc.engines.models import load_causal_lm
