@@ -287,3 +287,21 @@ def test_grpcurl_lists_describes_and_calls_via_reflection() -> None:
         assert '"tensor_count": 20' in out
         health = run(srv.address, "grpc.health.v1.Health/Check")
         assert '"status": "SERVING"' in health
+
+
+def test_reflection_answers_as_v1_and_v1alpha() -> None:
+    """Both reflection protocols list the services (grpcurl and buf curl ask v1 first)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with tensor_server("tiny") as (srv, _, _stub):
+        channel = grpc.insecure_channel(srv.address)
+        for package in ("grpc.reflection.v1", "grpc.reflection.v1alpha"):
+            call = channel.stream_stream(
+                f"/{package}.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            (reply,) = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"wsync.v1.WeightSyncService", "grpc.health.v1.Health"} <= names, (package, names)
+        channel.close()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from wsync.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
 from wsync_grpc.core.adapter import EngineAdapter
@@ -163,7 +163,7 @@ def build_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    _enable_reflection([*names, health.SERVICE_NAME], server)
     bind = f"{host}:{port}"
     bound = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
     if bound == 0:
@@ -172,6 +172,29 @@ def build_server(
     shown = host if ":" not in host else f"[{host}]"
     log.info("wsync serving %s on %s:%d", adapter.name, shown, bound)
     return WsyncServer(server, bound, f"{shown}:{bound}", servicer, health_servicer)
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+"""The stable reflection service (grpcurl's default); grpcio-reflection ships only ``v1alpha``."""
+
+
+def _enable_reflection(service_names: list[str], server: grpc.Server) -> None:
+    """Serve server reflection as ``grpc.reflection.v1alpha`` and as ``grpc.reflection.v1``.
+
+    The two protocols are the same messages under two package names (same fields, same numbers),
+    so one ``v1alpha`` servicer answers both: the ``v1`` method is registered with the ``v1alpha``
+    message classes, which read and write identical bytes.
+    """
+    servicer = reflection.ReflectionServicer([*service_names, reflection.SERVICE_NAME])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),)
+    )
 
 
 def stop_on_signals(server: WsyncServer, grace: float = 5.0, on_stop: Callable[[], None] | None = None) -> None:
