@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -486,3 +487,35 @@ def test_a_stalled_prepare_stream_does_not_hold_the_engine(how: str) -> None:
         finally:
             gate.set()
             trainer.destroy()  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_a_cancel_that_says_cancelled_always_ends_the_prepare() -> None:
+    """Cancel racing Prepare at random moments: whenever Cancel answers ``cancelled``, that Prepare
+    does not arm the update (it fails), and the engine is left FAILED or READY, never RECEIVING."""
+    spec = race_bucket()
+    rng = random.Random(7)
+    with tensor_server("tiny", seed=0) as (_srv, _engine, stub):
+        said = 0
+        for _ in range(30):
+            trainer = join_as_trainer(stub)
+            try:
+                fut = stub.Prepare.future(iter([header(spec.size_bytes), pb.PrepareRequest(bucket=spec)]), timeout=10)
+                time.sleep(rng.uniform(0.0, 0.004))
+                cancelled = stub.Cancel(pb.CancelRequest(reason="race"), timeout=10).cancelled
+                try:
+                    fut.result(timeout=20)
+                    prepared = True
+                except grpc.RpcError:
+                    prepared = False
+                st = status(stub)
+                if cancelled:
+                    said += 1
+                    assert st.state != State.RECEIVING.value, "a Cancel that said cancelled left an update running"
+                    assert not (prepared and st.state == State.RECEIVED.value), st
+                if st.state in (State.RECEIVING.value, State.RECEIVED.value):
+                    stub.Cancel(pb.CancelRequest(reason="cleanup"), timeout=10)
+            finally:
+                trainer.destroy()  # type: ignore[attr-defined]
+                stub.Leave(pb.LeaveRequest(), timeout=10)
+        assert said > 0, "no Cancel landed on an update"

@@ -202,7 +202,10 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 if request.update_id and request.update_id != reader.update_id:
                     return pb.CancelResponse(cancelled=False, state=state_to_proto(state))
                 reader.cancel.set()
-                return pb.CancelResponse(cancelled=True, update_id=reader.update_id or "", state=state_to_proto(state))
+                if self.engine.update is not None:  # the stream was read and the receivers are being armed
+                    self.engine.update.fail(Aborted("UPDATE_CANCELLED", f"the update was cancelled: {reason}"))
+                current = state_to_proto(self.lifecycle.state)
+                return pb.CancelResponse(cancelled=True, update_id=reader.update_id or "", state=current)
             upd = self.engine.update
             if upd is None or (request.update_id and request.update_id != upd.header.update_id):
                 return pb.CancelResponse(cancelled=False, state=state_to_proto(state))
