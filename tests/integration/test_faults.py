@@ -519,3 +519,23 @@ def test_a_cancel_that_says_cancelled_always_ends_the_prepare() -> None:
                 trainer.destroy()  # type: ignore[attr-defined]
                 stub.Leave(pb.LeaveRequest(), timeout=10)
         assert said > 0, "no Cancel landed on an update"
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_complete_changes_nothing() -> None:
+    """Complete with a negative timeout is refused (INVALID_ARGUMENT) and the same update still completes."""
+    spec = race_bucket()
+    with tensor_server("tiny", seed=0) as (_srv, _engine, stub):
+        trainer = join_as_trainer(stub)
+        try:
+            prep = stub.Prepare(iter([header(spec.size_bytes), pb.PrepareRequest(bucket=spec)]), timeout=10)
+            bad = pb.CompleteRequest(update_id=prep.update_id)
+            bad.timeout.seconds = -3
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(bad, timeout=10)
+            assert code_of(e.value) == grpc.StatusCode.INVALID_ARGUMENT and error_reason(e.value) == "NEGATIVE_TIMEOUT"
+            wait_work(trainer.broadcast(torch.zeros(spec.size_bytes, dtype=torch.uint8)), time.monotonic() + 10)  # type: ignore[attr-defined]
+            done = stub.Complete(pb.CompleteRequest(update_id=prep.update_id), timeout=10)
+            assert done.weight_version == "hostile"
+        finally:
+            trainer.destroy()  # type: ignore[attr-defined]

@@ -185,8 +185,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             if state == State.FAILED:
                 raise self.engine.failure_of(request.update_id)
             upd = self.engine.current(request.update_id)
+            timeout = seconds(request.timeout, self.engine.membership.group_timeout_s)  # refused before anything
             upd.begin_complete()
-            timeout = seconds(request.timeout, self.engine.membership.group_timeout_s)
         return pb.CompleteResponse(**dataclasses.asdict(upd.complete(timeout, request.flush_cache)))
 
     @grpc_errors
