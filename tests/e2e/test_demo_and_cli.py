@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import ENV, ROOT
+from support import ENV, ROOT, join_as_trainer, tensor_server
+from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.group.process_group import free_port
 from wsync_grpc.testing import spawn_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -71,3 +73,31 @@ def test_cli_serve_status_pause_resume_and_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_cli_watch_shows_engines_and_the_update_in_flight() -> None:
+    """``wsync watch`` over two engines: one line per engine per round, the update's buckets as they arrive,
+    and an engine that does not answer named without stopping the others."""
+    with tensor_server("tiny") as (srv, _, stub):
+        trainer = join_as_trainer(stub)
+        try:
+            spec = pb.BucketSpec(index=0, size_bytes=128)
+            spec.tensors.add(name="model.norm.weight", dtype="bfloat16", shape=[64], offset_bytes=0)
+            header = pb.PrepareHeader(weight_version="step-7", bucket_count=1, total_bytes=128)
+            stub.Prepare(iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=spec)]), timeout=10)
+            dead = f"127.0.0.1:{free_port('127.0.0.1')}"
+            r = _wsync("watch", srv.address, dead, "--count", "2", "--interval", "0.1", "--json", "--timeout", "3")
+            assert r.returncode == 0, r.stderr
+            lines = [json.loads(x) for x in r.stdout.splitlines()]
+            assert [x["target"] for x in lines] == [srv.address, dead] * 2
+            live = lines[0]
+            assert live["state"] == "LIFECYCLE_STATE_RECEIVING"
+            assert live["update"]["weight_version"] == "step-7" and live["update"]["buckets_expected"] == 1
+            assert lines[1]["error"] == "UNAVAILABLE"
+            people = _wsync("watch", srv.address, "--count", "1")
+            assert people.returncode == 0, people.stderr
+            line = people.stdout.strip()
+            assert line.startswith(srv.address) and "RECEIVING" in line and "update=step-7 0/1 buckets" in line
+        finally:
+            stub.Cancel(pb.CancelRequest(), timeout=10)
+            trainer.destroy()  # type: ignore[attr-defined]

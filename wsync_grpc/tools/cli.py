@@ -30,6 +30,7 @@ from wsync_grpc.core.adapter import EngineAdapter, PauseMode
 from wsync_grpc.core.dtypes import parse_dtype
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S
 from wsync_grpc.service.server import WsyncServer, build_server, stop_on_signals, write_port_file
+from wsync_grpc.tools import watch
 from wsync_grpc.wire.convert import PAUSE_MODES, duration
 from wsync_grpc.wire.status import error_reason
 
@@ -148,8 +149,9 @@ def _serve(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def _channel(args: argparse.Namespace) -> grpc.Channel:
-    """A channel to ``--target``: TLS when ``--tls-ca`` is given (with a client certificate if asked), else plaintext.
+def _channel(args: argparse.Namespace, target: str | None = None) -> grpc.Channel:
+    """A channel to ``target`` (default ``--target``): TLS when ``--tls-ca`` is given (with a client
+    certificate if asked), else plaintext.
 
     Raises:
         UsageError: half a client certificate, or a file that cannot be read.
@@ -157,7 +159,7 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
     if args.tls_ca is None:
         if args.tls_client_cert or args.tls_client_key:
             raise UsageError("--tls-client-cert/--tls-client-key need --tls-ca")
-        return grpc.insecure_channel(args.target)
+        return grpc.insecure_channel(target or args.target)
     if (args.tls_client_cert is None) != (args.tls_client_key is None):
         raise UsageError("a client certificate needs both --tls-client-cert and --tls-client-key")
     try:
@@ -167,7 +169,7 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
     except OSError as e:
         raise UsageError(f"cannot read {e.filename}: {e.strerror}") from None
     creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
-    return grpc.secure_channel(args.target, creds)
+    return grpc.secure_channel(target or args.target, creds)
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str | bytes], ...]:
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_rpcs(sub)
+    watch.add_parser(sub, _add_access, _watch)
     return p
 
 
@@ -242,6 +245,26 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.set_defaults(func=_serve)
 
 
+def _add_access(c: argparse.ArgumentParser) -> None:
+    """The token and TLS options of every command that calls an engine."""
+    c.add_argument("--token", help="bearer token (or set WSYNC_TOKEN)")
+    c.add_argument("--tls-ca", type=Path, help="PEM CA certificate the engine's certificate chains to (TLS)")
+    c.add_argument("--tls-client-cert", type=Path, help="PEM client certificate, for an engine that asks for one")
+    c.add_argument("--tls-client-key", type=Path, help="PEM key of --tls-client-cert")
+
+
+def _watch(args: argparse.Namespace) -> int:
+    return watch.watch(
+        args.targets,
+        lambda target: _channel(args, target),
+        _metadata(args),
+        interval_s=args.interval,
+        count=args.count,
+        as_json=args.json,
+        timeout_s=args.timeout,
+    )
+
+
 def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The sub-commands that call one RPC against ``--target`` (and ``generate``)."""
 
@@ -249,10 +272,7 @@ def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         c = sub.add_parser(name, help=help)
         c.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="engine address host:port")
         c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
-        c.add_argument("--token", help="bearer token (or set WSYNC_TOKEN)")
-        c.add_argument("--tls-ca", type=Path, help="PEM CA certificate the engine's certificate chains to (TLS)")
-        c.add_argument("--tls-client-cert", type=Path, help="PEM client certificate, for an engine that asks for one")
-        c.add_argument("--tls-client-key", type=Path, help="PEM key of --tls-client-cert")
+        _add_access(c)
         c.set_defaults(func=func)
         return c
 
