@@ -20,9 +20,6 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.trainer.fleet import RemoteEngine
 from wsync_grpc.trainer.results import EngineFailure
 
-WATCH_INTERVAL_S = 0.5
-"""Time between two messages of a held Watch, in seconds."""
-
 
 class Holds:
     """The held ``Watch`` calls of one update, one per engine, each read by its own thread.
@@ -46,8 +43,7 @@ class Holds:
         self._lock = threading.Lock()
         self._failures: dict[str, EngineFailure] = {}
         self._calls: list[grpc.Call] = []
-        req = pb.WatchRequest(update_id=update_id, hold=True)
-        req.interval.FromNanoseconds(int(WATCH_INTERVAL_S * 1e9))
+        req = pb.WatchRequest(update_id=update_id, hold=True)  # the engine's default interval
         for e in engines:
             stream = e.stub.Watch(req, metadata=metadata)
             self._calls.append(stream)
