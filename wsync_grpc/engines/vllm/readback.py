@@ -1,0 +1,130 @@
+"""Read what a vLLM worker serves back in checkpoint coordinates, for bit-exact checksums.
+
+vLLM serves a model in its own layout: ``q_proj``/``k_proj``/``v_proj``
+fused into one ``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``,
+every tensor-parallel rank holding a slice, and, on the CPU backend, every
+linear layer's weight prepacked into a oneDNN handle after loading (the
+layer's ``weight`` parameter is then empty, so vLLM's own
+``compute_weight_checksums`` hashes nothing for them). This module undoes
+all three for one worker: it reads each served weight back (a prepacked one
+by multiplying the identity matrix through the layer's own kernel, which
+returns ``W^T`` exactly: every output element is one product by 1.0 plus
+products by 0.0), splits fused layers along the sizes the layer declares,
+and reports which slice of the checkpoint tensor this rank holds. The front
+process concatenates the slices of all ranks.
+
+Runs inside a worker process, between two inference steps (the probe uses
+the layer's kernel, which is not thread-safe against a running step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PROBE_ROWS = 512
+"""Rows of the identity multiplied through a prepacked layer at a time (bounds the probe's memory)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which slice of a checkpoint tensor a rank holds: part ``rank`` of ``count`` equal parts along ``dim``."""
+
+    dim: int
+    rank: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ServedTensor:
+    """One checkpoint tensor (or this rank's slice of it) as the worker serves it.
+
+    Attributes:
+        name: the checkpoint name (``model.layers.0.self_attn.q_proj.weight``).
+        tensor: the served values, in checkpoint orientation (``[out, in]`` for a linear weight).
+        shard: the slice this rank holds; ``None`` when it holds the whole tensor.
+    """
+
+    name: str
+    tensor: torch.Tensor
+    shard: Shard | None
+
+
+def _weight(module: Any) -> torch.Tensor:
+    """A linear layer's served weight ``[out_local, in_local]``, probing a prepacked one through its kernel."""
+    w: torch.Tensor = module.weight
+    if w.numel() > 0 or not callable(getattr(module, "cpu_linear", None)):
+        return w.detach()
+    k = int(getattr(module, "input_size_per_partition", 0) or module.embedding_dim)
+    rows = []
+    with torch.no_grad():
+        for r0 in range(0, k, PROBE_ROWS):
+            n = min(PROBE_ROWS, k - r0)
+            eye = torch.zeros(n, k, dtype=w.dtype, device=w.device)
+            eye[torch.arange(n), torch.arange(r0, r0 + n)] = 1
+            rows.append(module.cpu_linear(eye, None, None))
+    return torch.cat(rows).t().contiguous()
+
+
+def _shard(dim: int, rank: int, count: int) -> Shard | None:
+    return Shard(dim, rank, count) if count > 1 else None
+
+
+def _linear(name: str, module: Any, packed: dict[str, list[str]]) -> Iterator[ServedTensor]:
+    """The checkpoint tensors of one linear layer (fused ones split into their parts)."""
+    kind = type(module).__name__
+    tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
+    prefix, _, leaf = name.rpartition(".")
+    parts = packed.get(leaf, [leaf])
+    params = [("weight", _weight(module))]
+    if getattr(module, "bias", None) is not None:
+        params.append(("bias", module.bias.detach()))
+    for pname, value in params:
+        if "QKVParallelLinear" in kind:
+            replicas = int(getattr(module, "num_kv_head_replicas", 1))
+            sizes = [
+                module.num_heads * module.head_size,
+                module.num_kv_heads * module.head_size,
+                module.num_kv_heads * module.v_head_size,
+            ]
+            shards = [_shard(0, tp_rank, tp_size)] + [_shard(0, tp_rank // replicas, tp_size // replicas)] * 2
+        elif hasattr(module, "output_sizes") and len(parts) > 1:
+            sizes = [s // tp_size for s in module.output_sizes]
+            shards = [_shard(0, tp_rank, tp_size)] * len(sizes)
+        else:
+            row = "RowParallel" in kind
+            sizes = [value.shape[0]]
+            shards = [None if row and pname == "bias" else _shard(1 if row else 0, tp_rank, tp_size)]
+        for part, piece, shard in zip(parts, value.split(sizes, dim=0), shards, strict=True):
+            yield ServedTensor(f"{prefix}.{part}.{pname}" if prefix else f"{part}.{pname}", piece, shard)
+
+
+def _embedding(name: str, module: Any) -> ServedTensor:
+    """A vocabulary-parallel embedding or LM head: this rank's rows, padding cut off."""
+    idx = module.shard_indices
+    rows = int(idx.org_vocab_end_index - idx.org_vocab_start_index)
+    w = _weight(module)[:rows]
+    return ServedTensor(f"{name}.weight", w, _shard(0, int(getattr(module, "tp_rank", 0)), int(module.tp_size)))
+
+
+def served_tensors(model: torch.nn.Module) -> Iterator[ServedTensor]:
+    """Every checkpoint tensor the worker's ``model`` serves, read back, in module order.
+
+    Names are the module paths of vLLM's model with fused layers named by
+    their parts (the model's ``packed_modules_mapping``), which for the
+    Hugging Face architectures vLLM loads without a name mapper are the
+    checkpoint's names.
+    """
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if hasattr(module, "shard_indices"):
+            yield _embedding(name, module)
+        elif kind.endswith("Linear") and hasattr(module, "weight"):
+            yield from _linear(name, module, packed)
+        else:
+            for pname, p in module.named_parameters(recurse=False):
+                yield ServedTensor(f"{name}.{pname}" if name else pname, p.detach(), None)

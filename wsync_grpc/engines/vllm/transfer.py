@@ -1,0 +1,296 @@
+"""wsync's receiver inside a vLLM worker process: the ``wsync`` weight-transfer backend.
+
+vLLM creates one weight-transfer engine per worker process after the model
+is loaded (``vllm.distributed.weight_transfer``, selected by
+``--weight-transfer-config '{"backend": "wsync"}'``). wsync's is
+:class:`WsyncTransferEngine`: it joins the weight-sync group at
+``rank_offset`` plus the worker's global rank, receives an update's buckets on
+a background thread (:class:`~wsync_grpc.worker.receiver.WorkerReceiver`,
+the same receiver the reference engine runs) while the worker keeps running
+inference steps, and applies them between two steps through vLLM's
+layerwise reload (``initialize_layerwise_reload`` -> ``model.load_weights``
+with checkpoint-format names -> ``finalize_layerwise_reload``), which
+re-runs each layer's weight processing (fused ``qkv_proj``/``gate_up_proj``,
+the CPU backend's prepacked linears).
+
+The engine's front process drives it through the methods of
+:class:`~wsync_grpc.engines.vllm.worker.WsyncWorkerExtension` (vLLM's
+``collective_rpc``), never through vLLM's own ``update_weights`` flow, whose
+receive runs inside the step loop. Every method here runs on the worker's
+main thread, between two inference steps, except the receiver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from wsync_grpc.core.layout import ApplyMode, Layout
+from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, Deadline
+from wsync_grpc.engines.vllm.messages import WorkerProgress, bucket_from_msg
+from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group
+from wsync_grpc.worker.buffers import BufferPool
+from wsync_grpc.worker.feed import BucketFeed
+from wsync_grpc.worker.receiver import WorkerReceiver
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class WsyncInitInfo(WeightTransferInitInfo):
+    """The group a worker joins (vLLM's ``init_weight_transfer_engine`` ``init_info``).
+
+    Attributes:
+        master_address: host of the trainer's rendezvous store.
+        master_port: its TCP port.
+        rank_offset: the group rank of the engine's global worker rank 0.
+        world_size: ranks in the group, trainer included.
+        group_name: the group's name (its store prefix); empty for the default.
+        backend: ``"gloo"`` or ``"nccl"``; empty to choose by device.
+        timeout_s: join deadline and per-collective timeout, in seconds.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = ""
+    backend: str = ""
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
+
+
+@dataclass
+class WsyncUpdateInfo(WeightTransferUpdateInfo):
+    """Unused: wsync updates are driven by the ``wsync.v1`` servicer, not by vLLM's ``update_weights``."""
+
+
+class _ModelTarget:
+    """The worker's model as the receiver's streaming target (``core.adapter.WeightTarget``).
+
+    Loads go through the model's own ``load_weights`` (checkpoint-format
+    names) inside a layerwise reload that the update started; the tensors are
+    copied first, because a layer keeps its loads until all of its tensors
+    have arrived and the receiver reuses its buffers at once.
+    """
+
+    def __init__(self, engine: WsyncTransferEngine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+
+    def weights_lock(self) -> contextlib.AbstractContextManager[object]:
+        return self._lock
+
+    def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        owned = [(n, t.clone()) for n, t in tensors]
+        self._engine.load(owned)
+        return len(owned)
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        raise KeyError(name)
+
+
+class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
+    """One vLLM worker's member of the weight-sync group and its receiver of the update in flight.
+
+    Constructed by vLLM's ``WeightTransferEngineFactory`` (see
+    :func:`wsync_grpc.engines.vllm.register`). Not thread-safe: every method
+    runs on the worker's main thread (a ``collective_rpc``); only the
+    receiver runs beside it.
+    """
+
+    init_info_cls = WsyncInitInfo
+    update_info_cls = WsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: WeightSyncGroup | None = None
+        self.rank = -1
+        self.receiver: WorkerReceiver | None = None
+        self.feed = BucketFeed()
+        self.cancel = threading.Event()
+        self.pool = BufferPool(self.device, keep=True)
+        self.streaming = False
+        self._reloading = False
+
+    # --------------------------------------------------------------- group
+
+    @property
+    def global_rank(self) -> int:
+        """This worker's rank among all the engine's workers (data parallel replicas included)."""
+        pc = self.parallel_config
+        return int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank)
+
+    def init_transfer_engine(self, init_info: WsyncInitInfo) -> None:
+        """Join the weight-sync group at ``rank_offset`` + this worker's global rank (blocks until it formed).
+
+        Raises:
+            GroupTimeout, GroupError, ValueError: see :func:`~wsync_grpc.group.process_group.join_group`.
+        """
+        self.shutdown()
+        rank = init_info.rank_offset + self.global_rank
+        self.group = join_group(
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank=rank,
+            world_size=init_info.world_size,
+            group_name=init_info.group_name or DEFAULT_GROUP_NAME,
+            backend=init_info.backend,
+            device=self.device,
+            timeout_s=init_info.timeout_s,
+        )
+        self.rank = rank
+        log.info("worker %d joined weight-sync group at rank %d of %d", self.global_rank, rank, init_info.world_size)
+
+    def shutdown(self) -> None:
+        """Abandon any update in flight and leave the group. Idempotent."""
+        self.abandon()
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    # -------------------------------------------------------------- update
+
+    def arm(self, layout: str, apply_mode: str, buckets: list[dict[str, Any]], closed: bool, timeout_s: float) -> None:
+        """Start receiving an update in the background; return once the first receive is posted.
+
+        Args:
+            layout, apply_mode: :class:`~wsync_grpc.core.layout.Layout` and
+                :class:`~wsync_grpc.core.layout.ApplyMode` values.
+            buckets: the declared buckets (:func:`~wsync_grpc.engines.vllm.messages.bucket_to_msg`).
+            closed: no further bucket will be declared.
+            timeout_s: bound for the arming, in seconds.
+
+        Raises:
+            RuntimeError: not a member of a group, or an update is in flight.
+            TimeoutError: not armed within ``timeout_s``.
+        """
+        if self.group is None:
+            raise RuntimeError("this worker is not a member of a weight-sync group")
+        if self.receiver is not None:
+            raise RuntimeError("an update is already in flight on this worker")
+        self.streaming = ApplyMode(apply_mode) is ApplyMode.STREAMING
+        self.feed = BucketFeed()
+        self.feed.extend([bucket_from_msg(b) for b in buckets])
+        if closed:
+            self.feed.close()
+        self.cancel = threading.Event()
+        if self.streaming:
+            self._begin_reload()
+        self.receiver = WorkerReceiver(
+            worker=self.global_rank,
+            group=self.group,
+            adapter=_ModelTarget(self),
+            feed=self.feed,
+            layout=Layout(layout),
+            apply_mode=ApplyMode(apply_mode),
+            cancel=self.cancel,
+            pool=self.pool,
+            on_event=lambda r: None,
+        )
+        self.receiver.start()
+        if not self.receiver.armed.wait(Deadline(timeout_s).left()):
+            raise TimeoutError(f"the receiver was not armed within {timeout_s:g} s")
+
+    def declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
+        """Feed further buckets of an incremental update (and close the feed when ``closed``)."""
+        self.feed.extend([bucket_from_msg(b) for b in buckets])
+        if closed:
+            self.feed.close()
+
+    def progress(self) -> WorkerProgress:
+        """Where this worker's receive stands (all zero with no update in flight)."""
+        r = self.receiver
+        if r is None:
+            return WorkerProgress(self.rank, False, False, 0, 0, None, None)
+        return WorkerProgress(
+            rank=self.rank,
+            armed=r.armed.is_set(),
+            done=r.done.is_set(),
+            buckets_done=r.buckets_done,
+            bytes_done=r.bytes_done,
+            last_arrival_at=r.last_arrival_at,
+            error=r.error,
+        )
+
+    def apply(self, timeout_s: float) -> int:
+        """Apply the received update (between two steps); return the tensors loaded.
+
+        Staged: one layerwise reload of every received tensor. Streaming: the
+        reload the update began at :meth:`arm` is finalized.
+
+        Raises:
+            RuntimeError: no update, or its receive failed or has not ended within ``timeout_s`` seconds.
+        """
+        r = self.receiver
+        if r is None:
+            raise RuntimeError("no update in flight on this worker")
+        if not r.done.wait(Deadline(timeout_s).left()) or r.error is not None:
+            raise RuntimeError(f"the receive has not completed: {r.error or 'still receiving'}")
+        try:
+            if not self.streaming:
+                self._begin_reload()
+                for named in r.staged:
+                    self.load(named)
+                    r.tensors_applied += len(named)
+            self._end_reload()
+        finally:
+            r.release(reuse=True)
+            self.receiver = None
+        return r.tensors_applied
+
+    def abandon(self) -> None:
+        """Stop the update in flight, if any: cancel its receive and end a streaming reload. Idempotent."""
+        r = self.receiver
+        if r is None:
+            return
+        self.cancel.set()
+        self.feed.close()
+        r.join(timeout=5.0)
+        # A receive may still be posted into these buffers unless the thread ended.
+        r.release(reuse=not r.is_alive() and r.error is None)
+        self.receiver = None
+        if self._reloading:
+            self._end_reload()
+
+    # -------------------------------------------------------------- reload
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint-format ``(name, tensor)`` pairs into the model; a layerwise reload is in progress."""
+        with set_current_vllm_config(self.vllm_config):
+            self.model.load_weights(iter(tensors))
+
+    def _begin_reload(self) -> None:
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model)
+        self._reloading = True
+
+    def _end_reload(self) -> None:
+        self._reloading = False
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    # ------------------------------------------------ vLLM's own update flow
+
+    def start_weight_update(self) -> None:
+        """Not used: updates are prepared with ``wsync.v1.Prepare``."""
+
+    def finish_weight_update(self) -> None:
+        """Not used: updates are applied with ``wsync.v1.Complete``."""
+
+    def receive_weights(self, update_info: WsyncUpdateInfo) -> None:
+        """Refused: drive wsync updates through the ``wsync.v1`` servicer of this engine.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError("the wsync backend receives updates driven by the wsync.v1 servicer, not update_weights")
+

@@ -1,0 +1,105 @@
+"""The methods wsync's front process calls in every vLLM worker (``--worker-extension-cls``).
+
+vLLM mixes a worker extension class into its worker class
+(``ParallelConfig.worker_extension_cls``, the mechanism its RLHF examples
+use), and the engine client's ``collective_rpc("wsync_...")`` runs a method
+on every worker, between two inference steps, and returns each worker's
+result. These methods are thin: they delegate to the worker's
+:class:`~wsync_grpc.engines.vllm.transfer.WsyncTransferEngine` and return
+msgpack-native values (:mod:`wsync_grpc.engines.vllm.messages`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from wsync_grpc.core.dtypes import dtype_name
+from wsync_grpc.engines.vllm.readback import served_tensors
+from wsync_grpc.engines.vllm.transfer import WsyncInitInfo, WsyncTransferEngine
+
+
+class WsyncWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.weight_transfer_engine``, ``self.device``)."""
+
+    def _wsync(self) -> WsyncTransferEngine:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, WsyncTransferEngine):
+            raise RuntimeError(
+                "the vLLM engine was not started with the wsync weight-transfer backend "
+                "(--weight-transfer-config '{\"backend\": \"wsync\"}')"
+            )
+        return engine
+
+    def wsync_describe(self) -> dict[str, Any]:
+        """This worker's global rank and device (``{"global_rank": int, "device": str}``)."""
+        e = self._wsync()
+        return {"global_rank": e.global_rank, "device": str(e.device)}
+
+    def wsync_join(self, params: dict[str, Any]) -> int:
+        """Join the weight-sync group (:class:`~wsync_grpc.engines.vllm.transfer.WsyncInitInfo` fields); its rank."""
+        e = self._wsync()
+        e.init_transfer_engine(WsyncInitInfo(**params))
+        return e.rank
+
+    def wsync_leave(self) -> None:
+        """Abandon any update in flight and leave the group."""
+        self._wsync().shutdown()
+
+    def wsync_arm(
+        self, layout: str, apply_mode: str, buckets: list[dict[str, Any]], closed: bool, timeout_s: float
+    ) -> dict[str, Any]:
+        """Start receiving an update; return this worker's progress once its first receive is posted."""
+        e = self._wsync()
+        e.arm(layout, apply_mode, buckets, closed, timeout_s)
+        return e.progress().to_msg()
+
+    def wsync_declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
+        """Feed further buckets of an incremental update."""
+        self._wsync().declare(buckets, closed)
+
+    def wsync_progress(self) -> dict[str, Any]:
+        """This worker's receive progress."""
+        return self._wsync().progress().to_msg()
+
+    def wsync_apply(self, timeout_s: float) -> int:
+        """Apply the received update between two steps; the number of tensors loaded."""
+        return self._wsync().apply(timeout_s)
+
+    def wsync_abandon(self) -> None:
+        """Stop the update in flight (cancel its receive, end a streaming reload)."""
+        self._wsync().abandon()
+
+    def wsync_served(self, names: list[str]) -> list[dict[str, Any]]:
+        """Served tensors in checkpoint coordinates: a digest where this rank holds all of one, else its slice.
+
+        Args:
+            names: checkpoint names to report; empty for all.
+
+        Returns:
+            One dict per tensor: ``name``, ``dtype``, ``shape`` (of what this
+            rank holds), ``shard`` (``[dim, rank, count]`` or ``None``), and
+            ``sha256`` (whole tensors) or ``data`` (the slice's bytes, C order).
+        """
+        model = self._wsync().model
+        wanted = set(names)
+        out: list[dict[str, Any]] = []
+        for t in served_tensors(model):
+            if wanted and t.name not in wanted:
+                continue
+            data = t.tensor.detach().cpu().contiguous()
+            raw = data.reshape(-1).view(torch.uint8).numpy()
+            entry: dict[str, Any] = {
+                "name": t.name,
+                "dtype": dtype_name(data.dtype),
+                "shape": list(data.shape),
+                "shard": None if t.shard is None else [t.shard.dim, t.shard.rank, t.shard.count],
+            }
+            if t.shard is None:
+                entry["sha256"] = hashlib.sha256(raw).hexdigest()
+            else:
+                entry["data"] = raw.tobytes()
+            out.append(entry)
+        return out
