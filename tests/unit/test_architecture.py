@@ -16,7 +16,7 @@ ALLOWED: dict[str, set[str]] = {
     "worker": {"core", "group", "worker"},
     "service": {"core", "wire", "group", "worker", "service"},
     "trainer": {"core", "wire", "group", "trainer"},
-    "engines": {"core", "engines"},
+    "engines": {"core", "group", "worker", "engines"},
 }
 """Layer -> the layers of ``wsync_grpc`` its modules may import (tools and testing may import any)."""
 

@@ -14,9 +14,9 @@ from wsync_grpc.core.adapter import ParamSpec, PauseMode
 from wsync_grpc.core.errors import Aborted, DeadlineExceeded, FailedPrecondition
 from wsync_grpc.core.layout import ApplyMode, Layout
 from wsync_grpc.core.lifecycle import Event, State
+from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.service.engine_state import EngineState
-from wsync_grpc.service.membership import GroupParams
 from wsync_grpc.service.status import (
     EngineFacts,
     ErrorRecord,

@@ -15,9 +15,10 @@ from wsync_grpc.core.adapter import PauseMode
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.lifecycle import State
+from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME
-from wsync_grpc.service.membership import GroupParams, group_info, init_params
+from wsync_grpc.service.membership import group_info, init_params
 from wsync_grpc.wire.convert import (
     APPLY_MODES,
     BACKENDS,

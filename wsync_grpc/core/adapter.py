@@ -17,6 +17,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
+from wsync_grpc.core.membership import GroupParams
+
 
 class PauseMode(enum.Enum):
     """What a pause does with generation requests in flight.
@@ -237,4 +240,138 @@ class StorageSwap(Protocol):
         Raises:
             KeyError: unknown name.
         """
+        ...
+
+
+@runtime_checkable
+class FusedGroups(Protocol):
+    """Optional: an engine that serves some checkpoint tensors fused into one (vLLM's ``qkv_proj``, ``gate_up_proj``).
+
+    Such a tensor is rebuilt from all of its parts when any part changes, so
+    an update must carry every part or none; the servicer refuses anything
+    else before a byte moves (reason ``PARTIAL_FUSED_GROUP``).
+    """
+
+    def fused_groups(self) -> Sequence[tuple[str, ...]]:
+        """Groups of canonical names served as one tensor (e.g. a layer's q_proj, k_proj and v_proj weights)."""
+        ...
+
+
+@runtime_checkable
+class ServedChecksums(Protocol):
+    """Optional: an engine that digests its served tensors itself (its workers are other processes).
+
+    ``GetWeightChecksums`` then asks it instead of reading every tensor
+    through :meth:`EngineAdapter.get_weight`.
+    """
+
+    def weight_checksums(self, names: Sequence[str]) -> list[tuple[str, torch.dtype, tuple[int, ...], str]]:
+        """``(name, served dtype, shape, hex SHA-256 of its C-contiguous bytes)`` for each of ``names``.
+
+        ``names`` are canonical names or aliases, reported as asked.
+
+        Raises:
+            KeyError: unknown name.
+        """
+        ...
+
+
+@runtime_checkable
+class WeightTarget(Protocol):
+    """What a receiver needs of the model it applies a streaming update to (an :class:`EngineAdapter` is one)."""
+
+    def weights_lock(self) -> AbstractContextManager[object]:
+        """Held while weights change (see :meth:`EngineAdapter.weights_lock`)."""
+        ...
+
+    def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy received tensors into the served parameters (see :meth:`EngineAdapter.load_weights`)."""
+        ...
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """The served tensor ``name`` (see :meth:`EngineAdapter.get_weight`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    """Where one worker's receive of the update in flight stands (:class:`RemoteWorkers`).
+
+    Attributes:
+        rank: the worker's rank in the weight-sync group (-1 when not a member).
+        armed: its first receive is posted (or nothing is declared yet).
+        done: its receiver ended (every bucket arrived, or it failed).
+        buckets_done: buckets received.
+        bytes_done: bytes received, in bytes.
+        last_arrival_at: when the last bucket arrived, on the host's monotonic clock (seconds); ``None`` before.
+        error: why its receiver failed (``GroupError``, ``GroupTimeout``, ``Cancelled``...); ``None`` while it has not.
+    """
+
+    rank: int
+    armed: bool
+    done: bool
+    buckets_done: int
+    bytes_done: int
+    last_arrival_at: float | None
+    error: BaseException | None
+
+
+@runtime_checkable
+class RemoteWorkers(Protocol):
+    """Optional: an engine whose workers are other processes (vLLM's), where the receivers run.
+
+    The reference engine's workers are threads of the servicer's process: the
+    servicer joins the group and runs a
+    :class:`~wsync_grpc.worker.receiver.WorkerReceiver` per worker itself.
+    An engine that offers this protocol instead has each worker process join
+    the group at ``rank_offset`` plus its global rank, receive in the
+    background, and apply between two of its inference steps; the servicer
+    drives them through these calls and polls their progress. Each call
+    reaches every worker and returns once all have answered.
+    """
+
+    def join_workers(self, params: GroupParams) -> None:
+        """Every worker joins the group (blocks until it formed, at most ``params.timeout_s`` seconds).
+
+        Raises:
+            GroupTimeout, GroupError: the group did not form; no worker stays a member.
+        """
+        ...
+
+    def leave_workers(self) -> None:
+        """Every worker abandons any update in flight and leaves the group. Idempotent."""
+        ...
+
+    def arm_workers(
+        self, layout: Layout, apply_mode: ApplyMode, buckets: Sequence[Bucket], closed: bool, timeout_s: float
+    ) -> None:
+        """Every worker starts receiving ``buckets``; returns once every first receive is posted.
+
+        Args:
+            closed: no bucket will be declared after these.
+            timeout_s: bound for the arming, in seconds.
+
+        Raises:
+            Exception: a worker could not arm (not a member, or not within ``timeout_s``).
+        """
+        ...
+
+    def declare_to_workers(self, buckets: Sequence[Bucket], closed: bool) -> None:
+        """Feed further buckets of an incremental update to every worker (``closed``: the last ones)."""
+        ...
+
+    def worker_progress(self) -> list[WorkerProgress]:
+        """Each worker's receive progress, in worker order."""
+        ...
+
+    def apply_on_workers(self, timeout_s: float) -> int:
+        """Every worker applies what it received, between two inference steps; tensors loaded by worker 0.
+
+        Raises:
+            Exception: a worker's apply failed (its weights may be half applied).
+        """
+        ...
+
+    def abandon_on_workers(self) -> None:
+        """Every worker cancels its receive of the update in flight and ends a half-done apply. Idempotent."""
         ...

@@ -133,11 +133,17 @@ class UpdateValidator:
     Args:
         specs: the engine's canonical name -> :class:`ParamSpec`.
         aliases: alias -> canonical name (tied tensors).
+        fused: groups of canonical names an update must carry all or none of
+            (:class:`~wsync_grpc.core.adapter.FusedGroups`, e.g. vLLM's
+            ``qkv_proj`` = ``q_proj`` + ``k_proj`` + ``v_proj``).
     """
 
-    def __init__(self, specs: Mapping[str, ParamSpec], aliases: Mapping[str, str]) -> None:
+    def __init__(
+        self, specs: Mapping[str, ParamSpec], aliases: Mapping[str, str], fused: Sequence[Sequence[str]] = ()
+    ) -> None:
         self._specs = specs
         self._aliases = aliases
+        self._fused = [tuple(g) for g in fused]
         self._declared = _Declared()
         self.header: UpdateHeader | None = None
         self.buckets_declared = 0
@@ -327,6 +333,25 @@ class UpdateValidator:
                 "TOTAL_BYTES_MISMATCH",
                 f"the header announced {self.header.total_bytes} bytes but the buckets add up to {self.bytes_declared}",
             )
+        if not self.header.incremental:
+            self.check_fused()
+
+    def check_fused(self) -> None:
+        """Refuse an update that carries part of a fused group (all its tensors are declared by now).
+
+        Raises:
+            InvalidArgument: PARTIAL_FUSED_GROUP, naming the group and what is missing.
+        """
+        declared = self._declared.canonical
+        for group in self._fused:
+            missing = [n for n in group if n not in declared]
+            if missing and len(missing) < len(group):
+                raise InvalidArgument(
+                    "PARTIAL_FUSED_GROUP",
+                    f"the engine serves {', '.join(_show(n) for n in group)} as one fused tensor: an update must "
+                    f"carry all of them or none; missing {', '.join(_show(n) for n in missing)}",
+                    tensor=_show(missing[0]),
+                )
 
     def check_more_buckets(self, count: int) -> None:
         """Refuse a bucket message beyond the header's count while the stream is read.

@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from wsync_grpc.core.adapter import EngineAdapter, PauseMode, PauseOutcome
+from wsync_grpc.core.adapter import EngineAdapter, PauseMode, PauseOutcome, RemoteWorkers
 from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
 from wsync_grpc.core.lifecycle import Lifecycle
 from wsync_grpc.service.membership import Membership
@@ -56,7 +56,7 @@ class EngineState:
         self.lock = threading.RLock()
         specs = adapter.parameter_specs()
         devices = list(adapter.worker_devices())
-        self.membership = Membership(devices)
+        self.membership = Membership(devices, adapter if isinstance(adapter, RemoteWorkers) else None)
         self.pools = [BufferPool(d, d.type == "cpu" if keep_buffers is None else keep_buffers) for d in devices]
         self.facts = EngineFacts.of(adapter.name, specs, len(devices))
         self.weight_version = ""

@@ -10,41 +10,20 @@ for up to the join timeout).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.adapter import RemoteWorkers
 from wsync_grpc.core.errors import GroupTimeout, InvalidArgument
+from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, JOIN_OVERRUN_S, Deadline
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group, resolve_backend
 from wsync_grpc.wire.convert import backend_from_proto, backend_to_proto, duration, seconds
 
-
-@dataclass(frozen=True)
-class GroupParams:
-    """The weight-sync group an engine joins, from a validated ``wsync.v1.InitRequest``.
-
-    Two Init calls with equal parameters are the same join (Init is idempotent).
-
-    Attributes:
-        master_address: host of the trainer's rendezvous store.
-        master_port: its TCP port, 1..65535.
-        rank_offset: the group rank of the engine's worker 0 (at least 1: rank 0 is the trainer).
-        world_size: ranks in the group, trainer included.
-        group_name: the group's name (its store prefix).
-        backend: ``"gloo"`` or ``"nccl"``, resolved for the workers' devices.
-        timeout_s: join deadline and per-collective timeout, in seconds.
-    """
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    backend: str
-    timeout_s: float
+log = logging.getLogger(__name__)
 
 
 def init_params(r: pb.InitRequest, devices: Sequence[torch.device]) -> GroupParams:
@@ -115,14 +94,17 @@ class Membership:
 
     Args:
         devices: the workers' devices, in worker order.
+        remote: the engine, when its workers are other processes that join themselves
+            (:class:`~wsync_grpc.core.adapter.RemoteWorkers`); ``None`` to join from here.
 
     Attributes:
         params: the joined group's parameters; ``None`` when not a member.
         groups: one membership per worker, in worker order; empty when not a member.
     """
 
-    def __init__(self, devices: Sequence[torch.device]) -> None:
+    def __init__(self, devices: Sequence[torch.device], remote: RemoteWorkers | None = None) -> None:
         self.devices = list(devices)
+        self.remote = remote
         self.params: GroupParams | None = None
         self.groups: list[WeightSyncGroup] = []
 
@@ -133,7 +115,7 @@ class Membership:
     @property
     def group_timeout_s(self) -> float:
         """The joined group's per-collective timeout, in seconds; the default one when not a member."""
-        return self.groups[0].timeout_s if self.groups else DEFAULT_GROUP_TIMEOUT_S
+        return self.params.timeout_s if self.params is not None else DEFAULT_GROUP_TIMEOUT_S
 
     def info(self) -> pb.GroupInfo:
         """The ``wsync.v1.GroupInfo`` of the joined group (empty when not a member)."""
@@ -153,6 +135,9 @@ class Membership:
             GroupError: the store could not be reached or the group broke while forming.
             ValueError: inconsistent ranks, backend or device.
         """
+        if self.remote is not None:
+            self.remote.join_workers(p)
+            return []
         ex = concurrent.futures.ThreadPoolExecutor(len(self.devices), thread_name_prefix="wsync-join")
         deadline = Deadline(p.timeout_s + JOIN_OVERRUN_S)
         try:
@@ -181,9 +166,14 @@ class Membership:
 
     def leave(self) -> bool:
         """Destroy every worker's membership; return whether there was any. Idempotent."""
-        was_member = bool(self.groups)
+        was_member = self.params is not None
         for g in self.groups:
             g.destroy()
+        if self.remote is not None and was_member:
+            try:
+                self.remote.leave_workers()
+            except Exception as e:
+                log.warning("the workers could not leave the group: %s", e)
         self.groups = []
         self.params = None
         return was_member

@@ -20,7 +20,7 @@ import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.adapter import EngineAdapter, PauseMode
+from wsync_grpc.core.adapter import EngineAdapter, FusedGroups, PauseMode, ServedChecksums
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
 from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State
@@ -145,7 +145,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             self.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
             reader = self._preparing = PrepareReader(self.prepare_timeout_s)
         try:
-            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases())
+            fused = self.adapter.fused_groups() if isinstance(self.adapter, FusedGroups) else ()
+            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused)
             header, buckets = reader.read(validator, request_iterator, context)
             with self._lock:
                 if reader.cancel.is_set():
@@ -270,6 +271,11 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                     tensor=n[:120],
                 )
         out = pb.GetWeightChecksumsResponse()
+        if isinstance(self.adapter, ServedChecksums):
+            out.weight_version = self.engine.weight_version
+            for n, dtype, shape, sha in self.adapter.weight_checksums(names):
+                out.checksums.add(name=n, dtype=str(dtype).removeprefix("torch."), shape=list(shape), sha256=sha)
+            return out
         with self.adapter.weights_lock():
             out.weight_version = self.engine.weight_version
             for n in names:

@@ -28,9 +28,8 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from wsync_grpc.core.adapter import EngineAdapter, PauseMode
+from wsync_grpc.core.adapter import EngineAdapter, PauseMode, RemoteWorkers
 from wsync_grpc.core.errors import (
     Aborted,
     DeadlineExceeded,
@@ -45,6 +44,8 @@ from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
 from wsync_grpc.core.validation import BucketSpecFields, UpdateHeader, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.outcome import CompleteResult, PrepareResult, applied_result
+from wsync_grpc.service.remote import ReceiverView, RemoteReceivers
 from wsync_grpc.service.status import Progress
 from wsync_grpc.worker.feed import BucketFeed
 from wsync_grpc.worker.receiver import WorkerReceiver
@@ -55,35 +56,6 @@ log = logging.getLogger(__name__)
 def may_step(adapter: EngineAdapter) -> bool:
     """Whether requests in flight may still run inference steps: serving, or paused in WAIT mode."""
     return adapter.pause_mode() in (None, PauseMode.WAIT)
-
-
-@dataclass(frozen=True)
-class PrepareResult:
-    """An armed update (the fields of ``wsync.v1.PrepareResponse``; sizes in bytes, times in seconds)."""
-
-    update_id: str
-    bucket_count: int
-    tensor_count: int
-    total_bytes: int
-    ready_seconds: float
-
-
-@dataclass(frozen=True)
-class CompleteResult:
-    """An applied update (the fields of ``wsync.v1.CompleteResponse``; sizes in bytes, times in seconds).
-
-    The counts are worker 0's; every worker receives the same buckets.
-    """
-
-    update_id: str
-    weight_version: str
-    bucket_count: int
-    tensor_count: int
-    bytes_received: int
-    receive_seconds: float
-    apply_seconds: float
-    total_seconds: float
-    cache_flushed: bool
 
 
 class UpdateSession:
@@ -126,7 +98,11 @@ class UpdateSession:
         if not header.incremental:
             self.feed.close()
         self.cancel = threading.Event()
-        self.receivers: list[WorkerReceiver] = []
+        self.receivers: list[ReceiverView] = []
+        self.local: list[WorkerReceiver] = []
+        """The receivers when they run in this process (the reference engine's)."""
+        self.remote: RemoteReceivers | None = None
+        """The receivers when they run in the engine's worker processes (:class:`RemoteWorkers`)."""
         self.prepared_buckets = len(buckets)
         self.tensors = sum(len(b.tensors) for b in buckets)
         self.bytes = sum(b.size_bytes for b in buckets)
@@ -149,6 +125,20 @@ class UpdateSession:
             self.auto_paused = not eng.adapter.is_paused()
             eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         eng.update = self
+        if isinstance(eng.adapter, RemoteWorkers):
+            self.remote = RemoteReceivers(
+                eng.adapter,
+                len(eng.membership.devices),
+                self.feed,
+                self.header.layout,
+                self.header.apply_mode,
+                eng.membership.group_timeout_s,
+                self.cancel,
+                self._on_receiver_event,
+            )
+            self.receivers = list(self.remote.receivers)
+            self.remote.start()
+            return
         for i, g in enumerate(eng.membership.groups):
             r = WorkerReceiver(
                 worker=i,
@@ -161,8 +151,9 @@ class UpdateSession:
                 pool=eng.pools[i],
                 on_event=self._on_receiver_event,
             )
-            self.receivers.append(r)
-        for r in self.receivers:
+            self.local.append(r)
+        self.receivers = list(self.local)
+        for r in self.local:
             r.start()
 
     def wait_armed(self, timeout_s: float) -> None:
@@ -177,6 +168,10 @@ class UpdateSession:
                 err = DeadlineExceeded("ARM_TIMEOUT", f"the receivers were not armed within {timeout_s:g} s")
                 self.fail(err)
                 raise err
+            if r.error is not None:
+                failure = domain_error(r.error, Phase.RECEIVE, timeout_s=r.timeout_s)
+                self.fail(failure)
+                raise failure
 
     def armed(self) -> PrepareResult:
         """Move to RECEIVING (RECEIVED when every bucket already arrived). Lock held.
@@ -228,6 +223,8 @@ class UpdateSession:
             InvalidArgument: see :meth:`~wsync_grpc.core.validation.UpdateValidator.bucket_messages`.
         """
         new = self.validator.bucket_messages(specs)
+        if self.remote is not None:
+            self.remote.declare(new, closed=False)
         self.feed.extend(new)
         self.tensors += sum(len(b.tensors) for b in new)
         self.bytes += sum(b.size_bytes for b in new)
@@ -243,7 +240,15 @@ class UpdateSession:
         """
         if self.completing:
             raise Aborted("COMPLETE_IN_PROGRESS", "Complete is already running for this update")
+        if self.header.incremental:
+            try:
+                self.validator.check_fused()
+            except WsyncError as e:
+                self.fail(e)
+                raise
         self.completing = True
+        if self.remote is not None and not self.feed.closed:
+            self.remote.declare([], closed=True)
         self.feed.close()
 
     def complete(self, timeout_s: float, flush_cache: bool) -> CompleteResult:
@@ -265,25 +270,29 @@ class UpdateSession:
                 )
                 break
             if r.error is not None:
-                self.fail(domain_error(r.error, Phase.RECEIVE, timeout_s=r.group.timeout_s))
+                self.fail(domain_error(r.error, Phase.RECEIVE, timeout_s=r.timeout_s))
                 break
         with self.engine.lock:
             if self.error is not None:
                 raise self.error
             self.engine.lifecycle.fire_if(Event.ALL_RECEIVED)
             self.engine.lifecycle.fire(Event.APPLY)
-        return self._apply(flush_cache)
+        return self._apply(flush_cache, deadline.left(minimum=1.0))
 
-    def _apply(self, flush_cache: bool) -> CompleteResult:
+    def _apply(self, flush_cache: bool, timeout_s: float) -> CompleteResult:
         eng = self.engine
         t0 = time.monotonic()
         try:
             with eng.adapter.weights_lock():
-                if not self.header.streaming:
-                    for r in self.receivers:
-                        for named in r.staged:
-                            r.tensors_applied += eng.adapter.load_weights(r.worker, named)
-                        r.tensors_applied += r.apply_swaps()
+                if self.remote is not None:
+                    applied = self.remote.workers.apply_on_workers(timeout_s)
+                    for remote in self.remote.receivers:
+                        remote.tensors_applied = applied
+                elif not self.header.streaming:
+                    for lr in self.local:
+                        for named in lr.staged:
+                            lr.tensors_applied += eng.adapter.load_weights(lr.worker, named)
+                        lr.tensors_applied += lr.apply_swaps()
                 if flush_cache:
                     eng.adapter.flush_cache()
                 eng.adapter.set_weight_version(self.header.weight_version)
@@ -308,7 +317,7 @@ class UpdateSession:
                 eng.adapter.resume()
             eng.dirty_paused = False
             self.ended.set()
-        return _applied(self, t0, done, flush_cache)
+        return applied_result(self, t0, done, flush_cache)
 
     # ----------------------------------------------------------------- progress
 
@@ -347,6 +356,8 @@ class UpdateSession:
             for r in self.receivers:
                 # A receive may still be posted into these buffers: never reuse them.
                 r.release(reuse=r.done.is_set() and r.error is None)
+            if self.remote is not None:
+                self._abandon_remote()
             eng.membership.leave()
             eng.lifecycle.fire(Event.FAIL)
             eng.update = None
@@ -366,6 +377,14 @@ class UpdateSession:
             elif self.auto_paused:
                 eng.adapter.resume()
 
+    def _abandon_remote(self) -> None:
+        """Stop the workers' receive (they hold its buffers); a failure here is logged, the update fails anyway."""
+        assert self.remote is not None
+        try:
+            self.remote.workers.abandon_on_workers()
+        except Exception as e:
+            log.warning("abandoning the update on the workers failed: %s", clip(str(e)))
+
     def _mark_dirty(self) -> None:
         """Flag half-updated weights and keep the engine paused until an update succeeds. Lock held."""
         eng = self.engine
@@ -376,43 +395,16 @@ class UpdateSession:
         elif self.auto_paused:
             eng.dirty_paused = True  # our own freeze now holds because of the dirt
 
-    def _on_receiver_event(self, r: WorkerReceiver) -> None:
+    def _on_receiver_event(self, r: ReceiverView) -> None:
         """A receiver got a bucket or ended: fail the update on an error, move to RECEIVED once all arrived."""
         eng = self.engine
         with eng.lock:
             if eng.update is not self or r not in self.receivers:
                 return
             if r.error is not None:
-                err = domain_error(r.error, Phase.RECEIVE, timeout_s=r.group.timeout_s)
+                err = domain_error(r.error, Phase.RECEIVE, timeout_s=r.timeout_s)
                 threading.Thread(target=self.fail, args=(err,), daemon=True).start()
                 return
             declared = len(self.feed)
             if all(x.buckets_done == declared for x in self.receivers):
                 eng.lifecycle.fire_if(Event.ALL_RECEIVED)
-
-
-def _applied(s: UpdateSession, t0: float, done: float, flush_cache: bool) -> CompleteResult:
-    """The result of update ``s``, applied from ``t0`` to ``done`` (monotonic seconds), logged."""
-    last = max((r.last_arrival_at or done) for r in s.receivers) if s.receivers else done
-    armed = s.armed_at or s.started
-    r0 = s.receivers[0] if s.receivers else None
-    result = CompleteResult(
-        update_id=s.header.update_id,
-        weight_version=s.header.weight_version,
-        bucket_count=r0.buckets_done if r0 else 0,
-        tensor_count=r0.tensors_applied if r0 else 0,
-        bytes_received=r0.bytes_done if r0 else 0,
-        receive_seconds=max(0.0, last - armed),
-        apply_seconds=done - t0,
-        total_seconds=done - s.started,
-        cache_flushed=flush_cache,
-    )
-    log.info(
-        "update %s applied: version %s, %d tensors, %d bytes, %.3f s total",
-        clip(result.update_id),
-        clip(result.weight_version),
-        result.tensor_count,
-        result.bytes_received,
-        result.total_seconds,
-    )
-    return result

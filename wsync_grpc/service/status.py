@@ -17,7 +17,8 @@ from wsync_grpc.core.adapter import ParamSpec, PauseMode
 from wsync_grpc.core.errors import WsyncError
 from wsync_grpc.core.layout import ApplyMode, Layout
 from wsync_grpc.core.lifecycle import State
-from wsync_grpc.service.membership import GroupParams, group_info
+from wsync_grpc.core.membership import GroupParams
+from wsync_grpc.service.membership import group_info
 from wsync_grpc.wire.convert import APPLY_MODES, LAYOUTS, PAUSE_MODES, state_to_proto
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wsync_grpc.core.adapter import EngineAdapter, InPlaceReceive, StorageSwap
+from wsync_grpc.core.adapter import InPlaceReceive, StorageSwap, WeightTarget
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import NamedTensors, tensor_views
@@ -91,7 +91,7 @@ class WorkerReceiver(threading.Thread):
     """Receives one update's buckets for one worker.
 
     Args:
-        worker: the worker index (adapter's :meth:`~EngineAdapter.worker_devices` order).
+        worker: the worker index (the engine adapter's ``worker_devices`` order).
         group: the worker's weight-sync group membership.
         adapter: the engine, for streaming apply.
         feed: the update's buckets.
@@ -108,7 +108,7 @@ class WorkerReceiver(threading.Thread):
         *,
         worker: int,
         group: WeightSyncGroup,
-        adapter: EngineAdapter,
+        adapter: WeightTarget,
         feed: BucketFeed,
         layout: Layout,
         apply_mode: ApplyMode,
@@ -149,6 +149,11 @@ class WorkerReceiver(threading.Thread):
         self.swaps: list[tuple[str, torch.Tensor]] = []
         """Staged apply on a :class:`StorageSwap` engine: ``(canonical name, tensor)`` to serve as they are."""
         self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
+
+    @property
+    def timeout_s(self) -> float:
+        """The group's per-collective timeout, in seconds."""
+        return self.group.timeout_s
 
     def run(self) -> None:
         try:

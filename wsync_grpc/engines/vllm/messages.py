@@ -10,9 +10,9 @@ numbers, built and read here and nowhere else. Pure: no vLLM import.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from wsync_grpc.core.adapter import WorkerProgress
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
 from wsync_grpc.core.layout import Bucket, TensorSlot
@@ -79,50 +79,28 @@ def error_from_msg(m: Sequence[str] | None) -> BaseException | None:
     return Cancelled() if cls is Cancelled else cls(message)
 
 
-@dataclass(frozen=True)
-class WorkerProgress:
-    """Where one vLLM worker's receive of the update in flight stands.
+def progress_to_msg(p: WorkerProgress) -> dict[str, Any]:
+    """A worker's progress as a msgpack-native dict (inverse: :func:`progress_from_msg`)."""
+    return {
+        "rank": p.rank,
+        "armed": p.armed,
+        "done": p.done,
+        "buckets_done": p.buckets_done,
+        "bytes_done": p.bytes_done,
+        "last_arrival_at": p.last_arrival_at,
+        "error": error_to_msg(p.error),
+    }
 
-    Attributes:
-        rank: the worker's rank in the weight-sync group.
-        armed: its first receive is posted (or nothing is declared yet).
-        done: its receiver ended (every bucket arrived, or it failed).
-        buckets_done: buckets received.
-        bytes_done: bytes received.
-        last_arrival_at: when the last bucket arrived, on the host's monotonic clock (seconds); ``None`` before.
-        error: why its receiver failed, ``None`` while it has not.
-    """
 
-    rank: int
-    armed: bool
-    done: bool
-    buckets_done: int
-    bytes_done: int
-    last_arrival_at: float | None
-    error: BaseException | None
-
-    def to_msg(self) -> dict[str, Any]:
-        """As a msgpack-native dict (inverse: :meth:`from_msg`)."""
-        return {
-            "rank": self.rank,
-            "armed": self.armed,
-            "done": self.done,
-            "buckets_done": self.buckets_done,
-            "bytes_done": self.bytes_done,
-            "last_arrival_at": self.last_arrival_at,
-            "error": error_to_msg(self.error),
-        }
-
-    @classmethod
-    def from_msg(cls, m: Mapping[str, Any]) -> WorkerProgress:
-        """The progress :meth:`to_msg` wrote."""
-        last = m.get("last_arrival_at")
-        return cls(
-            rank=int(m["rank"]),
-            armed=bool(m["armed"]),
-            done=bool(m["done"]),
-            buckets_done=int(m["buckets_done"]),
-            bytes_done=int(m["bytes_done"]),
-            last_arrival_at=None if last is None else float(last),
-            error=error_from_msg(m.get("error")),
-        )
+def progress_from_msg(m: Mapping[str, Any]) -> WorkerProgress:
+    """The progress :func:`progress_to_msg` wrote."""
+    last = m.get("last_arrival_at")
+    return WorkerProgress(
+        rank=int(m["rank"]),
+        armed=bool(m["armed"]),
+        done=bool(m["done"]),
+        buckets_done=int(m["buckets_done"]),
+        bytes_done=int(m["bytes_done"]),
+        last_arrival_at=None if last is None else float(last),
+        error=error_from_msg(m.get("error")),
+    )

@@ -98,7 +98,7 @@ def _linear(name: str, module: Any, packed: dict[str, list[str]]) -> Iterator[Se
             row = "RowParallel" in kind
             sizes = [value.shape[0]]
             shards = [None if row and pname == "bias" else _shard(1 if row else 0, tp_rank, tp_size)]
-        for part, piece, shard in zip(parts, value.split(sizes, dim=0), shards, strict=True):
+        for part, piece, shard in zip(parts, torch.split(value, sizes, dim=0), shards, strict=True):
             yield ServedTensor(f"{prefix}.{part}.{pname}" if prefix else f"{part}.{pname}", piece, shard)
 
 

@@ -34,15 +34,17 @@ from vllm.config import set_current_vllm_config
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from wsync_grpc.core.adapter import WorkerProgress
 from wsync_grpc.core.layout import ApplyMode, Layout
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, Deadline
-from wsync_grpc.engines.vllm.messages import WorkerProgress, bucket_from_msg
+from wsync_grpc.engines.vllm.messages import bucket_from_msg
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group
 from wsync_grpc.worker.buffers import BufferPool
 from wsync_grpc.worker.feed import BucketFeed
 from wsync_grpc.worker.receiver import WorkerReceiver
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class WsyncInitInfo(WeightTransferInitInfo):
@@ -293,4 +295,3 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
             RuntimeError: always.
         """
         raise RuntimeError("the wsync backend receives updates driven by the wsync.v1 servicer, not update_weights")
-

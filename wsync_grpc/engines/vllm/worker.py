@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from wsync_grpc.core.dtypes import dtype_name
+from wsync_grpc.engines.vllm.messages import progress_to_msg
 from wsync_grpc.engines.vllm.readback import served_tensors
 from wsync_grpc.engines.vllm.transfer import WsyncInitInfo, WsyncTransferEngine
 
@@ -29,7 +30,7 @@ class WsyncWorkerExtension:
         if not isinstance(engine, WsyncTransferEngine):
             raise RuntimeError(
                 "the vLLM engine was not started with the wsync weight-transfer backend "
-                "(--weight-transfer-config '{\"backend\": \"wsync\"}')"
+                '(--weight-transfer-config \'{"backend": "wsync"}\')'
             )
         return engine
 
@@ -54,7 +55,7 @@ class WsyncWorkerExtension:
         """Start receiving an update; return this worker's progress once its first receive is posted."""
         e = self._wsync()
         e.arm(layout, apply_mode, buckets, closed, timeout_s)
-        return e.progress().to_msg()
+        return progress_to_msg(e.progress())
 
     def wsync_declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
         """Feed further buckets of an incremental update."""
@@ -62,7 +63,7 @@ class WsyncWorkerExtension:
 
     def wsync_progress(self) -> dict[str, Any]:
         """This worker's receive progress."""
-        return self._wsync().progress().to_msg()
+        return progress_to_msg(self._wsync().progress())
 
     def wsync_apply(self, timeout_s: float) -> int:
         """Apply the received update between two steps; the number of tensors loaded."""
@@ -90,7 +91,7 @@ class WsyncWorkerExtension:
             if wanted and t.name not in wanted:
                 continue
             data = t.tensor.detach().cpu().contiguous()
-            raw = data.reshape(-1).view(torch.uint8).numpy()
+            raw = data.reshape(-1).view(torch.uint8).numpy().data
             entry: dict[str, Any] = {
                 "name": t.name,
                 "dtype": dtype_name(data.dtype),

@@ -1,0 +1,70 @@
+"""What an update reports when it is armed (Prepare) and when it is applied (Complete)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from wsync_grpc.core.errors import clip
+
+if TYPE_CHECKING:
+    from wsync_grpc.service.session import UpdateSession
+
+log = logging.getLogger("wsync_grpc.service.session")
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """An armed update (the fields of ``wsync.v1.PrepareResponse``; sizes in bytes, times in seconds)."""
+
+    update_id: str
+    bucket_count: int
+    tensor_count: int
+    total_bytes: int
+    ready_seconds: float
+
+
+@dataclass(frozen=True)
+class CompleteResult:
+    """An applied update (the fields of ``wsync.v1.CompleteResponse``; sizes in bytes, times in seconds).
+
+    The counts are worker 0's; every worker receives the same buckets.
+    """
+
+    update_id: str
+    weight_version: str
+    bucket_count: int
+    tensor_count: int
+    bytes_received: int
+    receive_seconds: float
+    apply_seconds: float
+    total_seconds: float
+    cache_flushed: bool
+
+
+def applied_result(s: UpdateSession, t0: float, done: float, flush_cache: bool) -> CompleteResult:
+    """The result of update ``s``, applied from ``t0`` to ``done`` (monotonic seconds), logged."""
+    last = max((r.last_arrival_at or done) for r in s.receivers) if s.receivers else done
+    armed = s.armed_at or s.started
+    r0 = s.receivers[0] if s.receivers else None
+    result = CompleteResult(
+        update_id=s.header.update_id,
+        weight_version=s.header.weight_version,
+        bucket_count=r0.buckets_done if r0 else 0,
+        tensor_count=r0.tensors_applied if r0 else 0,
+        bytes_received=r0.bytes_done if r0 else 0,
+        receive_seconds=max(0.0, last - armed),
+        apply_seconds=done - t0,
+        total_seconds=done - s.started,
+        cache_flushed=flush_cache,
+    )
+    log.info(
+        "update %s applied: version %s, %d tensors, %d bytes, %.3f s total",
+        clip(result.update_id),
+        clip(result.weight_version),
+        result.tensor_count,
+        result.bytes_received,
+        result.total_seconds,
+    )
+    return result

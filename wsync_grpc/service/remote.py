@@ -1,0 +1,174 @@
+"""The receivers of an update whose workers are other processes (:class:`~wsync_grpc.core.adapter.RemoteWorkers`).
+
+With the reference engine the servicer runs one
+:class:`~wsync_grpc.worker.receiver.WorkerReceiver` thread per worker. With
+vLLM the receivers run inside vLLM's worker processes; here each one is
+stood for by a :class:`RemoteReceiver` with the same progress attributes,
+kept current by :class:`RemoteReceivers`: one thread that arms every worker
+and then polls their progress until all have ended or the update is
+abandoned, and calls the session back on every change, as a local receiver
+does after each bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from wsync_grpc.core.adapter import RemoteWorkers, WorkerProgress
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
+from wsync_grpc.worker.feed import BucketFeed
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.05
+"""How often the workers' progress is polled while an update is received, in seconds.
+
+Each poll is one ``collective_rpc`` that runs between two inference steps.
+"""
+
+
+class ReceiverView(Protocol):
+    """What the update session reads of a receiver, local or remote."""
+
+    worker: int
+    armed: threading.Event
+    done: threading.Event
+    error: BaseException | None
+    buckets_done: int
+    bytes_done: int
+    tensors_applied: int
+    wrote_served: bool
+    last_arrival_at: float | None
+
+    @property
+    def timeout_s(self) -> float:
+        """The group's per-collective timeout, in seconds."""
+        ...
+
+    def release(self, reuse: bool) -> None:
+        """Let go of the received buffers."""
+        ...
+
+
+class RemoteReceiver:
+    """One remote worker's receive, as the session sees it (the attributes of a local receiver).
+
+    Args:
+        worker: the worker index.
+        timeout_s: the group's per-collective timeout, in seconds.
+    """
+
+    def __init__(self, worker: int, timeout_s: float) -> None:
+        self.worker = worker
+        self._timeout_s = timeout_s
+        self.armed = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.buckets_done = 0
+        self.bytes_done = 0
+        self.tensors_applied = 0
+        self.wrote_served = False
+        self.last_arrival_at: float | None = None
+
+    @property
+    def timeout_s(self) -> float:
+        """The group's per-collective timeout, in seconds."""
+        return self._timeout_s
+
+    def release(self, reuse: bool) -> None:
+        """Nothing to release here: the worker holds its buffers (released at apply or abandon)."""
+
+    def update(self, p: WorkerProgress, streaming: bool) -> bool:
+        """Take a polled progress; return whether anything changed."""
+        changed = (p.buckets_done, p.done, p.error is not None) != (
+            self.buckets_done,
+            self.done.is_set(),
+            self.error is not None,
+        )
+        self.buckets_done, self.bytes_done = p.buckets_done, p.bytes_done
+        self.last_arrival_at = p.last_arrival_at
+        if streaming and p.buckets_done:
+            self.wrote_served = True  # a streaming receive loads into the model as it goes
+        if p.error is not None and self.error is None:
+            self.error = p.error
+        if p.armed:
+            self.armed.set()
+        if p.done:
+            self.done.set()
+        return changed
+
+
+class RemoteReceivers:
+    """Arms an update on every remote worker, then keeps their :class:`RemoteReceiver` current.
+
+    Args:
+        workers: the engine.
+        count: how many workers it has.
+        feed: the update's buckets (those declared when armed go with the arming).
+        layout, apply_mode: how the update travels and applies.
+        timeout_s: the group's per-collective timeout, in seconds (also bounds the arming).
+        cancel: set when the update is abandoned; polling stops.
+        on_event: called with a receiver after each change (from the polling thread).
+    """
+
+    def __init__(
+        self,
+        workers: RemoteWorkers,
+        count: int,
+        feed: BucketFeed,
+        layout: Layout,
+        apply_mode: ApplyMode,
+        timeout_s: float,
+        cancel: threading.Event,
+        on_event: Callable[[RemoteReceiver], None],
+    ) -> None:
+        self.workers = workers
+        self.receivers = [RemoteReceiver(i, timeout_s) for i in range(count)]
+        self._feed = feed
+        self._layout = layout
+        self._streaming = apply_mode is ApplyMode.STREAMING
+        self._apply_mode = apply_mode
+        self._timeout_s = timeout_s
+        self._cancel = cancel
+        self._on_event = on_event
+        self._thread = threading.Thread(target=self._run, name="wsync-remote-receivers", daemon=True)
+
+    def start(self) -> None:
+        """Arm the workers and poll them, on a thread of its own."""
+        self._thread.start()
+
+    def declare(self, buckets: Sequence[Bucket], closed: bool) -> None:
+        """Send further buckets of an incremental update to every worker (``closed``: the last ones)."""
+        self.workers.declare_to_workers(buckets, closed)
+
+    def _run(self) -> None:
+        declared = [b for b in (self._feed.get(i, 0) for i in range(len(self._feed))) if b is not None]
+        try:
+            self.workers.arm_workers(self._layout, self._apply_mode, declared, self._feed.closed, self._timeout_s)
+        except BaseException as e:
+            log.warning("arming the workers failed: %s", e)
+            self._end_all(e)
+            return
+        for r in self.receivers:
+            r.armed.set()
+        while not self._cancel.is_set() and not all(r.done.is_set() for r in self.receivers):
+            try:
+                progress = self.workers.worker_progress()
+            except BaseException as e:
+                self._end_all(e)
+                return
+            for r, p in zip(self.receivers, progress, strict=False):
+                if r.update(p, self._streaming):
+                    self._on_event(r)
+            time.sleep(POLL_INTERVAL_S)
+
+    def _end_all(self, e: BaseException) -> None:
+        for r in self.receivers:
+            r.error = r.error or e
+            r.armed.set()
+            r.done.set()
+            self._on_event(r)
