@@ -364,8 +364,11 @@ class RemoteWorkers(Protocol):
         """Each worker's receive progress, in worker order."""
         ...
 
-    def apply_on_workers(self, timeout_s: float) -> int:
+    def apply_on_workers(self, timeout_s: float, weight_version: str) -> int:
         """Every worker applies what it received, between two inference steps; tensors loaded by worker 0.
+
+        The engine publishes ``weight_version`` together with the apply, so
+        that no step runs on the new weights under the old version.
 
         Raises:
             Exception: a worker's apply failed (its weights may be half applied).

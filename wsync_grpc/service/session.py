@@ -285,7 +285,7 @@ class UpdateSession:
         try:
             with eng.adapter.weights_lock():
                 if self.remote is not None:
-                    applied = self.remote.workers.apply_on_workers(timeout_s)
+                    applied = self.remote.workers.apply_on_workers(timeout_s, self.header.weight_version)
                     for remote in self.remote.receivers:
                         remote.tensors_applied = applied
                 elif not self.header.streaming:

@@ -103,9 +103,41 @@ def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
         log.warning("serving on %s without TLS: the token travels in plaintext", args.host)
 
 
+def _serve_vllm(args: argparse.Namespace, token: str | None) -> int:
+    """``wsync serve --engine vllm``: vLLM's API server with the wsync servicer beside it."""
+    if args.synthetic:
+        raise UsageError("--engine vllm serves a checkpoint directory: give --model DIR, not --synthetic")
+    if args.model is None:
+        raise UsageError("--engine vllm needs --model DIR (a Hugging Face checkpoint directory with safetensors)")
+    if not Path(args.model).is_dir():
+        raise UsageError(f"--model {args.model}: no such directory")
+    try:
+        from wsync_grpc.tools import vllm_serve
+    except ImportError as e:
+        raise UsageError(f"--engine vllm needs the 'vllm' extra (pip install 'wsync-grpc[vllm]'): {e}") from None
+    return vllm_serve.serve(
+        vllm_serve.VllmServeOptions(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            http_host=args.http_host,
+            http_port=args.http_port,
+            tensor_parallel_size=args.tensor_parallel_size,
+            vllm_args=args.vllm_args,
+            token=token,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            port_file=args.port_file,
+            grace=args.grace,
+        )
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("WSYNC_TOKEN") or None
     _check_exposure(args, token)
+    if args.engine == "vllm":
+        return _serve_vllm(args, token)
     engine, close, extra = _engine(args)
     specs = engine.parameter_specs()
     n_params = sum(s.numel for s in specs.values())
@@ -242,6 +274,17 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="allow a non-loopback --host without TLS and token (anyone who reaches it can change the weights)",
     )
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get at shutdown")
+    v = s.add_argument_group("vLLM engine (--engine vllm, the 'vllm' extra)")
+    v.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="reference: wsync's own engine (default); vllm: a vLLM engine with its OpenAI-compatible HTTP API",
+    )
+    v.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor parallel size")
+    v.add_argument("--http-host", default="127.0.0.1", help="bind address of vLLM's HTTP API (default loopback)")
+    v.add_argument("--http-port", type=int, default=8000, help="TCP port of vLLM's HTTP API")
+    v.add_argument("--vllm-args", default="", help="further vLLM engine arguments, quoted as one string")
     s.set_defaults(func=_serve)
 
 

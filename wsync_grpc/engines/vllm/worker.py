@@ -35,9 +35,19 @@ class WsyncWorkerExtension:
         return engine
 
     def wsync_describe(self) -> dict[str, Any]:
-        """This worker's global rank and device (``{"global_rank": int, "device": str}``)."""
+        """This worker's global rank, device and model's fused layers.
+
+        Returns:
+            ``{"global_rank": int, "device": str, "packed": {fused module: [parts]}}``
+            (``packed`` is the model's ``packed_modules_mapping``).
+        """
         e = self._wsync()
-        return {"global_rank": e.global_rank, "device": str(e.device)}
+        packed = getattr(e.model, "packed_modules_mapping", {}) or {}
+        return {
+            "global_rank": e.global_rank,
+            "device": str(e.device),
+            "packed": {str(k): [str(p) for p in v] for k, v in packed.items()},
+        }
 
     def wsync_join(self, params: dict[str, Any]) -> int:
         """Join the weight-sync group (:class:`~wsync_grpc.engines.vllm.transfer.WsyncInitInfo` fields); its rank."""
@@ -73,11 +83,12 @@ class WsyncWorkerExtension:
         """Stop the update in flight (cancel its receive, end a streaming reload)."""
         self._wsync().abandon()
 
-    def wsync_served(self, names: list[str]) -> list[dict[str, Any]]:
+    def wsync_served(self, names: list[str], want_data: bool = False) -> list[dict[str, Any]]:
         """Served tensors in checkpoint coordinates: a digest where this rank holds all of one, else its slice.
 
         Args:
             names: checkpoint names to report; empty for all.
+            want_data: send the bytes of whole tensors too (``data``).
 
         Returns:
             One dict per tensor: ``name``, ``dtype``, ``shape`` (of what this
@@ -100,7 +111,7 @@ class WsyncWorkerExtension:
             }
             if t.shard is None:
                 entry["sha256"] = hashlib.sha256(raw).hexdigest()
-            else:
+            if t.shard is not None or want_data:
                 entry["data"] = raw.tobytes()
             out.append(entry)
         return out

@@ -1,0 +1,304 @@
+"""The servicer's engine adapter over a running vLLM engine, in vLLM's front (API server) process.
+
+:class:`VllmAdapter` implements :class:`~wsync_grpc.core.adapter.EngineAdapter`
+with vLLM's own engine client (``AsyncLLM``): pause and resume are
+``pause_generation(mode=abort|wait|keep)`` / ``resume_generation``, the cache
+flush is ``reset_prefix_cache``, the weight version is the engine core's
+(``update_weight_version``, the one vLLM stamps on generation outputs). Its
+workers are vLLM's worker processes
+(:class:`~wsync_grpc.core.adapter.RemoteWorkers`): every call to them is
+one ``collective_rpc`` to the methods of
+:class:`~wsync_grpc.engines.vllm.worker.WsyncWorkerExtension`, which vLLM runs
+between two inference steps. The engine client lives on the server's
+asyncio loop; the servicer's threads reach it through
+``asyncio.run_coroutine_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import threading
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from wsync_grpc.core.adapter import ParamSpec, PauseMode, PauseOutcome, WorkerProgress
+from wsync_grpc.core.dtypes import parse_dtype
+from wsync_grpc.core.errors import GroupError, GroupTimeout
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
+from wsync_grpc.core.membership import GroupParams
+from wsync_grpc.core.timeouts import DEFAULT_RPC_TIMEOUT_S, JOIN_OVERRUN_S
+from wsync_grpc.engines.vllm.checkpoint import checkpoint_specs, fused_groups, tied_aliases
+from wsync_grpc.engines.vllm.messages import buckets_to_msg, progress_from_msg
+
+T = TypeVar("T")
+
+RPC_MARGIN_S = 10.0
+"""Added to a worker call's own bound before the front gives up on it, in seconds."""
+
+
+class VllmAdapter:
+    """A vLLM engine, as the wsync servicer sees it.
+
+    Args:
+        client: vLLM's engine client (``vllm.v1.engine.async_llm.AsyncLLM``),
+            started with the ``wsync`` weight-transfer backend and worker extension.
+        loop: the asyncio loop the client runs on.
+        workers: each worker's :meth:`~wsync_grpc.engines.vllm.worker.WsyncWorkerExtension.wsync_describe`,
+            in global rank order (see :meth:`create`).
+    """
+
+    def __init__(self, client: Any, loop: asyncio.AbstractEventLoop, workers: Sequence[Mapping[str, Any]]) -> None:
+        self.client = client
+        self.loop = loop
+        mc = client.model_config
+        self._name = str(mc.served_model_name or mc.model)
+        self._specs = checkpoint_specs(Path(mc.model), mc.dtype)
+        self._aliases = tied_aliases(self._specs, bool(getattr(mc.hf_config, "tie_word_embeddings", False)))
+        self._fused = fused_groups(list(self._specs), workers[0].get("packed", {}) if workers else {})
+        self._devices = [torch.device(str(w["device"])) for w in workers]
+        self._lock = threading.RLock()
+        self._mode: PauseMode | None = None
+        self._frozen = 0
+        self._version = ""
+
+    @classmethod
+    async def create(cls, client: Any) -> VllmAdapter:
+        """Ask the workers what they are and build the adapter (call on the client's loop).
+
+        Raises:
+            RuntimeError: the engine was not started with the wsync backend and worker extension.
+        """
+        workers = await client.collective_rpc("wsync_describe")
+        return cls(client, asyncio.get_running_loop(), sorted(workers, key=lambda w: int(w["global_rank"])))
+
+    # ------------------------------------------------------------ plumbing
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> T:
+        """Run ``coro`` on the client's loop and wait for it, at most ``timeout_s`` seconds."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def _rpc(self, method: str, *args: Any, timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> list[Any]:
+        """Call ``method`` of every worker between two steps; each worker's result, in worker order."""
+        results: list[Any] = self._call(
+            self.client.collective_rpc(method, timeout=timeout_s, args=args), timeout_s + RPC_MARGIN_S
+        )
+        return results
+
+    # ---------------------------------------------------------- the model
+
+    @property
+    def name(self) -> str:
+        """The served model's name (``--served-model-name``, else its path)."""
+        return self._name
+
+    def parameter_specs(self) -> Mapping[str, ParamSpec]:
+        """The checkpoint's tensors, in checkpoint names, full shapes and the served dtype."""
+        return self._specs
+
+    def aliases(self) -> Mapping[str, str]:
+        """``lm_head.weight`` -> ``model.embed_tokens.weight`` for tied embeddings; else empty."""
+        return self._aliases
+
+    def fused_groups(self) -> Sequence[tuple[str, ...]]:
+        """Checkpoint names vLLM serves fused (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``)."""
+        return self._fused
+
+    def worker_devices(self) -> Sequence[torch.device]:
+        """Each vLLM worker's device, in global rank order."""
+        return self._devices
+
+    def weights_lock(self) -> contextlib.AbstractContextManager[object]:
+        """Orders the servicer's weight changes; the workers apply between two steps on their own."""
+        return self._lock
+
+    def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Not used: vLLM's workers load what they receive themselves (:meth:`apply_on_workers`).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError("vLLM's workers load their updates themselves")
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """The served tensor ``name`` in checkpoint coordinates, gathered from every worker.
+
+        Raises:
+            KeyError: unknown name.
+        """
+        canonical = self._aliases.get(name, name)
+        if canonical not in self._specs:
+            raise KeyError(name)
+        return self._gather(canonical, self._rpc("wsync_served", [canonical], True))
+
+    def weight_checksums(self, names: Sequence[str]) -> list[tuple[str, torch.dtype, tuple[int, ...], str]]:
+        """SHA-256 of each served tensor in checkpoint coordinates, every worker read between two steps.
+
+        Raises:
+            KeyError: unknown name.
+        """
+        canonical = [self._aliases.get(n, n) for n in names]
+        for n, c in zip(names, canonical, strict=True):
+            if c not in self._specs:
+                raise KeyError(n)
+        per_worker = self._rpc("wsync_served", sorted(set(canonical)))
+        out = []
+        for n, c in zip(names, canonical, strict=True):
+            entries = [e for w in per_worker for e in w if e["name"] == c]
+            if not entries:
+                raise KeyError(n)
+            whole = next((e for e in entries if e.get("shard") is None), None)
+            if whole is not None:
+                out.append((n, parse_dtype(whole["dtype"]), tuple(self._specs[c].shape), str(whole["sha256"])))
+                continue
+            t = self._gather(c, per_worker)
+            out.append((n, t.dtype, tuple(t.shape), hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()))
+        return out
+
+    def _gather(self, name: str, per_worker: list[list[dict[str, Any]]]) -> torch.Tensor:
+        """Tensor ``name`` from its slices (or its whole copy) in ``per_worker``'s ``wsync_served`` answers."""
+        slices: dict[int, torch.Tensor] = {}
+        dim = 0
+        for w in per_worker:
+            for e in w:
+                if e["name"] != name:
+                    continue
+                t = torch.frombuffer(bytearray(e["data"]), dtype=parse_dtype(e["dtype"])).reshape(e["shape"])
+                if e.get("shard") is None:
+                    return t
+                dim, rank, _ = e["shard"]
+                slices.setdefault(int(rank), t)
+        return torch.cat([slices[r] for r in sorted(slices)], dim=dim).contiguous()
+
+    def set_weight_version(self, version: str) -> None:
+        """Publish ``version`` as the one vLLM stamps on generation outputs (idempotent)."""
+        if version != self._version:
+            self._call(self.client.update_weight_version(version))
+            self._version = version
+
+    # ------------------------------------------------------ pause / resume
+
+    def _unfinished(self) -> int:
+        return int(self.client.output_processor.get_num_unfinished_requests())
+
+    def pause(self, mode: PauseMode, timeout: float) -> PauseOutcome:
+        """``pause_generation`` with ``mode``; the prefix cache is kept (a KEEP pause must not preempt).
+
+        Raises:
+            TimeoutError: WAIT did not drain within ``timeout`` seconds (the engine stays paused).
+        """
+        n = self._unfinished()
+        coro = self.client.pause_generation(mode=mode.value, clear_cache=False)
+        if mode is PauseMode.WAIT:
+            try:
+                self._call(asyncio.wait_for(coro, timeout), timeout + RPC_MARGIN_S)
+            except (TimeoutError, asyncio.TimeoutError):
+                self._mode = PauseMode.WAIT
+                raise TimeoutError(f"requests in flight did not finish within {timeout:g} s") from None
+        else:
+            self._call(coro)
+        if mode is PauseMode.KEEP:
+            self._frozen = n
+        self._mode = mode if self._mode is None or mode is not PauseMode.WAIT else self._mode
+        return PauseOutcome(
+            aborted=n if mode is PauseMode.ABORT else 0,
+            drained=n if mode is PauseMode.WAIT else 0,
+            frozen=n if mode is PauseMode.KEEP else 0,
+        )
+
+    def resume(self) -> int:
+        """``resume_generation``; how many frozen requests continue."""
+        self._call(self.client.resume_generation())
+        frozen, self._frozen, self._mode = self._frozen, 0, None
+        return frozen
+
+    def is_paused(self) -> bool:
+        """Whether a pause is in force."""
+        return self._mode is not None
+
+    def pause_mode(self) -> PauseMode | None:
+        """The mode of the pause in force."""
+        return self._mode
+
+    def flush_cache(self) -> None:
+        """``reset_prefix_cache``: drop every KV block computed with the old weights."""
+        self._call(self.client.reset_prefix_cache())
+
+    def request_counts(self) -> tuple[int, int]:
+        """``(unfinished requests, 0)``: vLLM's front does not tell running from waiting."""
+        return self._unfinished(), 0
+
+    # ------------------------------------------------------------- workers
+
+    def join_workers(self, params: GroupParams) -> None:
+        """Every worker joins at ``rank_offset`` + its global rank (one ``collective_rpc``; steps wait for it).
+
+        Raises:
+            GroupTimeout, GroupError: the group did not form; every worker left.
+        """
+        info = {
+            "master_address": params.master_address,
+            "master_port": params.master_port,
+            "rank_offset": params.rank_offset,
+            "world_size": params.world_size,
+            "group_name": params.group_name,
+            "backend": params.backend,
+            "timeout_s": params.timeout_s,
+        }
+        try:
+            self._rpc("wsync_join", info, timeout_s=params.timeout_s + JOIN_OVERRUN_S)
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                self._rpc("wsync_leave")
+            msg = str(e)
+            if "did not form" in msg or "timed out" in msg.lower() or isinstance(e, TimeoutError):
+                raise GroupTimeout(msg or f"the group did not form within {params.timeout_s:g} s") from e
+            raise GroupError(msg) from e
+
+    def leave_workers(self) -> None:
+        """Every worker abandons its update and leaves the group."""
+        self._rpc("wsync_leave")
+
+    def arm_workers(
+        self, layout: Layout, apply_mode: ApplyMode, buckets: Sequence[Bucket], closed: bool, timeout_s: float
+    ) -> None:
+        """Every worker starts its background receive; returns once each first receive is posted."""
+        self._rpc("wsync_arm", layout.value, apply_mode.value, buckets_to_msg(buckets), closed, timeout_s)
+
+    def declare_to_workers(self, buckets: Sequence[Bucket], closed: bool) -> None:
+        """Feed further buckets to every worker."""
+        self._rpc("wsync_declare", buckets_to_msg(buckets), closed)
+
+    def worker_progress(self) -> list[WorkerProgress]:
+        """Each worker's receive progress."""
+        return [progress_from_msg(m) for m in self._rpc("wsync_progress")]
+
+    def apply_on_workers(self, timeout_s: float, weight_version: str) -> int:
+        """Every worker applies between two steps, and the engine publishes ``weight_version`` with it.
+
+        Both calls are queued together, so the engine core runs them one after
+        the other before its next step.
+        """
+
+        async def both() -> list[Any]:
+            apply = self.client.collective_rpc("wsync_apply", timeout=timeout_s, args=(timeout_s,))
+            publish = self.client.update_weight_version(weight_version)
+            applied, _ = await asyncio.gather(apply, publish)
+            return list(applied)
+
+        try:
+            applied = self._call(both(), timeout_s + RPC_MARGIN_S)
+        except BaseException:
+            # The version went out with a failed apply: the engine is dirty now and says so.
+            self._version = ""
+            raise
+        self._version = weight_version
+        return int(applied[0])
+
+    def abandon_on_workers(self) -> None:
+        """Every worker cancels its receive and ends a half-done streaming reload."""
+        self._rpc("wsync_abandon")

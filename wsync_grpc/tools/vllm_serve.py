@@ -1,0 +1,135 @@
+"""``wsync serve --engine vllm``: one vLLM engine serving ``wsync.v1`` beside its OpenAI-compatible HTTP API.
+
+This is vLLM's own API server (``vllm.entrypoints.openai.api_server``: the
+same argument parser, engine client, FastAPI app and uvicorn loop), started
+with the ``wsync`` weight-transfer backend and worker extension, plus the
+wsync gRPC server in the same process, talking to the same engine client.
+Rollout workers call the HTTP API (``/v1/completions``,
+``/v1/chat/completions``, and ``/inference/v1/generate``, whose answers carry
+the weight version of every token span); trainers and operators call
+``wsync.v1`` on the gRPC port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from wsync_grpc.engines.vllm import BACKEND_NAME, WORKER_EXTENSION
+from wsync_grpc.engines.vllm.adapter import VllmAdapter
+from wsync_grpc.service.server import WsyncServer, build_server, write_port_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmServeOptions:
+    """What ``wsync serve --engine vllm`` was asked for.
+
+    Attributes:
+        model: the Hugging Face checkpoint directory vLLM loads (safetensors).
+        host, port: the wsync gRPC server's bind address and TCP port (0 = any free one).
+        http_host, http_port: vLLM's HTTP API's bind address and TCP port.
+        tensor_parallel_size: vLLM's ``--tensor-parallel-size``.
+        vllm_args: further vLLM engine arguments, as one shell-quoted string (e.g. ``"--enforce-eager"``).
+        token, tls_cert, tls_key: the gRPC server's bearer token and TLS files (see ``build_server``).
+        port_file: where to write the gRPC port once serving.
+        grace: seconds in-flight RPCs get at shutdown.
+    """
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    tensor_parallel_size: int = 1
+    vllm_args: str = ""
+    token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    port_file: Path | None = None
+    grace: float = 5.0
+
+
+def vllm_argv(o: VllmServeOptions) -> list[str]:
+    """The vLLM API server arguments for ``o``: model, HTTP address, TP size, wsync's backend and worker extension."""
+    return [
+        "--model",
+        o.model,
+        "--host",
+        o.http_host,
+        "--port",
+        str(o.http_port),
+        "--tensor-parallel-size",
+        str(o.tensor_parallel_size),
+        "--weight-transfer-config",
+        json.dumps({"backend": BACKEND_NAME}),
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        *shlex.split(o.vllm_args),
+    ]
+
+
+def serve(o: VllmServeOptions) -> int:
+    """Run the engine until SIGINT/SIGTERM (on the calling thread, which must be the main one); the exit code.
+
+    Raises:
+        SystemExit: vLLM refused its arguments.
+    """
+    import uvloop
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(prog="wsync serve --engine vllm"))
+    args = parser.parse_args(vllm_argv(o))
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    uvloop.run(_serve(o, args))
+    return 0
+
+
+async def _serve(o: VllmServeOptions, args: Any) -> None:
+    from vllm.entrypoints.launchers.api_server.entry import build_and_serve, build_async_engine_client
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    srv: WsyncServer | None = None
+    try:
+        async with build_async_engine_client(args) as client:
+            adapter = await VllmAdapter.create(client)
+            srv = build_server(adapter, host=o.host, port=o.port, token=o.token, tls_cert=o.tls_cert, tls_key=o.tls_key)
+            specs = adapter.parameter_specs()
+            log.info(
+                "vLLM engine %s: %d checkpoint tensors, %d worker(s); wsync.v1 on %s, HTTP on %s",
+                adapter.name,
+                len(specs),
+                len(adapter.worker_devices()),
+                srv.address,
+                listen_address,
+            )
+            if o.port_file is not None:
+                write_port_file(o.port_file, srv.port)
+            shutdown = await build_and_serve(client, listen_address, sock, args)
+            # HTTP has stopped (SIGINT/SIGTERM): stop wsync before the engine goes.
+            await asyncio.get_running_loop().run_in_executor(None, srv.stop, o.grace)
+        await shutdown
+    finally:
+        if srv is not None:
+            srv.stop(o.grace)
+        sock.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m wsync_grpc.tools.vllm_serve``: the same as ``wsync serve --engine vllm``."""
+    from wsync_grpc.tools.cli import main as cli_main
+
+    return cli_main(["serve", "--engine", "vllm", *(argv or [])])
