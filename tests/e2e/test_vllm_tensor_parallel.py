@@ -1,0 +1,57 @@
+"""wsync inside a vLLM engine with tensor parallel size 3 (SmolLM2-135M: 9 query heads, 3 key/value heads).
+
+Every worker joins the group (ranks 1..3 of 4) and is armed before Prepare replies; each receives
+the full checkpoint tensors and loads its own slices; GetWeightChecksums gathers the slices of
+every worker back into checkpoint coordinates and matches the trainer's tensors bit for bit.
+On a 2-core host the workers run unpinned with one thread each (``VLLM_CPU_TP_ENV``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from test_vllm_engine import Vllm, assert_serves, perturbed
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.testing import free_port, spawn_vllm_engine
+from wsync_grpc.trainer import TrainerClient
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def engine_tp3(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+    tmp = tmp_path_factory.mktemp("vllm-tp3")
+    http_port = free_port()
+    proc = spawn_vllm_engine(
+        smollm2_dir, port_file=tmp / "port", http_port=http_port, tensor_parallel_size=3, log=tmp / "engine.log"
+    )
+    try:
+        yield Vllm(proc, f"http://127.0.0.1:{http_port}", str(smollm2_dir))
+    finally:
+        proc.stop(grace_s=30)
+
+
+def test_every_rank_receives_and_serves_its_slices(engine_tp3: Vllm, smollm2_dir: Path) -> None:
+    originals: dict[str, torch.Tensor] = dict(safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")))
+    before = engine_tp3.complete()
+    new = perturbed(originals, seed=5)
+    with TrainerClient([engine_tp3.target], group_timeout_s=120) as c:
+        (init,) = c.init().values()
+        assert list(init.group.ranks) == [1, 2, 3] and init.group.world_size == 4
+        for apply_mode in ("staged", "streaming"):
+            result = c.sync(new.items(), f"tp3-{apply_mode}", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+            assert result.engines[engine_tp3.target].tensor_count == len(new)
+            assert_serves(c, engine_tp3.target, new, f"tp3-{apply_mode}")
+            assert engine_tp3.complete()[1] != before[1]
+            c.sync(originals.items(), "tp3-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+            assert_serves(c, engine_tp3.target, originals, "tp3-0")
+            assert engine_tp3.complete() == before
+        st = engine_tp3.status()
+        assert st.state == pb.LIFECYCLE_STATE_READY and st.engine.workers == 3
