@@ -289,3 +289,34 @@ def test_trainer_killed_mid_broadcast_leaves_the_old_weights(
     with TrainerClient([engine.target], group_timeout_s=60) as c:
         c.sync(originals.items(), "after-kill")
         assert_serves(c, engine.target, originals, "after-kill")
+
+
+def test_pause_keep_freezes_a_request_and_abort_ends_one(engine: Vllm, smollm2_tokenizer: Any) -> None:
+    ids = list(smollm2_tokenizer(PROMPT)["input_ids"])
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        kept: dict[str, Any] = {}
+        t = threading.Thread(target=_stream, args=(engine, ids, 200, kept))
+        t.start()
+        while len(kept.get("arrivals", [])) < 10:
+            time.sleep(0.02)
+        (paused,) = c.pause("keep").values()
+        assert paused.frozen_requests == 1
+        frozen_at = len(kept["arrivals"])
+        time.sleep(1.0)
+        assert len(kept["arrivals"]) <= frozen_at + 1  # at most the step that was running
+        assert engine.status().paused
+        c.resume()
+        t.join(120)
+        assert not t.is_alive() and kept["versions"], "the frozen request did not finish after resume"
+
+        aborted: dict[str, Any] = {}
+        t = threading.Thread(target=_stream, args=(engine, ids, 400, aborted))
+        t.start()
+        while len(aborted.get("arrivals", [])) < 5:
+            time.sleep(0.02)
+        (paused,) = c.pause("abort").values()
+        assert paused.aborted_requests == 1
+        t.join(60)
+        assert not t.is_alive() and len(aborted["arrivals"]) < 400
+        c.resume()
+    assert engine.complete()[0]  # serving again
