@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/wsync/v1/*.proto)
 PYTEST_ARGS ?=
 PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
-.PHONY: venv proto check-proto lint typecheck test check demo bench soak clean
+.PHONY: venv proto check-proto lint typecheck test check demo demo-vllm bench soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ soak: $(STAMP)
 ## demo: two engines serving SmolLM2, a trainer syncing after every step
 demo: $(STAMP)
 	$(PY) -m wsync_grpc.tools.demo
+
+## demo-vllm: the same training loop syncing into two vLLM engines (OpenAI API answers checked)
+demo-vllm: $(STAMP)
+	$(PY) -m wsync_grpc.tools.demo_vllm
 
 bench: $(STAMP)
 	$(PY) -m bench.run

@@ -38,6 +38,26 @@ def test_demo_one_step_syncs_smollm2_into_two_engines() -> None:
     assert re.search(r"sync step-1: \d+ buckets, 538\.1 MB to 2 engines", out), out[-3000:]
 
 
+@pytest.mark.slow
+def test_demo_vllm_two_steps_into_two_vllm_engines() -> None:
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    r = subprocess.run(
+        [sys.executable, "-m", "wsync_grpc.tools.demo_vllm", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=580,
+        env=ENV,
+        cwd=ROOT,
+    )
+    out = r.stdout
+    assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
+    assert "all checks passed: 2 steps synced into 2 vLLM engines, bit-exact" in out
+    assert out.count("all 272 checksums match (bfloat16)") == 4
+    first = re.search(r"first answer: (.*)", out)
+    last = re.search(r"last answer:  (.*)", out)
+    assert first and last and first.group(1) != last.group(1)
+
+
 def _wsync(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "wsync_grpc.tools.cli", *args], capture_output=True, text=True, timeout=timeout, env=ENV
