@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report_prose as prose
+from bench import report_vllm
 from bench.report_analysis import missed
 from bench.report_checks import Check, checks
 from bench.report_plots import plots
@@ -40,6 +41,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
             parts.append(prose.sweep(results))
     if results.get("profile"):
         parts.append(prose.profile(results))
+    if results.get("vllm"):
+        parts.append(report_vllm.section(results["vllm"]))
     analysis = missed(results, cks)
     if analysis:
         parts.append(fill("s8", analysis="\n\n".join(analysis)))

@@ -664,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--profile-models", default="smollm2-shapes,1gb", help="models the CPU profile runs on")
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
-    p.add_argument("--cases", default="models,moe,fanout,control,profile", help="which cases to run")
+    p.add_argument("--cases", default="models,moe,fanout,control,profile,vllm", help="which cases to run")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
@@ -711,6 +711,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["fanout"] = case_fanout(h, [int(x) for x in args.fanout.split(",") if x.strip()], args.reps)
             elif case == "control":
                 results["control"] = case_control(h, args.reps, mib_list(args.control_buckets))
+            elif case == "vllm":
+                from bench.vllm_case import case_vllm
+
+                results["vllm"] = case_vllm(max(3, args.reps // 2))
             elif case == "profile":
                 names = [m.strip() for m in args.profile_models.split(",") if m.strip()]
                 results["profile"] = case_profile(h, names, args.profile_syncs)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,9 +37,11 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 from wsync_grpc.core.adapter import WorkerProgress
 from wsync_grpc.core.layout import ApplyMode, Layout
+from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, Deadline
 from wsync_grpc.engines.vllm.messages import bucket_from_msg
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group
+from wsync_grpc.group.waits import wait_work
 from wsync_grpc.worker.buffers import BufferPool
 from wsync_grpc.worker.feed import BucketFeed
 from wsync_grpc.worker.receiver import WorkerReceiver
@@ -71,7 +74,20 @@ class WsyncInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class WsyncUpdateInfo(WeightTransferUpdateInfo):
-    """Unused: wsync updates are driven by the ``wsync.v1`` servicer, not by vLLM's ``update_weights``."""
+    """One chunk of vLLM's own update flow (``update_weights``) on the wsync backend.
+
+    Not how wsync updates travel (those are driven by the ``wsync.v1``
+    servicer and received in the background): vLLM's flow receives inside its
+    step loop, between ``start_weight_update`` and ``finish_weight_update``.
+    It is offered so that vLLM's RL API works on the same group and
+    transport, e.g. to compare the two flows side by side.
+
+    Attributes:
+        buckets: the chunk's buckets (:func:`~wsync_grpc.engines.vllm.messages.bucket_to_msg`),
+            each broadcast by rank 0 as one flat ``uint8`` buffer of its ``size_bytes``.
+    """
+
+    buckets: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _ModelTarget:
@@ -280,18 +296,54 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model, self.model_config)
 
+    def receive_raw(self, sizes: list[int], timeout_s: float) -> float:
+        """Receive plain broadcasts of ``sizes`` bytes from rank 0 and drop them; the seconds it took.
+
+        The transport's ceiling for an update of those buckets into this
+        worker process: no metadata, no staging, no apply.
+
+        Raises:
+            RuntimeError: not a member of a group.
+            GroupTimeout, GroupError: a broadcast did not complete within ``timeout_s`` seconds.
+        """
+        if self.group is None:
+            raise RuntimeError("this worker is not a member of a weight-sync group")
+        bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        for w in [self.group.broadcast(b) for b in bufs]:  # every receive posted up front
+            wait_work(w, deadline, sliced=self.group.sliced_waits)
+        return time.monotonic() - t0
+
     # ------------------------------------------------ vLLM's own update flow
 
     def start_weight_update(self) -> None:
-        """Not used: updates are prepared with ``wsync.v1.Prepare``."""
+        """vLLM's flow: begin a layerwise reload (the engine must be paused by then)."""
+        self._begin_reload()
 
     def finish_weight_update(self) -> None:
-        """Not used: updates are applied with ``wsync.v1.Complete``."""
+        """vLLM's flow: finalize the layerwise reload."""
+        if self._reloading:
+            self._end_reload()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's flow: receive and load one chunk, inside the step loop (the base class's, minus its CPU-only sync)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: WsyncUpdateInfo) -> None:
-        """Refused: drive wsync updates through the ``wsync.v1`` servicer of this engine.
+        """vLLM's flow: receive each bucket of ``update_info`` and load its tensors (blocks until the last byte).
 
         Raises:
-            RuntimeError: always.
+            RuntimeError: not a member of a group.
+            GroupTimeout, GroupError: a broadcast did not complete within the group's timeout.
         """
-        raise RuntimeError("the wsync backend receives updates driven by the wsync.v1 servicer, not update_weights")
+        if self.group is None:
+            raise RuntimeError("this worker is not a member of a weight-sync group")
+        deadline = time.monotonic() + self.group.timeout_s
+        for m in update_info.buckets:
+            b = bucket_from_msg(m)
+            flat = torch.empty(b.size_bytes, dtype=torch.uint8, device=self.device)
+            wait_work(self.group.broadcast(flat), deadline, sliced=self.group.sliced_waits)
+            self.load([(n, t) for n, t in tensor_views(flat, b.tensors)])
