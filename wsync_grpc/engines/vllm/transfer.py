@@ -40,6 +40,7 @@ from wsync_grpc.core.layout import ApplyMode, Layout
 from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, Deadline
 from wsync_grpc.engines.vllm.messages import bucket_from_msg
+from wsync_grpc.engines.vllm.shadow import ShadowUpdate
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group
 from wsync_grpc.group.waits import wait_work
 from wsync_grpc.worker.buffers import BufferPool
@@ -138,6 +139,9 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self.pool = BufferPool(self.device, keep=True)
         self.streaming = False
         self._reloading = False
+        self.shadow: ShadowUpdate | None = None
+        """A staged update's processed weights, once prepared beside the live model (:meth:`_prepare`)."""
+        self._preparer: threading.Thread | None = None
 
     # --------------------------------------------------------------- group
 
@@ -215,6 +219,11 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
             on_event=lambda r: None,
         )
         self.receiver.start()
+        self.shadow = None
+        self._preparer = None
+        if not self.streaming:
+            self._preparer = threading.Thread(target=self._prepare, name="wsync-prepare", daemon=True)
+            self._preparer.start()
         if not self.receiver.armed.wait(Deadline(timeout_s).left()):
             raise TimeoutError(f"the receiver was not armed within {timeout_s:g} s")
 
@@ -224,15 +233,42 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         if closed:
             self.feed.close()
 
+    def _prepare(self) -> None:
+        """Staged: once every bucket arrived, build the processed weights beside the live model.
+
+        Runs on a thread of its own while the worker keeps running steps. A
+        failure here is not the update's: :meth:`apply` then falls back to
+        a layerwise reload between two steps.
+        """
+        r = self.receiver
+        assert r is not None
+        r.done.wait()
+        if r.error is not None or self.cancel.is_set():
+            return
+        shadow = ShadowUpdate(self.model, self.vllm_config)
+        t0 = time.monotonic()
+        try:
+            shadow.prepare([pair for named in r.staged for pair in named])
+        except Exception:
+            log.exception("preparing the update beside the model failed; it is applied by a layerwise reload")
+            return
+        self.shadow = shadow
+        log.debug("update prepared beside the model in %.3f s", time.monotonic() - t0)
+
     def progress(self) -> WorkerProgress:
-        """Where this worker's receive stands (all zero with no update in flight)."""
+        """Where this worker's receive stands (all zero with no update in flight).
+
+        Staged: ``done`` once the received weights are also prepared beside
+        the model, so that the apply at Complete is only the swap.
+        """
         r = self.receiver
         if r is None:
             return WorkerProgress(self.rank, False, False, 0, 0, None, None)
+        prepared = self._preparer is None or not self._preparer.is_alive()
         return WorkerProgress(
             rank=self.rank,
             armed=r.armed.is_set(),
-            done=r.done.is_set(),
+            done=r.done.is_set() and prepared,
             buckets_done=r.buckets_done,
             bytes_done=r.bytes_done,
             last_arrival_at=r.last_arrival_at,
@@ -254,13 +290,20 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         if not r.done.wait(Deadline(timeout_s).left()) or r.error is not None:
             raise RuntimeError(f"the receive has not completed: {r.error or 'still receiving'}")
         try:
-            if not self.streaming:
+            if self._preparer is not None:
+                self._preparer.join(Deadline(timeout_s).left())
+            if self.shadow is not None:
+                self.shadow.swap()
+                r.tensors_applied = sum(len(named) for named in r.staged)
+            elif not self.streaming:
                 self._begin_reload()
                 for named in r.staged:
                     self.load(named)
                     r.tensors_applied += len(named)
-            self._end_reload()
+            if self._reloading:
+                self._end_reload()
         finally:
+            self.shadow = None
             r.release(reuse=True)
             self.receiver = None
         return r.tensors_applied
@@ -273,6 +316,9 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self.cancel.set()
         self.feed.close()
         r.join(timeout=5.0)
+        if self._preparer is not None:
+            self._preparer.join(timeout=60.0)  # it reads the received buffers
+        self.shadow = None
         # A receive may still be posted into these buffers unless the thread ended.
         r.release(reuse=not r.is_alive() and r.error is None)
         self.receiver = None
