@@ -151,20 +151,22 @@ def case_vllm(reps: int) -> dict[str, Any]:
             return time.monotonic() - t0
 
         def ceiling() -> dict[str, float]:
-            t = threading.Thread(
-                target=_post, args=(f"{http}/collective_rpc", {"method": "wsync_receive_raw", "args": [sizes, 120]})
-            )
-            t.start()
-            time.sleep(0.5)  # the receive is posted
-            seconds = broadcast_all()
-            t.join()
-            return {"transfer_s": seconds}
+            # Posted on a thread of the worker, which keeps generating (as a staged receive does).
+            _post(f"{http}/collective_rpc", {"method": "wsync_receive_raw", "args": [sizes, 120, True]})
+            return {"transfer_s": broadcast_all()}
 
         def wsync(mode: str, i: int) -> Callable[[], dict[str, float]]:
             def run() -> dict[str, float]:
                 r = c.sync(versions[i % 2].items(), f"{mode}-{i}", apply_mode=mode)  # type: ignore[arg-type]
                 e = r.engines[proc.target]
-                return {"transfer_s": r.prepare_seconds + r.broadcast_seconds, "apply_s": e.apply_seconds}
+                return {
+                    "transfer_s": r.prepare_seconds + r.broadcast_seconds,
+                    "prepare_s": r.prepare_seconds,
+                    "broadcast_s": r.broadcast_seconds,
+                    "pack_s": r.pack_seconds,
+                    "apply_s": e.apply_seconds,
+                    "complete_s": r.complete_seconds,
+                }
 
             return run
 
@@ -180,7 +182,7 @@ def case_vllm(reps: int) -> dict[str, Any]:
             _post(f"{http}/finish_weight_update", {"weight_version": f"vllm-{i}"})
             t2 = time.monotonic()
             _post(f"{http}/resume")
-            return {"transfer_s": t1 - t0, "apply_s": t2 - t1}
+            return {"transfer_s": t1 - t0, "apply_s": t2 - t1, "complete_s": time.monotonic() - t1}
 
         def idle() -> dict[str, float]:
             time.sleep(3.0)
@@ -189,7 +191,7 @@ def case_vllm(reps: int) -> dict[str, Any]:
         for i in range(reps + 1):
             r = {
                 "idle": _with_stream(http, model, ids, idle),
-                "ceiling": ceiling(),
+                "ceiling": _with_stream(http, model, ids, ceiling),
                 "wsync_staged": _with_stream(http, model, ids, wsync("staged", 2 * i)),
                 "wsync_streaming": _with_stream(http, model, ids, wsync("streaming", 2 * i + 1)),
                 "vllm_flow": _with_stream(http, model, ids, functools.partial(vllm_flow, i)),

@@ -142,6 +142,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self.shadow: ShadowUpdate | None = None
         """A staged update's processed weights, once prepared beside the live model (:meth:`_prepare`)."""
         self._preparer: threading.Thread | None = None
+        self._raw: list[torch.Tensor] = []  # receive_raw's buffers, kept between calls
 
     # --------------------------------------------------------------- group
 
@@ -342,23 +343,38 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model, self.model_config)
 
-    def receive_raw(self, sizes: list[int], timeout_s: float) -> float:
+    def receive_raw(self, sizes: list[int], timeout_s: float, background: bool = False) -> float:
         """Receive plain broadcasts of ``sizes`` bytes from rank 0 and drop them; the seconds it took.
 
         The transport's ceiling for an update of those buckets into this
-        worker process: no metadata, no staging, no apply.
+        worker process: no metadata, no staging, no apply. Every receive is
+        posted up front into buffers kept between calls.
+
+        Args:
+            background: post the receives and return at once (0.0), waiting
+                for them on a thread while the worker keeps running steps, as
+                a staged update's receive does; the sender times the transfer.
 
         Raises:
             RuntimeError: not a member of a group.
             GroupTimeout, GroupError: a broadcast did not complete within ``timeout_s`` seconds.
         """
-        if self.group is None:
+        group = self.group
+        if group is None:
             raise RuntimeError("this worker is not a member of a weight-sync group")
-        bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        if [b.numel() for b in self._raw] != sizes:  # allocated and touched once, outside the timing
+            self._raw = [torch.zeros(n, dtype=torch.uint8, device=self.device) for n in sizes]
         t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        for w in [self.group.broadcast(b) for b in bufs]:  # every receive posted up front
-            wait_work(w, deadline, sliced=self.group.sliced_waits)
+        works = [group.broadcast(b) for b in self._raw]
+
+        def wait() -> None:
+            for w in works:
+                wait_work(w, t0 + timeout_s, sliced=group.sliced_waits)
+
+        if background:
+            threading.Thread(target=wait, name="wsync-raw-receive", daemon=True).start()
+            return 0.0
+        wait()
         return time.monotonic() - t0
 
     # ------------------------------------------------ vLLM's own update flow

@@ -83,9 +83,9 @@ class WsyncWorkerExtension:
         """Stop the update in flight (cancel its receive, end a streaming reload)."""
         self._wsync().abandon()
 
-    def wsync_receive_raw(self, sizes: list[int], timeout_s: float) -> float:
-        """Receive plain broadcasts of ``sizes`` bytes (the transport's ceiling); the seconds it took."""
-        return self._wsync().receive_raw(sizes, timeout_s)
+    def wsync_receive_raw(self, sizes: list[int], timeout_s: float, background: bool = False) -> float:
+        """Receive plain broadcasts of ``sizes`` bytes (the ceiling); the seconds it took (0.0 in the background)."""
+        return self._wsync().receive_raw(sizes, timeout_s, background)
 
     def wsync_served(self, names: list[str], want_data: bool = False) -> list[dict[str, Any]]:
         """Served tensors in checkpoint coordinates: a digest where this rank holds all of one, else its slice.
