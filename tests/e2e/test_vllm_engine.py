@@ -320,3 +320,30 @@ def test_pause_keep_freezes_a_request_and_abort_ends_one(engine: Vllm, smollm2_t
         assert not t.is_alive() and len(aborted["arrivals"]) < 400
         c.resume()
     assert engine.complete()[0]  # serving again
+
+
+def test_one_fleet_of_a_vllm_and_a_reference_engine(
+    engine: Vllm, originals: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    from wsync_grpc.testing import spawn_engine
+
+    ref = spawn_engine([], port_file=tmp_path / "ref.port", log=tmp_path / "ref.log")
+    try:
+        new = perturbed(originals, seed=11)
+        with TrainerClient([engine.target, ref.target], group_timeout_s=60) as c:
+            inits = c.init()
+            assert list(inits[engine.target].group.ranks) != list(inits[ref.target].group.ranks)
+            result = c.sync(new.items(), "fleet-1", flush_cache=True)
+            assert set(result.engines) == {engine.target, ref.target}
+            sums = c.checksums()
+            assert_serves(c, engine.target, new, "fleet-1")  # bfloat16 on vLLM
+            want = {
+                n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().data).hexdigest()
+                for n, t in new.items()
+            }
+            got = {x.name: x.sha256 for x in sums[ref.target].checksums}
+            assert got == {n: want[n] for n in got} and len(got) == len(new)  # float32 on the reference engine
+            c.sync(originals.items(), "fleet-0", flush_cache=True)
+            assert_serves(c, engine.target, originals, "fleet-0")
+    finally:
+        ref.stop()

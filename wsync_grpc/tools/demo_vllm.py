@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,6 +71,42 @@ def _check_checksums(client: TrainerClient, named: list[tuple[str, torch.Tensor]
     return failures
 
 
+def _train_and_sync(
+    args: argparse.Namespace,
+    trainer: tuple[Any, ...],
+    targets: list[str],
+    https: list[str],
+    model: str,
+    failures: list[str],
+) -> list[str]:
+    """Train ``args.steps`` steps, syncing and checking every engine after each; the engines' last answers."""
+    policy, optimizer, input_ids, labels = trainer
+    answers: list[str] = []
+    with TrainerClient(targets, rpc_timeout_s=120, group_timeout_s=120) as client:
+        for step in range(1, args.steps + 1):
+            t0 = time.monotonic()
+            loss = policy(input_ids=input_ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            version = f"step-{step}"
+            print(f"\nstep {step}: loss {loss.item():.3f} ({time.monotonic() - t0:.1f} s); syncing ...", flush=True)
+            named = [(n, p.detach()) for n, p in policy.named_parameters()]
+            result = client.sync(named, version, flush_cache=True)
+            for e in result.engines.values():
+                print(
+                    f"  {e.target}: {version}, {e.bucket_count} buckets, {e.bytes_received / 1e6:.1f} MB, "
+                    f"receive {e.receive_seconds:.2f} s, apply {e.apply_seconds:.2f} s",
+                    flush=True,
+                )
+            failures += _check_checksums(client, named, version)
+            answers = [chat(h, model, args.max_new_tokens) for h in https]
+            print(f"  engines' answer: {answers[0]!r}", flush=True)
+            if len(set(answers)) != 1:
+                failures.append(f"{version}: the engines answer differently: {answers}")
+    return answers
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; the exit status (0: every check held)."""
     from wsync_grpc.engines.models import ensure_smollm2_dir, load_causal_lm
@@ -79,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     policy, tokenizer, _ = load_causal_lm(str(model_dir), torch.float32)
     policy.requires_grad_(True).train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    input_ids, labels = training_batch(tokenizer)
+    trainer = (policy, optimizer, *training_batch(tokenizer))
     failures: list[str] = []
     procs: list[EngineProcess] = []
     with tempfile.TemporaryDirectory(prefix="wsync-demo-vllm-") as tmp:
@@ -103,32 +140,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"engines up in {time.monotonic() - t_start:.0f} s: {', '.join(targets)}", flush=True)
             first = [chat(h, str(model_dir), args.max_new_tokens) for h in https]
             print(f"\nprompt: {PROMPT!r}\nstep 0 (initial weights): {first[0]!r}", flush=True)
-            answers = first
-            with TrainerClient(targets, rpc_timeout_s=120, group_timeout_s=120) as client:
-                for step in range(1, args.steps + 1):
-                    t0 = time.monotonic()
-                    loss = policy(input_ids=input_ids, labels=labels).loss
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    version = f"step-{step}"
-                    print(
-                        f"\nstep {step}: loss {loss.item():.3f} ({time.monotonic() - t0:.1f} s); syncing ...",
-                        flush=True,
-                    )
-                    named = [(n, p.detach()) for n, p in policy.named_parameters()]
-                    result = client.sync(named, version, flush_cache=True)
-                    for e in result.engines.values():
-                        print(
-                            f"  {e.target}: {version}, {e.bucket_count} buckets, {e.bytes_received / 1e6:.1f} MB, "
-                            f"receive {e.receive_seconds:.2f} s, apply {e.apply_seconds:.2f} s",
-                            flush=True,
-                        )
-                    failures += _check_checksums(client, named, version)
-                    answers = [chat(h, str(model_dir), args.max_new_tokens) for h in https]
-                    print(f"  engines' answer: {answers[0]!r}", flush=True)
-                    if len(set(answers)) != 1:
-                        failures.append(f"{version}: the engines answer differently: {answers}")
+            answers = _train_and_sync(args, trainer, targets, https, str(model_dir), failures) or first
             if answers[0] == first[0]:
                 failures.append("the engines' answer did not change over the steps")
         finally:
