@@ -339,7 +339,11 @@ class RemoteWorkers(Protocol):
         ...
 
     def leave_workers(self) -> None:
-        """Every worker abandons any update in flight and leaves the group. Idempotent."""
+        """Every worker abandons any update in flight and leaves the group. Idempotent.
+
+        Abandoning cancels the worker's receive and ends a half-done apply;
+        the servicer calls this whenever an update fails.
+        """
         ...
 
     def arm_workers(
@@ -373,8 +377,4 @@ class RemoteWorkers(Protocol):
         Raises:
             Exception: a worker's apply failed (its weights may be half applied).
         """
-        ...
-
-    def abandon_on_workers(self) -> None:
-        """Every worker cancels its receive of the update in flight and ends a half-done apply. Idempotent."""
         ...

@@ -356,9 +356,7 @@ class UpdateSession:
             for r in self.receivers:
                 # A receive may still be posted into these buffers: never reuse them.
                 r.release(reuse=r.done.is_set() and r.error is None)
-            if self.remote is not None:
-                self._abandon_remote()
-            eng.membership.leave()
+            eng.membership.leave()  # remote workers abandon their receive as they leave
             eng.lifecycle.fire(Event.FAIL)
             eng.update = None
             eng.failed_update = self
@@ -376,14 +374,6 @@ class UpdateSession:
                 log.error("streaming update failed half-way: weights are dirty, the engine stays paused")
             elif self.auto_paused:
                 eng.adapter.resume()
-
-    def _abandon_remote(self) -> None:
-        """Stop the workers' receive (they hold its buffers); a failure here is logged, the update fails anyway."""
-        assert self.remote is not None
-        try:
-            self.remote.workers.abandon_on_workers()
-        except Exception as e:
-            log.warning("abandoning the update on the workers failed: %s", clip(str(e)))
 
     def _mark_dirty(self) -> None:
         """Flag half-updated weights and keep the engine paused until an update succeeds. Lock held."""

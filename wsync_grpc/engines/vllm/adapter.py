@@ -298,7 +298,3 @@ class VllmAdapter:
             raise
         self._version = weight_version
         return int(applied[0])
-
-    def abandon_on_workers(self) -> None:
-        """Every worker cancels its receive and ends a half-done streaming reload."""
-        self._rpc("wsync_abandon")

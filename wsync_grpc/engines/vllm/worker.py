@@ -79,10 +79,6 @@ class WsyncWorkerExtension:
         """Apply the received update between two steps; the number of tensors loaded."""
         return self._wsync().apply(timeout_s)
 
-    def wsync_abandon(self) -> None:
-        """Stop the update in flight (cancel its receive, end a streaming reload)."""
-        self._wsync().abandon()
-
     def wsync_receive_raw(self, sizes: list[int], timeout_s: float, background: bool = False) -> float:
         """Receive plain broadcasts of ``sizes`` bytes (the ceiling); the seconds it took (0.0 in the background)."""
         return self._wsync().receive_raw(sizes, timeout_s, background)
