@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 import tempfile
 import threading
 import time
@@ -39,7 +38,8 @@ from wsync_grpc.core.packing import pack_bucket
 from wsync_grpc.core.planning import DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES, plan_buckets
 from wsync_grpc.engines.models import ensure_smollm2_dir
 from wsync_grpc.engines.vllm.messages import buckets_to_msg
-from wsync_grpc.testing import EngineProcess, free_port, spawn_vllm_engine
+from wsync_grpc.testing import EngineProcess, free_port
+from wsync_grpc.testing_vllm import GenerateStream, spawn_vllm_engine
 from wsync_grpc.trainer import TrainerClient
 
 STREAM_TOKENS = 600
@@ -54,55 +54,24 @@ def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 300.0) 
         return json.loads(r.read() or b"null")
 
 
-class _Stream(threading.Thread):
-    """One request streaming from ``/inference/v1/generate``: the arrival time of each of its chunks."""
-
-    def __init__(self, http: str, model: str, token_ids: list[int]) -> None:
-        super().__init__(daemon=True)
-        self.http, self.model, self.token_ids = http, model, token_ids
-        self.arrivals: list[float] = []
-
-    def run(self) -> None:
-        body = {
-            "model": self.model,
-            "token_ids": self.token_ids,
-            "sampling_params": {"max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True},
-            "stream": True,
-        }
-        req = urllib.request.Request(
-            f"{self.http}/inference/v1/generate",
-            data=json.dumps(body).encode(),
-            headers={"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=600) as r:
-            for raw in r:
-                if raw.startswith(b"data:") and b"[DONE]" not in raw:
-                    self.arrivals.append(time.monotonic())
-
-    def wait_tokens(self, n: int, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.arrivals) < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def during(self, start: float, end: float) -> dict[str, float]:
-        """Tokens/s inside ``[start, end]`` and the longest gap between two tokens that overlaps it (seconds)."""
-        a = self.arrivals
-        inside = [t for t in a if start <= t <= end]
-        gaps = [b - x for x, b in itertools.pairwise(a) if b >= start and x <= end]
-        return {"tokens_per_s": len(inside) / max(end - start, 1e-9), "max_gap_s": max(gaps, default=end - start)}
+def _during(arrivals: list[float], start: float, end: float) -> dict[str, float]:
+    """Tokens/s inside ``[start, end]`` and the longest gap between two tokens that overlaps it (seconds)."""
+    inside = [t for t in arrivals if start <= t <= end]
+    gaps = [b - x for x, b in itertools.pairwise(arrivals) if b >= start and x <= end]
+    return {"tokens_per_s": len(inside) / max(end - start, 1e-9), "max_gap_s": max(gaps, default=end - start)}
 
 
 @contextmanager
 def _engine(model_dir: Path) -> Iterator[tuple[EngineProcess, str]]:
     with tempfile.TemporaryDirectory(prefix="wsync-bench-vllm-") as tmp:
         http_port = free_port()
-        os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's RL routes and /collective_rpc
-        try:
-            proc = spawn_vllm_engine(
-                model_dir, port_file=Path(tmp) / "port", http_port=http_port, log=Path(tmp) / "log"
-            )
-        finally:
-            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
+        proc = spawn_vllm_engine(
+            model_dir,
+            port_file=Path(tmp) / "port",
+            http_port=http_port,
+            env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM's RL routes and /collective_rpc
+            log=Path(tmp) / "log",
+        )
         try:
             yield proc, f"http://127.0.0.1:{http_port}"
         finally:
@@ -111,14 +80,14 @@ def _engine(model_dir: Path) -> Iterator[tuple[EngineProcess, str]]:
 
 def _with_stream(http: str, model: str, ids: list[int], sync: Callable[[], dict[str, float]]) -> dict[str, float]:
     """Run ``sync`` while a request streams; its figures plus the stream's around the sync."""
-    s = _Stream(http, model, ids)
+    s = GenerateStream(http, model, ids, STREAM_TOKENS)
     s.start()
     s.wait_tokens(10)
     start = time.monotonic()
     out = sync()
     end = time.monotonic()
     s.join(600)
-    return {**out, "wall_s": end - start, **s.during(start, end)}
+    return {**out, "wall_s": end - start, **_during(s.arrivals, start, end)}
 
 
 def case_vllm(reps: int) -> dict[str, Any]:

@@ -51,7 +51,6 @@ __all__ = [
     "join_as_trainer",
     "spawn_engine",
     "spawn_process",
-    "spawn_vllm_engine",
     "stop_all",
     "wait_all",
 ]
@@ -285,55 +284,6 @@ def spawn_engine(
     command = cli_command("serve", *args, "--port", "0", "--port-file", str(port_file))
     return spawn_process(
         command, ready_file=port_file, log=log, env=env, cwd=cwd, timeout_s=timeout_s, wait=wait, name=name
-    )
-
-
-VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-"""Environment a vLLM engine needs on a small CPU host: 1 GiB of KV cache (enough for SmolLM2-135M)."""
-
-VLLM_CPU_TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-"""Added for tensor parallel workers on a host with fewer cores than workers (no core pinning, one thread each)."""
-
-VLLM_TEST_ARGS = "--enforce-eager --max-model-len 1024"
-"""vLLM arguments for tests, demo and bench: no torch.compile warm-up (a minute on a cold CPU host)."""
-
-
-def spawn_vllm_engine(
-    model_dir: Path,
-    *,
-    port_file: Path,
-    http_port: int,
-    tensor_parallel_size: int = 1,
-    vllm_args: str = VLLM_TEST_ARGS,
-    log: Path | int | None = None,
-    timeout_s: float = 300.0,
-    wait: bool = True,
-    name: str | None = None,
-) -> EngineProcess:
-    """Start ``wsync serve --engine vllm`` on ``model_dir`` (gRPC on a free port, HTTP on ``http_port``).
-
-    Needs the ``vllm`` extra. The environment is :func:`child_env` plus
-    :data:`VLLM_CPU_ENV` (and :data:`VLLM_CPU_TP_ENV` for more than one
-    worker). Stop it with :meth:`EngineProcess.stop`: vLLM's engine core and
-    worker processes end with it. Errors are :func:`spawn_process`'s.
-    """
-    extra = dict(VLLM_CPU_ENV)
-    if tensor_parallel_size > 1:
-        extra.update(VLLM_CPU_TP_ENV)
-    args = [
-        "--engine",
-        "vllm",
-        "--model",
-        str(model_dir),
-        "--http-port",
-        str(http_port),
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-        "--vllm-args",
-        vllm_args,
-    ]
-    return spawn_engine(
-        args, port_file=port_file, log=log, env=child_env(extra), timeout_s=timeout_s, wait=wait, name=name
     )
 
 

@@ -22,7 +22,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -36,7 +35,8 @@ from support import ENV, ROOT
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.testing import EngineProcess, free_port, spawn_vllm_engine
+from wsync_grpc.testing import EngineProcess, free_port
+from wsync_grpc.testing_vllm import GenerateStream, spawn_vllm_engine
 from wsync_grpc.trainer import TrainerClient
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
@@ -144,54 +144,25 @@ def test_individual_layout(engine: Vllm, originals: dict[str, torch.Tensor]) -> 
         assert_serves(c, engine.target, originals, "individual-0")
 
 
-def _stream(engine: Vllm, token_ids: list[int], max_tokens: int, out: dict[str, Any]) -> None:
-    """Stream ``/inference/v1/generate``; record each chunk's arrival time and the final weight version spans."""
-    body = {
-        "model": engine.model,
-        "token_ids": token_ids,
-        "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    req = urllib.request.Request(
-        f"{engine.http}/inference/v1/generate",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    arrivals: list[float] = out.setdefault("arrivals", [])
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            for choice in chunk.get("choices", []):
-                arrivals.append(time.monotonic())
-                if choice.get("weight_versions"):
-                    out["versions"] = choice["weight_versions"]
-
-
 def test_generation_keeps_flowing_during_a_staged_sync(
     engine: Vllm, originals: dict[str, torch.Tensor], smollm2_tokenizer: Any
 ) -> None:
     ids = list(smollm2_tokenizer(PROMPT)["input_ids"])
-    out: dict[str, Any] = {}
     new = perturbed(originals, seed=3)
     with TrainerClient([engine.target], group_timeout_s=60) as c:
         c.sync(originals.items(), "flow-0")
-        t = threading.Thread(target=_stream, args=(engine, ids, 400, out))
-        t.start()
-        deadline = time.monotonic() + 120
-        while len(out.get("arrivals", [])) < 20 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        stream = GenerateStream(engine.http, engine.model, ids, 400)
+        stream.start()
+        stream.wait_tokens(20)
         start = time.monotonic()
         result = c.sync(new.items(), "flow-1")
         end = time.monotonic()
-        t.join(300)
+        stream.join(300)
         c.sync(originals.items(), "flow-0")
-    during = [a for a in out["arrivals"] if start <= a <= end]
+    during = [a for a in stream.arrivals if start <= a <= end]
     assert len(during) >= 5, f"only {len(during)} tokens arrived during a {end - start:.2f} s sync"
-    versions = [span["version"] for span in out["versions"]]
-    assert versions[0] == "flow-0" and versions[-1] == "flow-1", out["versions"]
+    versions = [span["version"] for span in stream.versions]
+    assert versions[0] == "flow-0" and versions[-1] == "flow-1", stream.versions
     assert result.engines[engine.target].apply_seconds < end - start
 
 
@@ -294,30 +265,26 @@ def test_trainer_killed_mid_broadcast_leaves_the_old_weights(
 def test_pause_keep_freezes_a_request_and_abort_ends_one(engine: Vllm, smollm2_tokenizer: Any) -> None:
     ids = list(smollm2_tokenizer(PROMPT)["input_ids"])
     with TrainerClient([engine.target], group_timeout_s=60) as c:
-        kept: dict[str, Any] = {}
-        t = threading.Thread(target=_stream, args=(engine, ids, 200, kept))
-        t.start()
-        while len(kept.get("arrivals", [])) < 10:
-            time.sleep(0.02)
+        kept = GenerateStream(engine.http, engine.model, ids, 200)
+        kept.start()
+        kept.wait_tokens(10)
         (paused,) = c.pause("keep").values()
         assert paused.frozen_requests == 1
-        frozen_at = len(kept["arrivals"])
+        frozen_at = len(kept.arrivals)
         time.sleep(1.0)
-        assert len(kept["arrivals"]) <= frozen_at + 1  # at most the step that was running
+        assert len(kept.arrivals) <= frozen_at + 1  # at most the step that was running
         assert engine.status().paused
         c.resume()
-        t.join(120)
-        assert not t.is_alive() and kept["versions"], "the frozen request did not finish after resume"
+        kept.join(120)
+        assert not kept.is_alive() and kept.versions, "the frozen request did not finish after resume"
 
-        aborted: dict[str, Any] = {}
-        t = threading.Thread(target=_stream, args=(engine, ids, 400, aborted))
-        t.start()
-        while len(aborted.get("arrivals", [])) < 5:
-            time.sleep(0.02)
+        aborted = GenerateStream(engine.http, engine.model, ids, 400)
+        aborted.start()
+        aborted.wait_tokens(5)
         (paused,) = c.pause("abort").values()
         assert paused.aborted_requests == 1
-        t.join(60)
-        assert not t.is_alive() and len(aborted["arrivals"]) < 400
+        aborted.join(60)
+        assert not aborted.is_alive() and len(aborted.arrivals) < 400
         c.resume()
     assert engine.complete()[0]  # serving again
 

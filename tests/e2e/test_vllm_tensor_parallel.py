@@ -16,7 +16,8 @@ import torch
 from test_vllm_engine import Vllm, assert_serves, perturbed
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.testing import free_port, spawn_vllm_engine
+from wsync_grpc.testing import free_port
+from wsync_grpc.testing_vllm import spawn_vllm_engine
 from wsync_grpc.trainer import TrainerClient
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
