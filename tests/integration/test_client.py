@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -311,18 +312,44 @@ def test_fan_out_helpers(cli_pair: list[EngineProcess]) -> None:
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).engine.workers == 1
 
 
+STALE_OWNER = r"""
+import sys, time
+from wsync_grpc.trainer import TrainerClient
+
+c = TrainerClient(sys.argv[1:])
+c.init()
+print("port", c.port, flush=True)
+time.sleep(300)
+"""
+
+
 def test_stale_membership_is_replaced_on_init(cli_pair: list[EngineProcess]) -> None:
-    """A trainer that went away without leaving: the next trainer's init still forms a new group."""
+    """A trainer that died without leaving: the next trainer's init forms a new group at once.
+
+    While it lives it owns the engines (the next trainer gets NOT_OWNER); its death ends its
+    KeepAlive calls, which releases them.
+    """
     targets = [e.target for e in cli_pair]
-    first = TrainerClient(targets)
-    first.init()
-    old_port = first.port
-    # No close(): the engines stay READY in a group whose trainer is gone.
-    with TrainerClient(targets) as second:
-        second.sync(synthetic.build("tiny", dtype=torch.bfloat16, seed=9).items(), "fresh")
-        assert second.port != old_port
-        assert {st.group.master_port for st in second.status().values()} == {second.port}
-    first.close()
+    first = subprocess.Popen([sys.executable, "-c", STALE_OWNER, *targets], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert first.stdout is not None
+        old_port = int(first.stdout.readline().split()[1])
+        with TrainerClient(targets) as second:
+            with pytest.raises(SyncError) as e:
+                second.sync(synthetic.build("tiny", dtype=torch.bfloat16, seed=9).items(), "fresh")
+            assert {f.reason for f in e.value.failures.values()} == {"NOT_OWNER"}
+            first.kill()
+            first.wait(10)
+            deadline = time.monotonic() + 5
+            while any(st.HasField("owner") for st in second.status().values()):  # released at once
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            # No Leave from the first: the engines stay READY in a group whose trainer is gone.
+            second.sync(synthetic.build("tiny", dtype=torch.bfloat16, seed=9).items(), "fresh")
+            assert second.port != old_port
+            assert {st.group.master_port for st in second.status().values()} == {second.port}
+    finally:
+        first.kill()
 
 
 def test_one_engine_rejects_metadata(tmp_path: Path) -> None:

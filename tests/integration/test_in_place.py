@@ -52,8 +52,14 @@ def test_lone_tensors_are_received_in_place_or_swapped(apply: ApplyMode, solo_by
         assert st.weight_version == "v2" and not st.paused and not st.dirty
 
 
+OWNER = "in-place-test"
+"""The owner name of this module's trainer, which its raw Prepare calls share (one owner per engine)."""
+
+
 def _header(bucket_count: int, total: int) -> pb.PrepareRequest:
-    return pb.PrepareRequest(header=pb.PrepareHeader(weight_version="v1", bucket_count=bucket_count, total_bytes=total))
+    return pb.PrepareRequest(
+        header=pb.PrepareHeader(weight_version="v1", bucket_count=bucket_count, total_bytes=total, owner=OWNER)
+    )
 
 
 def _spec(engine_tensors: dict[str, torch.Tensor], name: str, index: int) -> pb.BucketSpec:
@@ -70,7 +76,7 @@ def test_bucket_batches_are_validated_like_single_buckets() -> None:
         names = list(engine.tensors)[:3]
         specs = [_spec(engine.tensors, n, i) for i, n in enumerate(names)]
         total = sum(s.size_bytes for s in specs)
-        with TrainerClient([srv.address]) as client:
+        with TrainerClient([srv.address], owner=OWNER) as client:
             client.init()
             bad = [
                 ([_header(3, total), pb.PrepareRequest(buckets=pb.BucketBatch())], "EMPTY_MESSAGE"),
@@ -101,7 +107,7 @@ def test_bucket_batches_are_validated_like_single_buckets() -> None:
             ]
             reply = stub.Prepare(iter(ok), timeout=30)
             assert reply.bucket_count == 3 and reply.total_bytes == total
-            stub.Cancel(pb.CancelRequest(update_id=reply.update_id), timeout=30)
+            stub.Cancel(pb.CancelRequest(update_id=reply.update_id, owner=OWNER), timeout=30)
 
 
 @pytest.mark.parametrize(("apply", "dirty"), [(pb.APPLY_MODE_STREAMING, True), (pb.APPLY_MODE_STAGED, False)])

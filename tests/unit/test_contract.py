@@ -27,6 +27,7 @@ PROMISED = {
     "Leave": (False, False),
     "GetWeightChecksums": (False, False),
     "Watch": (False, True),
+    "KeepAlive": (False, True),
 }
 
 

@@ -47,6 +47,7 @@ class Rpc(enum.Enum):
     LEAVE = "Leave"
     GET_WEIGHT_CHECKSUMS = "GetWeightChecksums"
     WATCH = "Watch"
+    KEEP_ALIVE = "KeepAlive"
 
 
 class Event(enum.Enum):
@@ -83,6 +84,7 @@ ALLOWED: dict[Rpc, frozenset[State]] = {
     Rpc.LEAVE: frozenset({S.UNINITIALIZED, S.READY, S.FAILED}),
     Rpc.GET_WEIGHT_CHECKSUMS: ALL_STATES,
     Rpc.WATCH: frozenset({S.RECEIVING, S.RECEIVED, S.APPLYING}),  # after Prepare replied, until the update ends
+    Rpc.KEEP_ALIVE: ALL_STATES,
 }
 """RPC -> the states it is allowed in."""
 

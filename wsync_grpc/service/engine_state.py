@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from wsync_grpc.core.adapter import EngineAdapter, PauseMode, PauseOutcome, RemoteWorkers
 from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
 from wsync_grpc.core.lifecycle import Lifecycle
+from wsync_grpc.core.ownership import Ownership
 from wsync_grpc.service.membership import Membership
 from wsync_grpc.service.status import EngineFacts, ErrorRecord, StatusSnapshot
 from wsync_grpc.worker.buffers import BufferPool
@@ -48,6 +49,7 @@ class EngineState:
         last_error: the last error reported (a failed update or Init).
         update: the update in flight, from the moment its receivers start to its apply or failure.
         failed_update: the last update that failed, until the next Init (Complete reports its error).
+        ownership: the engine's owner and its lease (:mod:`wsync_grpc.core.ownership`).
     """
 
     def __init__(self, adapter: EngineAdapter, keep_buffers: bool | None = None) -> None:
@@ -66,6 +68,26 @@ class EngineState:
         self.last_error: ErrorRecord | None = None
         self.update: UpdateSession | None = None
         self.failed_update: UpdateSession | None = None
+        self.ownership = Ownership()
+
+    def check_owner(self, caller: str, what: str) -> None:
+        """Refuse ``caller`` when another owner is alive (renew the lease when it is the owner). Lock held.
+
+        Raises:
+            FailedPrecondition: NOT_OWNER.
+        """
+        self.ownership.check(caller, self.update is not None, what=what)
+
+    def claim(self, caller: str, what: str, ttl_s: float | None = None, force: bool = False) -> bool:
+        """Make ``caller`` the owner unless another owner is alive (see :meth:`Ownership.claim`). Lock held.
+
+        Returns:
+            Whether the owner changed.
+
+        Raises:
+            FailedPrecondition: NOT_OWNER.
+        """
+        return self.ownership.claim(caller, self.update is not None, what=what, ttl_s=ttl_s, force=force)
 
     def record_error(self, err: WsyncError, update_id: str = "") -> None:
         """Remember ``err`` as the last error (GetStatus reports it)."""
@@ -116,6 +138,7 @@ class EngineState:
                 engine=self.facts,
                 running_requests=running,
                 waiting_requests=waiting,
+                owner=self.ownership.view(self.update is not None),
             )
 
     def pause(self, mode: PauseMode, timeout_s: float) -> tuple[bool, PauseOutcome, PauseMode]:

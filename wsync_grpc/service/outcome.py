@@ -27,9 +27,11 @@ class PrepareResult:
 
 @dataclass(frozen=True)
 class CompleteResult:
-    """An applied update (the fields of ``wsync.v1.CompleteResponse``; sizes in bytes, times in seconds).
+    """An applied (or only verified) update (the fields of ``wsync.v1.CompleteResponse``).
 
-    The counts are worker 0's; every worker receives the same buckets.
+    Sizes in bytes, times in seconds. The counts are worker 0's; every worker
+    receives the same buckets. ``verified_only``: the first phase of a
+    two-phase Complete, nothing applied (``weight_version`` is still the served one).
     """
 
     update_id: str
@@ -41,6 +43,26 @@ class CompleteResult:
     apply_seconds: float
     total_seconds: float
     cache_flushed: bool
+    verified_only: bool = False
+
+
+def verified_result(s: UpdateSession, served_version: str, done: float) -> CompleteResult:
+    """The result of update ``s``, verified at ``done`` (monotonic seconds) while ``served_version`` is served."""
+    last = max((r.last_arrival_at or done) for r in s.receivers) if s.receivers else done
+    r0 = s.receivers[0] if s.receivers else None
+    log.info("update %s verified: every bucket arrived; waiting for the applying Complete", clip(s.header.update_id))
+    return CompleteResult(
+        update_id=s.header.update_id,
+        weight_version=served_version,
+        bucket_count=r0.buckets_done if r0 else 0,
+        tensor_count=0,
+        bytes_received=r0.bytes_done if r0 else 0,
+        receive_seconds=max(0.0, last - (s.armed_at or s.started)),
+        apply_seconds=0.0,
+        total_seconds=done - s.started,
+        cache_flushed=False,
+        verified_only=True,
+    )
 
 
 def applied_result(s: UpdateSession, t0: float, done: float, flush_cache: bool) -> CompleteResult:

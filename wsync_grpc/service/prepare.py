@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from wsync.v1 import weight_sync_pb2 as pb
@@ -39,6 +39,8 @@ class PrepareReader:
 
     Args:
         stall_timeout_s: longest silence between two messages, in seconds.
+        on_owner: called with the header's ``owner`` as soon as the header arrives,
+            before it is validated; raises to refuse the caller (NOT_OWNER).
 
     Attributes:
         cancel: set (by Cancel) to abandon the Prepare: the read ends with
@@ -46,8 +48,9 @@ class PrepareReader:
         update_id: the update's id once its header was read; ``None`` before.
     """
 
-    def __init__(self, stall_timeout_s: float) -> None:
+    def __init__(self, stall_timeout_s: float, on_owner: Callable[[str], None] | None = None) -> None:
         self.stall_timeout_s = stall_timeout_s
+        self._on_owner = on_owner
         self.cancel = threading.Event()
         self.update_id: str | None = None
         self.validator: UpdateValidator | None = None
@@ -103,6 +106,8 @@ class PrepareReader:
             raise cancelled_while_preparing()
         kind = msg.WhichOneof("kind")
         if kind == "header":
+            if self._on_owner is not None and v.header is None:
+                self._on_owner(msg.header.owner)
             self.update_id = v.header_message(header_from_proto(msg.header)).update_id
         elif kind in ("bucket", "buckets"):
             if v.header is None:

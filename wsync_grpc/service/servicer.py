@@ -13,6 +13,7 @@ engine is reached only through :class:`~wsync_grpc.core.adapter.EngineAdapter`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 
@@ -24,15 +25,19 @@ from wsync_grpc.core.adapter import EngineAdapter, FusedGroups, PauseMode, Serve
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
 from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State
+from wsync_grpc.core.ownership import DEFAULT_LEASE_TTL_S, describe
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TIMEOUT_S
 from wsync_grpc.core.validation import UpdateValidator, validate_transport
 from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.lease import DEFAULT_KEEPALIVE_INTERVAL_S, keepalive_stream, open_keepalive
 from wsync_grpc.service.prepare import PrepareReader, cancelled_while_preparing
 from wsync_grpc.service.session import UpdateSession
-from wsync_grpc.service.status import status_response
+from wsync_grpc.service.status import owner_info, status_response
 from wsync_grpc.service.watch import DEFAULT_WATCH_INTERVAL_S, hold, watch_stream
 from wsync_grpc.wire.convert import PAUSE_MODES, from_proto, seconds, state_to_proto, transport_from_proto
 from wsync_grpc.wire.status import grpc_errors
+
+log = logging.getLogger(__name__)
 
 
 class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
@@ -96,16 +101,24 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         """Join the weight-sync group (see the contract for semantics)."""
         m = self.engine.membership
         params = m.params_of(request)
+        ttl_s = seconds(request.lease_ttl, DEFAULT_LEASE_TTL_S)
         with self._lock:
+            previous = self.engine.ownership.owner
+            changed = self.engine.claim(request.owner, "Init", ttl_s, request.force)
+            if changed and request.force and previous is not None:
+                self._cancel_in_flight("", f"the engine was taken over from {describe(previous)} (forced)")
             state = self.lifecycle.check(Rpc.INIT)
             if state == State.READY:
                 if params == m.params:
-                    return pb.InitResponse(already_joined=True, group=m.info())
-                raise AlreadyExists(
-                    "GROUP_MISMATCH",
-                    f"already joined group {m.params.group_name if m.params else ''!r} with other "
-                    "parameters; call Leave first",
-                )
+                    return pb.InitResponse(already_joined=True, group=m.info(), owner=self._owner_info())
+                if not changed:
+                    raise AlreadyExists(
+                        "GROUP_MISMATCH",
+                        f"already joined group {m.params.group_name if m.params else ''!r} with other "
+                        "parameters; call Leave first",
+                    )
+                m.leave()  # the previous owner is gone: its group goes with it
+                self.lifecycle.fire(Event.LEAVE)
             self.lifecycle.fire(Event.JOIN)
             self.engine.failed_update = None
         start = time.monotonic()
@@ -120,18 +133,36 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         with self._lock:
             m.joined(params, groups)
             self.lifecycle.fire(Event.JOINED)
-            return pb.InitResponse(group=m.info(), join_seconds=time.monotonic() - start)
+            return pb.InitResponse(group=m.info(), join_seconds=time.monotonic() - start, owner=self._owner_info())
+
+    def _owner_info(self) -> pb.OwnerInfo:
+        """The live owner's ``wsync.v1.OwnerInfo`` (empty when none). Lock held."""
+        view = self.engine.ownership.view(self.engine.update is not None)
+        return owner_info(view) if view is not None else pb.OwnerInfo()
 
     @grpc_errors
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         """Leave the weight-sync group (idempotent)."""
         with self._lock:
+            if request.force:
+                self._force_away(request.owner, "Leave")
+            else:
+                self.engine.check_owner(request.owner, "Leave")
             state = self.lifecycle.check(Rpc.LEAVE)
+            if self.engine.ownership.owner == request.owner:
+                self.engine.ownership.expire()  # the owner left: its lease lives only while it keeps it alive
             if state == State.UNINITIALIZED:
                 return pb.LeaveResponse(was_member=False)
             was_member = self.engine.membership.leave()
             self.lifecycle.fire(Event.LEAVE)
             return pb.LeaveResponse(was_member=was_member)
+
+    def _force_away(self, caller: str, what: str) -> None:
+        """An operator's force: the live owner, if another caller, loses the engine. Lock held."""
+        own = self.engine.ownership
+        if own.owner is not None and own.owner != caller and own.alive(self.engine.update is not None):
+            log.warning("%s with force: %s loses the engine", what, describe(own.owner))
+            own.release()
 
     # ------------------------------------------------------ Prepare/Update/Complete
 
@@ -143,7 +174,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         started = time.monotonic()
         with self._lock:
             self.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
-            reader = self._preparing = PrepareReader(self.prepare_timeout_s)
+            reader = self._preparing = PrepareReader(self.prepare_timeout_s, self._claim_for_prepare)
         try:
             fused = self.adapter.fused_groups() if isinstance(self.adapter, FusedGroups) else ()
             validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused)
@@ -165,10 +196,16 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             result = session.armed()
         return pb.PrepareResponse(**dataclasses.asdict(result))
 
+    def _claim_for_prepare(self, owner: str) -> None:
+        """The Prepare header named ``owner``: it must own the engine, or the engine must have no live owner."""
+        with self._lock:
+            self.engine.claim(owner, "Prepare")
+
     @grpc_errors
     def Update(self, request: pb.UpdateRequest, context: grpc.ServicerContext) -> pb.UpdateResponse:
         """Declare further buckets of an incremental update."""
         with self._lock:
+            self.engine.check_owner(request.owner, "Update")
             self.lifecycle.check(Rpc.UPDATE)
             upd = self.engine.current(request.update_id)
             upd.check_accepts_buckets()
@@ -180,40 +217,52 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     @grpc_errors
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> pb.CompleteResponse:
-        """Wait for the receivers, apply, publish the new weight version."""
+        """Wait for the receivers, then apply and publish the new weight version (or only verify, phase one)."""
         with self._lock:
+            self.engine.check_owner(request.owner, "Complete")
             state = self.lifecycle.check(Rpc.COMPLETE)
             if state == State.FAILED:
                 raise self.engine.failure_of(request.update_id)
             upd = self.engine.current(request.update_id)
             timeout = seconds(request.timeout, self.engine.membership.group_timeout_s)  # refused before anything
-            upd.begin_complete()
-        return pb.CompleteResponse(**dataclasses.asdict(upd.complete(timeout, request.flush_cache)))
+            upd.begin_complete(request.verify_only)
+        result = upd.verify(timeout) if request.verify_only else upd.complete(timeout, request.flush_cache)
+        return pb.CompleteResponse(**dataclasses.asdict(result))
 
     @grpc_errors
     def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
         """Abandon the update in flight (idempotent)."""
         reason = request.reason or "cancelled"
         with self._lock:
+            if not request.force:
+                self.engine.check_owner(request.owner, "Cancel")
             state = self.lifecycle.check(Rpc.CANCEL)
-            reader = self._preparing
-            if state == State.PREPARING and reader is not None:
-                # update_id naming another update (or given before the header told us
-                # this one's) leaves the Prepare alone, as it leaves an armed update alone.
-                if request.update_id and request.update_id != reader.update_id:
-                    return pb.CancelResponse(cancelled=False, state=state_to_proto(state))
-                reader.cancel.set()
-                if self.engine.update is not None:  # the stream was read and the receivers are being armed
-                    self.engine.update.fail(Aborted("UPDATE_CANCELLED", f"the update was cancelled: {reason}"))
-                current = state_to_proto(self.lifecycle.state)
-                return pb.CancelResponse(cancelled=True, update_id=reader.update_id or "", state=current)
-            upd = self.engine.update
-            if upd is None or (request.update_id and request.update_id != upd.header.update_id):
+            response = self._cancel_in_flight(request.update_id, reason, state)
+            if request.force:
+                self._force_away(request.owner, "Cancel")
+            return response
+
+    def _cancel_in_flight(self, update_id: str, reason: str, state: State | None = None) -> pb.CancelResponse:
+        """Abandon the update in flight (``update_id``: only if it names it; ``""``: any). Lock held."""
+        state = self.lifecycle.state if state is None else state
+        reader = self._preparing
+        if state == State.PREPARING and reader is not None:
+            # update_id naming another update (or given before the header told us
+            # this one's) leaves the Prepare alone, as it leaves an armed update alone.
+            if update_id and update_id != reader.update_id:
                 return pb.CancelResponse(cancelled=False, state=state_to_proto(state))
-            upd.fail(Aborted("UPDATE_CANCELLED", f"the update was cancelled: {reason}"))
-            return pb.CancelResponse(
-                cancelled=True, update_id=upd.header.update_id, state=state_to_proto(self.lifecycle.state)
-            )
+            reader.cancel.set()
+            if self.engine.update is not None:  # the stream was read and the receivers are being armed
+                self.engine.update.fail(Aborted("UPDATE_CANCELLED", f"the update was cancelled: {reason}"))
+            current = state_to_proto(self.lifecycle.state)
+            return pb.CancelResponse(cancelled=True, update_id=reader.update_id or "", state=current)
+        upd = self.engine.update
+        if upd is None or (update_id and update_id != upd.header.update_id):
+            return pb.CancelResponse(cancelled=False, state=state_to_proto(state))
+        upd.fail(Aborted("UPDATE_CANCELLED", f"the update was cancelled: {reason}"))
+        return pb.CancelResponse(
+            cancelled=True, update_id=upd.header.update_id, state=state_to_proto(self.lifecycle.state)
+        )
 
     # ------------------------------------------------------------- Pause/Resume
 
@@ -252,8 +301,16 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             self.lifecycle.check(Rpc.WATCH)
             session = self.engine.current(request.update_id)
             if request.hold:
+                self.engine.check_owner(request.owner, "Watch with hold")
                 hold(session, context)
         return watch_stream(self.engine, session, interval_s, context)
+
+    @grpc_errors
+    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> Iterator[pb.KeepAliveResponse]:
+        """Hold the owner's lease while the call is open; its end releases it."""
+        interval_s = seconds(request.interval, DEFAULT_KEEPALIVE_INTERVAL_S)
+        generation = open_keepalive(self.engine, request.owner, context)
+        return keepalive_stream(self.engine, request.owner, generation, interval_s, context)
 
     @grpc_errors
     def GetWeightChecksums(

@@ -44,7 +44,7 @@ from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
 from wsync_grpc.core.validation import BucketSpecFields, UpdateHeader, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
-from wsync_grpc.service.outcome import CompleteResult, PrepareResult, applied_result
+from wsync_grpc.service.outcome import CompleteResult, PrepareResult, applied_result, verified_result
 from wsync_grpc.service.remote import ReceiverView, RemoteReceivers
 from wsync_grpc.service.status import Progress
 from wsync_grpc.worker.feed import BucketFeed
@@ -76,7 +76,9 @@ class UpdateSession:
         tensors: tensors declared so far.
         bytes: bytes declared so far (``size_bytes`` of every bucket), in bytes.
         armed_at: when the receivers were armed, on the monotonic clock (seconds).
-        completing: Complete was called.
+        completing: the applying Complete was called (a held ``Watch`` no longer fails the update).
+        verifying: a verifying Complete (``verify_only``) was called; no bucket may be declared any more.
+        verified: every bucket arrived and was verified; the applying Complete only applies.
         auto_paused: the session paused the engine for a streaming update and resumes it afterwards.
         error: why the update failed; ``None`` while it has not.
     """
@@ -108,6 +110,8 @@ class UpdateSession:
         self.bytes = sum(b.size_bytes for b in buckets)
         self.armed_at: float | None = None
         self.completing = False
+        self.verifying = False
+        self.verified = False
         self.auto_paused = False
         self.error: WsyncError | None = None
         self.ended = threading.Event()
@@ -211,7 +215,7 @@ class UpdateSession:
         """
         if not self.header.incremental:
             raise FailedPrecondition("NOT_INCREMENTAL", "the update in flight was not prepared with incremental = true")
-        if self.completing:
+        if self.completing or self.verifying:
             raise FailedPrecondition("COMPLETING", "Complete was already called for this update")
 
     def declare(self, specs: Sequence[BucketSpecFields]) -> None:
@@ -232,31 +236,36 @@ class UpdateSession:
 
     # ----------------------------------------------------------------- Complete
 
-    def begin_complete(self) -> None:
-        """Mark the update completing: no bucket may be declared any more. Lock held.
+    def begin_complete(self, verify_only: bool = False) -> None:
+        """Mark the update completing (or verifying): no bucket may be declared any more. Lock held.
 
         Raises:
             Aborted: COMPLETE_IN_PROGRESS, Complete is already running.
+            InvalidArgument: PARTIAL_FUSED_GROUP (incremental update; the update has failed).
         """
-        if self.completing:
+        if self.completing or (verify_only and self.verifying and not self.verified):
             raise Aborted("COMPLETE_IN_PROGRESS", "Complete is already running for this update")
-        if self.header.incremental:
-            try:
-                self.validator.check_fused()
-            except WsyncError as e:
-                self.fail(e)
-                raise
-        self.completing = True
-        if self.remote is not None and not self.feed.closed:
-            self.remote.declare([], closed=True)
-        self.feed.close()
+        if not (self.verifying or self.completing):  # the first Complete: the declarations end here
+            if self.header.incremental:
+                try:
+                    self.validator.check_fused()
+                except WsyncError as e:
+                    self.fail(e)
+                    raise
+            if self.remote is not None and not self.feed.closed:
+                self.remote.declare([], closed=True)
+            self.feed.close()
+        if verify_only:
+            self.verifying = True
+        else:
+            self.completing = True
 
-    def complete(self, timeout_s: float, flush_cache: bool) -> CompleteResult:
-        """Wait for every bucket (at most ``timeout_s`` seconds), apply, publish the weight version. Lock not held.
+    def wait_received(self, timeout_s: float) -> None:
+        """Wait for every bucket on every worker (at most ``timeout_s`` seconds); move to RECEIVED. Lock not held.
 
         Raises:
-            DeadlineExceeded: RECEIVE_TIMEOUT.
-            WsyncError: the receive or the apply failed (the update has failed).
+            DeadlineExceeded: RECEIVE_TIMEOUT (the update has failed).
+            WsyncError: a receiver failed, or the update failed meanwhile.
         """
         deadline = Deadline(timeout_s)
         for r in self.receivers:
@@ -276,6 +285,36 @@ class UpdateSession:
             if self.error is not None:
                 raise self.error
             self.engine.lifecycle.fire_if(Event.ALL_RECEIVED)
+
+    def verify(self, timeout_s: float) -> CompleteResult:
+        """The first phase of a two-phase Complete: wait for every bucket, apply nothing. Lock not held.
+
+        Staged updates are then ready beside the served weights (on engines
+        that prepare them, such as vLLM's, prepared too); the engine keeps
+        serving the old ones until the applying :meth:`complete`.
+
+        Raises:
+            see :meth:`wait_received`.
+        """
+        self.wait_received(timeout_s)
+        with self.engine.lock:
+            if self.error is not None:
+                raise self.error
+            self.verified = True
+            return verified_result(self, self.engine.weight_version, time.monotonic())
+
+    def complete(self, timeout_s: float, flush_cache: bool) -> CompleteResult:
+        """Wait for every bucket (at most ``timeout_s`` seconds), apply, publish the weight version. Lock not held.
+
+        Raises:
+            DeadlineExceeded: RECEIVE_TIMEOUT.
+            WsyncError: the receive or the apply failed (the update has failed).
+        """
+        deadline = Deadline(timeout_s)
+        self.wait_received(deadline.left())
+        with self.engine.lock:
+            if self.error is not None:
+                raise self.error
             self.engine.lifecycle.fire(Event.APPLY)
         return self._apply(flush_cache, deadline.left(minimum=1.0))
 

@@ -18,8 +18,9 @@ from wsync_grpc.core.errors import WsyncError
 from wsync_grpc.core.layout import ApplyMode, Layout
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.core.membership import GroupParams
+from wsync_grpc.core.ownership import OwnerView
 from wsync_grpc.service.membership import group_info
-from wsync_grpc.wire.convert import APPLY_MODES, LAYOUTS, PAUSE_MODES, state_to_proto
+from wsync_grpc.wire.convert import APPLY_MODES, LAYOUTS, PAUSE_MODES, duration, state_to_proto
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class StatusSnapshot:
         engine: the engine's fixed facts.
         running_requests: requests running inference steps.
         waiting_requests: requests waiting for admission.
+        owner: the live owner; ``None`` when there is none.
     """
 
     state: State
@@ -127,6 +129,20 @@ class StatusSnapshot:
     engine: EngineFacts
     running_requests: int
     waiting_requests: int
+    owner: OwnerView | None = None
+
+
+def owner_info(o: OwnerView) -> pb.OwnerInfo:
+    """The ``wsync.v1.OwnerInfo`` of ``o`` (``expires_in`` unset while the lease cannot expire)."""
+    msg = pb.OwnerInfo(
+        owner=o.owner,
+        since_unix_seconds=o.since_unix_s,
+        keepalive_calls=o.keepalive_calls,
+        lease_ttl=duration(o.lease_ttl_s),
+    )
+    if o.expires_in_s is not None:
+        msg.expires_in.CopyFrom(duration(o.expires_in_s))
+    return msg
 
 
 def error_detail(e: ErrorRecord) -> pb.ErrorDetail:
@@ -166,7 +182,7 @@ def engine_info(facts: EngineFacts, running_requests: int = 0, waiting_requests:
 def status_response(s: StatusSnapshot) -> pb.GetStatusResponse:
     """The ``wsync.v1.GetStatusResponse`` of ``s``.
 
-    The optional parts (pause mode, group, update, last error) are set only when ``s`` has them.
+    The optional parts (pause mode, group, update, last error, owner) are set only when ``s`` has them.
     """
     resp = pb.GetStatusResponse(
         state=state_to_proto(s.state),
@@ -184,4 +200,6 @@ def status_response(s: StatusSnapshot) -> pb.GetStatusResponse:
         resp.update.CopyFrom(progress_message(s.update))
     if s.last_error is not None:
         resp.last_error.CopyFrom(error_detail(s.last_error))
+    if s.owner is not None:
+        resp.owner.CopyFrom(owner_info(s.owner))
     return resp

@@ -350,9 +350,13 @@ def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         lambda a: _bind("Resume", pb.ResumeRequest(force=a.force)),
     )
     r.add_argument("--force", action="store_true", help="resume even with dirty (half-updated) weights")
-    c = rpc("cancel", "abandon the update in flight", lambda a: _bind("Cancel", pb.CancelRequest(reason=a.reason)))
+    c = rpc(
+        "cancel",
+        "abandon the update in flight",
+        lambda a: _bind("Cancel", pb.CancelRequest(reason=a.reason, owner=a.owner, force=a.force)),
+    )
     c.add_argument("--reason", default="cancelled by operator")
-    rpc("leave", "leave the weight-sync group", lambda a: _bind("Leave", pb.LeaveRequest()))
+    _add_owner_args(c, rpc("leave", "leave the weight-sync group", lambda a: _bind("Leave", _leave_request(a))))
     k = rpc(
         "checksums",
         "SHA-256 of served tensors",
@@ -363,6 +367,19 @@ def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--json", action="store_true", help="print the whole reply as JSON")
+
+
+def _add_owner_args(*commands: argparse.ArgumentParser) -> None:
+    """``--owner`` and ``--force`` for the calls only the engine's owner may make (Cancel, Leave)."""
+    for cmd in commands:
+        cmd.add_argument("--owner", default="", help="the caller's owner name (default: the anonymous owner)")
+        cmd.add_argument(
+            "--force", action="store_true", help="even when another caller owns the engine (it then loses it)"
+        )
+
+
+def _leave_request(a: argparse.Namespace) -> pb.LeaveRequest:
+    return pb.LeaveRequest(owner=a.owner, force=a.force)
 
 
 def _pause_request(a: argparse.Namespace) -> pb.PauseRequest:

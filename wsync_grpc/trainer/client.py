@@ -8,6 +8,8 @@ Units: sizes in bytes, times in seconds, throughputs in GB/s (10^9 bytes per sec
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -23,6 +25,7 @@ from wsync_grpc.core.planning import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, DE
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup
 from wsync_grpc.trainer.broadcast import PackBuffers
 from wsync_grpc.trainer.fleet import Fleet
+from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
 from wsync_grpc.trainer.options import (
     DEFAULT_GROUP_TIMEOUT_S,
@@ -107,6 +110,10 @@ class TrainerClient:
             CUDA, where torch's caching allocator already reuses freed blocks
             and the training step can use them between syncs. Released by
             :meth:`close`.
+        owner: the client's name as the engines' owner (``InitRequest.owner``);
+            ``None`` (default) = ``"host:pid:random"``, unique per client. Every
+            engine has one owner at a time: a client whose engine another live
+            client owns gets ``NOT_OWNER`` from ``init``/``sync``.
 
     Raises:
         ValueError: no targets, duplicate targets, a ``workers`` list of the
@@ -148,6 +155,7 @@ class TrainerClient:
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         keep_buffers: bool | None = None,
+        owner: str | None = None,
     ) -> None:
         targets = list(targets)
         self._settings = client_settings(
@@ -165,10 +173,12 @@ class TrainerClient:
             ramp_bytes=ramp_bytes,
             solo_bytes=solo_bytes,
         )
-        self._fleet = Fleet(targets, self._settings, token, credentials, channel_options)
+        owner = owner if owner is not None else f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._fleet = Fleet(targets, self._settings, token, credentials, channel_options, owner)
         self._op_lock = threading.Lock()
         self._cancel_event = threading.Event()
-        self._membership = Membership(self._fleet, self._settings, self._cancel_event)
+        self._leases = Leases(self._fleet.engines, owner, self._fleet.metadata)
+        self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases)
         self._buffers = PackBuffers(keep_buffers, self._settings.device)
         self._sync = SyncRunner(self._fleet, self._membership, self._settings, self._cancel_event, self._buffers)
 
@@ -176,6 +186,11 @@ class TrainerClient:
     def targets(self) -> list[str]:
         """The engines' addresses, in rank order."""
         return [e.target for e in self._fleet.engines]
+
+    @property
+    def owner(self) -> str:
+        """The client's name as the engines' owner."""
+        return self._fleet.owner
 
     @property
     def stubs(self) -> dict[str, weight_sync_pb2_grpc.WeightSyncServiceStub]:
@@ -308,6 +323,7 @@ class TrainerClient:
         with self._op_lock:
             self._membership.leave_on_close()
             self._buffers.release()
+        self._leases.close()  # the engines release the lease at once
         self._fleet.close()
 
     def __enter__(self) -> TrainerClient:
@@ -321,16 +337,11 @@ class TrainerClient:
     def init(self, *, force: bool = False) -> dict[str, pb.InitResponse]:
         """Form the weight-sync group: every engine's workers plus the trainer as rank 0.
 
-        Steps: ``GetStatus`` on every engine (worker counts, state); engines
-        still holding an old membership are made ready for a new one (an
-        update in flight is cancelled, a READY engine leaves its old group,
-        JOINING or APPLYING ones are waited for, at most the group timeout);
-        rank offsets ``1, 1 + w0, 1 + w0 + w1, ...`` are assigned in target
-        order; ``Init`` is sent to every engine concurrently and, while those
-        calls are in flight, the trainer creates its side of the group
-        (``join_group`` as rank 0, serving the TCP store). If an engine's Init
-        fails before the group forms, ``init`` fails at once instead of waiting
-        for the join timeout.
+        Steps (:meth:`Membership.form <wsync_grpc.trainer.membership.Membership.form>`):
+        ``GetStatus`` everywhere, the client's ``KeepAlive`` lease on every
+        engine, engines freed from an old membership, rank offsets
+        ``1, 1 + w0, ...`` in target order, then ``Init`` everywhere while the
+        trainer joins as rank 0; an engine's Init failing early ends it at once.
 
         Without ``force``, a client that is already initialized and healthy
         returns its current membership without any call.
@@ -360,6 +371,7 @@ class TrainerClient:
         flush_cache: bool = False,
         progress: Callable[[SyncProgress], None] | None = None,
         update_id: str | None = None,
+        on_phase: Callable[[str], None] | None = None,
     ) -> SyncResult:
         """Push ``named_tensors`` to every engine as ``weight_version``.
 
@@ -369,7 +381,11 @@ class TrainerClient:
         posted); broadcast every bucket (flattened: packed into a ``uint8``
         buffer, the next bucket packed while the current one is on the wire;
         individual: each tensor contiguous in its wire dtype); ``Complete``
-        on every engine concurrently.
+        on every engine concurrently: for a staged update in two phases,
+        ``verify_only`` everywhere, then, once every engine verified, the
+        applying one, so that the new version is published on every engine
+        or on none (except an engine failing in its own apply:
+        :attr:`SyncError.published` says which).
 
         On any failure (an engine rejects the metadata, dies, times out, or
         the trainer's broadcast fails): no further byte is broadcast, the
@@ -396,6 +412,9 @@ class TrainerClient:
                 ``flush_cache``).
             progress: called from this thread after every bucket.
             update_id: the update's id; ``None`` = a fresh UUID.
+            on_phase: called from this thread with each phase's name as it ends
+                (``"planned"``, ``"prepared"``, ``"broadcast"``, ``"verified"``,
+                ``"applied"``); its exceptions are logged, not raised.
 
         Returns:
             A :class:`SyncResult` with per-engine results and trainer-side timings.
@@ -421,6 +440,7 @@ class TrainerClient:
                 flush_cache=flush_cache,
                 progress=progress,
                 update_id=update_id or uuid.uuid4().hex,
+                on_phase=on_phase,
             )
             return self._sync.run(named_tensors, request)
         finally:

@@ -60,6 +60,8 @@ class Fleet:
         token: sent as ``authorization: Bearer <token>`` with every call; ``None`` sends none.
         credentials: TLS channel credentials; ``None`` uses plaintext channels.
         channel_options: extra gRPC channel options.
+        owner: the client's owner name, sent with every call that needs the engine's ownership
+            (``InitRequest.owner``...).
     """
 
     def __init__(
@@ -69,8 +71,11 @@ class Fleet:
         token: str | None,
         credentials: grpc.ChannelCredentials | None,
         channel_options: Sequence[tuple[str, Any]],
+        owner: str,
     ) -> None:
         self._settings = settings
+        self.owner = owner
+        """The client's owner name."""
         self.metadata: tuple[tuple[str, str | bytes], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         """The metadata (token) every call carries."""
         options = [
@@ -156,7 +161,7 @@ class Fleet:
     def start_cancel(self, e: RemoteEngine, update_id: str, reason: str) -> grpc.Future[pb.CancelResponse]:
         """Start ``Cancel`` of ``update_id`` (``""`` = whatever is in flight) on ``e``."""
         return e.stub.Cancel.future(
-            pb.CancelRequest(update_id=update_id, reason=reason),
+            pb.CancelRequest(update_id=update_id, reason=reason, owner=self.owner),
             timeout=self._settings.rpc_timeout_s,
             metadata=self.metadata,
         )
@@ -209,5 +214,6 @@ class Fleet:
             EngineCallError: some engine failed.
         """
         return self.fan_out(
-            "Leave", lambda e: e.stub.Leave.future(pb.LeaveRequest(), timeout=timeout, metadata=self.metadata)
+            "Leave",
+            lambda e: e.stub.Leave.future(pb.LeaveRequest(owner=self.owner), timeout=timeout, metadata=self.metadata),
         )

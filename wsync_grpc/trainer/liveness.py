@@ -28,6 +28,7 @@ class Holds:
         engines: the engines the update was prepared on.
         update_id: the update's id.
         metadata: the call metadata (token).
+        owner: the client's owner name (only the engine's owner may hold a Watch).
         cancel: set when an engine's stream ends before :meth:`stop` (the sync's cancel signal).
     """
 
@@ -36,6 +37,7 @@ class Holds:
         engines: Sequence[RemoteEngine],
         update_id: str,
         metadata: tuple[tuple[str, str | bytes], ...],
+        owner: str,
         cancel: threading.Event,
     ) -> None:
         self._cancel = cancel
@@ -43,7 +45,7 @@ class Holds:
         self._lock = threading.Lock()
         self._failures: dict[str, EngineFailure] = {}
         self._calls: list[grpc.Call] = []
-        req = pb.WatchRequest(update_id=update_id, hold=True)  # the engine's default interval
+        req = pb.WatchRequest(update_id=update_id, hold=True, owner=owner)  # the engine's default interval
         for e in engines:
             stream = e.stub.Watch(req, metadata=metadata)
             self._calls.append(stream)

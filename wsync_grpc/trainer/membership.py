@@ -10,8 +10,9 @@ that fails before the group forms ends the formation at once instead of
 after the join timeout.
 
 The group goes stale (the next sync re-initializes it) when it is left or
-dropped, when a formation fails, and when Cancel abandoned an update on
-some engine (engines that abandon an update leave the group).
+dropped, when a formation fails, when Cancel abandoned an update on some
+engine (engines that abandon an update leave the group), and when an engine's
+lease was lost (an operator forced it away).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.group.process_group import WeightSyncGroup, free_port, join_group
 from wsync_grpc.trainer.fleet import Fleet, RemoteEngine
+from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.results import (
     TRAINER,
     ClientError,
@@ -48,14 +50,16 @@ class Membership:
         fleet: the engines.
         settings: the client's settings (read at every formation).
         cancel_event: the client's cancel signal, cleared when a formation starts.
+        leases: the client's KeepAlive calls, (re)started by every formation.
 
     Attributes:
         group: the trainer's membership, ``None`` before a formation and after a drop.
         closed: set when the client closed; no group is formed after it.
     """
 
-    def __init__(self, fleet: Fleet, settings: ClientSettings, cancel_event: threading.Event) -> None:
+    def __init__(self, fleet: Fleet, settings: ClientSettings, cancel_event: threading.Event, leases: Leases) -> None:
         self._fleet = fleet
+        self._leases = leases
         self._settings = settings
         self._cancel_event = cancel_event
         self.group: WeightSyncGroup | None = None
@@ -67,8 +71,8 @@ class Membership:
 
     @property
     def needs_init(self) -> bool:
-        """Whether the next sync (re-)initializes the group first."""
-        return self._needs_init or self.group is None
+        """Whether the next sync (re-)initializes the group first (also when an engine's lease was lost)."""
+        return self._needs_init or self.group is None or bool(self._leases.lost)
 
     @property
     def port(self) -> int | None:
@@ -103,6 +107,7 @@ class Membership:
         statuses, failures = self._fleet.gather("GetStatus", self._fleet.start_get_status)
         if failures:
             raise InitError(f"cannot initialize: {failure_lines(failures)}", rpc="Init", failures=failures, results={})
+        self._leases.start()
         world_size = self._assign_ranks(statuses)
         self._free_all(statuses)
         port = self._settings.master_port or free_port()
@@ -176,7 +181,7 @@ class Membership:
                     return
                 if state == pb.LIFECYCLE_STATE_READY:
                     rpc = "Leave"
-                    e.stub.Leave(pb.LeaveRequest(), **kw)
+                    e.stub.Leave(pb.LeaveRequest(owner=self._fleet.owner), **kw)
                     log.info("%s left its previous weight-sync group", e.target)
                 elif state in (
                     pb.LIFECYCLE_STATE_PREPARING,
@@ -184,7 +189,9 @@ class Membership:
                     pb.LIFECYCLE_STATE_RECEIVED,
                 ):
                     rpc = "Cancel"
-                    e.stub.Cancel(pb.CancelRequest(reason="the trainer re-initializes the group"), **kw)
+                    e.stub.Cancel(
+                        pb.CancelRequest(reason="the trainer re-initializes the group", owner=self._fleet.owner), **kw
+                    )
                     log.info("%s: cancelled the update in flight", e.target)
                 elif time.monotonic() > deadline:
                     raise TimeoutError(
@@ -260,6 +267,7 @@ class Membership:
                 group_name=s.group_name,
                 backend=backend_to_proto(s.backend),
                 timeout=duration(s.group_timeout_s),
+                owner=self._fleet.owner,
             )
             try:
                 call = e.stub.Init.future(req, timeout=rpc_deadline, metadata=self._fleet.metadata)

@@ -110,7 +110,9 @@ class SyncError(EngineCallError):
     (the next ``sync`` re-inits automatically).
 
     Attributes:
-        stage: where it failed: ``"init"``, ``"prepare"``, ``"broadcast"`` or ``"complete"``.
+        stage: where it failed: ``"init"``, ``"prepare"``, ``"broadcast"``, ``"verify"`` (a staged
+            update's first commit phase), ``"apply"`` (its second, once every engine verified) or
+            ``"complete"`` (a streaming update's Complete).
         update_id: the update's id.
         weight_version: the version that was being installed.
         failures: target (or :data:`TRAINER`) -> :class:`EngineFailure`.
@@ -139,6 +141,16 @@ class SyncError(EngineCallError):
         self.cancelled = dict(cancelled)
         self.broadcast_started = broadcast_started
         self.results: dict[str, EngineSyncResult] = dict(results)
+
+    @property
+    def published(self) -> str:
+        """Which engines serve ``weight_version`` now: ``"none"``, or ``"partial"`` (those in :attr:`results`).
+
+        A staged update is published everywhere or nowhere, except when an
+        engine fails during its own apply (stage ``"apply"``): the others,
+        which had all verified it, then serve it.
+        """
+        return "partial" if self.results else "none"
 
 
 def _gb_per_s(nbytes: int, seconds: float) -> float:
@@ -200,7 +212,10 @@ class SyncResult:
         prepare_seconds: first Prepare sent to the last engine's reply, in seconds.
         broadcast_seconds: first broadcast posted to the last one finished, in seconds.
         pack_seconds: time spent packing (overlapped with the broadcast), in seconds.
-        complete_seconds: Complete sent to the last engine's reply, in seconds.
+        complete_seconds: the first Complete sent to the last engine's reply to the applying one, in seconds
+            (both phases of a staged update).
+        verify_seconds: the verifying phase of a staged update (every engine's ``Complete(verify_only)``),
+            in seconds; 0 for a streaming one.
         total_seconds: first Prepare sent to the last Complete reply, in seconds.
         engines: target -> :class:`EngineSyncResult`, in target order.
     """
@@ -219,6 +234,7 @@ class SyncResult:
     broadcast_seconds: float
     pack_seconds: float
     complete_seconds: float
+    verify_seconds: float
     total_seconds: float
     engines: dict[str, EngineSyncResult]
 

@@ -7,6 +7,16 @@ every engine at once, every engine replying once its receivers are armed;
 the broadcast of every bucket (:mod:`wsync_grpc.trainer.broadcast`);
 Complete everywhere; per-engine results and trainer-side timings.
 
+A staged update is committed in two phases, so that the fleet publishes the
+new version on every engine or on none (``docs/architecture.md``, "Fleet
+commit"): first ``Complete(verify_only)`` everywhere (every bucket arrived
+and the new weights are ready beside the served ones; nothing is published),
+then, only when every engine verified, the applying ``Complete`` everywhere.
+A failure before the decision cancels the update on every engine (all keep
+serving the old version); once every engine verified, the engines that can
+apply do, and the error names those that could not (the one window: an engine
+that dies or fails during its own apply).
+
 The failure protocol (:meth:`SyncRunner._abandon`): when any engine fails
 (or the trainer's broadcast does), no further byte is broadcast, the update
 is cancelled on every engine that did not complete it, the trainer leaves
@@ -67,6 +77,7 @@ class UpdateRequest:
         flush_cache: whether the engines flush their prefix/KV cache.
         progress: called after every bucket, or ``None``.
         update_id: the update's id.
+        on_phase: called with each phase's name as it ends (:data:`PHASES`), or ``None``.
     """
 
     weight_version: str
@@ -77,6 +88,11 @@ class UpdateRequest:
     flush_cache: bool
     progress: Callable[[SyncProgress], None] | None
     update_id: str
+    on_phase: Callable[[str], None] | None = None
+
+
+PHASES = ("planned", "prepared", "broadcast", "verified", "applied")
+"""The phases ``TrainerClient.sync`` reports to ``on_phase`` as each ends (``"verified"``: staged only)."""
 
 
 def check_request(weight_version: str, layout: str, apply_mode: str) -> None:
@@ -139,20 +155,30 @@ class SyncRunner:
         by_name = dict(pairs)
         wire_bytes = total_wire_bytes(buckets, layout_enum)
         plan_s = time.monotonic() - t_plan
+        _report(request, "planned")
         init_s, group = self._ensure_group(request)
         prepared, t0, prepare_s = self._prepare(request, buckets, messages, wire_bytes)
+        _report(request, "prepared")
         # Held from Prepare's reply to Complete's: a dead engine or trainer is noticed at once.
-        self._holds = Holds(self._fleet.engines, request.update_id, self._fleet.metadata, self._cancel_event)
+        self._holds = Holds(
+            self._fleet.engines, request.update_id, self._fleet.metadata, self._fleet.owner, self._cancel_event
+        )
         try:
             t_bcast = time.monotonic()
             pack_s = self._broadcast(request, group, buckets, by_name, wire_bytes)
             broadcast_s = time.monotonic() - t_bcast
+            _report(request, "broadcast")
             t_complete = time.monotonic()
+            verify_s = 0.0
+            if request.apply_mode == "staged":
+                self._verify(request)
+                verify_s = time.monotonic() - t_complete
+                _report(request, "verified")
             results, done = self._complete(request, prepared)
         finally:
             holds, self._holds = self._holds, None
             holds.close()
-        return SyncResult(
+        result = SyncResult(
             update_id=request.update_id,
             weight_version=request.weight_version,
             layout=request.layout,
@@ -167,9 +193,12 @@ class SyncRunner:
             broadcast_seconds=broadcast_s,
             pack_seconds=pack_s,
             complete_seconds=done - t_complete,
+            verify_seconds=verify_s,
             total_seconds=done - t0,
             engines={e.target: results[e.target] for e in self._fleet.engines},
         )
+        _report(request, "applied")
+        return result
 
     def _ensure_group(self, request: UpdateRequest) -> tuple[float, WeightSyncGroup]:
         """(Re-)initialize the group if it is stale; returns the time it took, in seconds, and the group.
@@ -205,6 +234,7 @@ class SyncRunner:
             update_id=request.update_id,
             weight_version=request.weight_version,
             transport=pb.TRANSPORT_BROADCAST,
+            owner=self._fleet.owner,
             layout=LAYOUTS[core_layout.Layout(request.layout)],
             apply_mode=APPLY_MODES[core_layout.ApplyMode(request.apply_mode)],
             bucket_count=len(buckets),
@@ -254,18 +284,43 @@ class SyncRunner:
             self._abandon(request, "broadcast", {}, broadcast_started=True)
             raise
 
+    def _verify(self, request: UpdateRequest) -> None:
+        """The first phase of a staged update's commit: ``Complete(verify_only)`` everywhere.
+
+        Raises:
+            SyncError: some engine failed (stage ``"verify"``); the update was cancelled everywhere.
+        """
+        req = pb.CompleteRequest(
+            update_id=request.update_id,
+            timeout=duration(self._settings.group_timeout_s),
+            owner=self._fleet.owner,
+            verify_only=True,
+        )
+        _, failures = self._fleet.gather(
+            "Complete",
+            lambda e: e.stub.Complete.future(
+                req, timeout=self._settings.timeouts.group_rpc_s, metadata=self._fleet.metadata
+            ),
+        )
+        if not failures and self._cancel_event.is_set():
+            failures[TRAINER] = EngineFailure(TRAINER, "verify", None, "CANCELLED", "cancel() was called")
+        if failures:
+            raise self._abandon(request, "verify", failures, broadcast_started=True)
+
     def _complete(
         self, request: UpdateRequest, prepared: Mapping[str, pb.PrepareResponse]
     ) -> tuple[dict[str, EngineSyncResult], float]:
         """Complete everywhere; returns target -> result and when the last reply came (``time.monotonic()``).
 
         Raises:
-            SyncError: some engine failed (stage ``"complete"``); ``results`` has the engines that completed.
+            SyncError: some engine failed (stage ``"apply"`` for a staged update, whose every engine had
+                verified it; ``"complete"`` for a streaming one); ``results`` has the engines that applied it.
         """
         req = pb.CompleteRequest(
             update_id=request.update_id,
             flush_cache=request.flush_cache,
             timeout=duration(self._settings.group_timeout_s),
+            owner=self._fleet.owner,
         )
         completed, failures = self._fleet.gather(
             "Complete",
@@ -278,7 +333,8 @@ class SyncRunner:
         done = time.monotonic()
         results = {t: _engine_result(t, r, prepared[t]) for t, r in completed.items()}
         if failures:
-            raise self._abandon(request, "complete", failures, results, broadcast_started=True)
+            stage = "apply" if request.apply_mode == "staged" else "complete"
+            raise self._abandon(request, stage, failures, results, broadcast_started=True)
         return results, done
 
     def _abandon(
@@ -336,6 +392,16 @@ class SyncRunner:
             cancelled=cancelled,
             broadcast_started=broadcast_started,
         )
+
+
+def _report(request: UpdateRequest, phase: str) -> None:
+    """Tell ``request.on_phase`` that ``phase`` ended; an exception it raises is logged, not raised."""
+    if request.on_phase is None:
+        return
+    try:
+        request.on_phase(phase)
+    except Exception:
+        log.exception("the on_phase callback failed for phase %r", phase)
 
 
 def _engine_result(target: str, r: pb.CompleteResponse, prepared: pb.PrepareResponse) -> EngineSyncResult:

@@ -18,6 +18,7 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   INVALID_ARGUMENT    bad metadata (unknown tensor, shape, dtype, offsets...)
   FAILED_PRECONDITION the RPC is not allowed in the current lifecycle state
   ABORTED             another update is already in flight
+  FAILED_PRECONDITION also NOT_OWNER: another caller owns the engine
   ALREADY_EXISTS      the group is already joined with other parameters
   DEADLINE_EXCEEDED   a join, receive, drain or apply ran past its timeout
   UNAVAILABLE         the group broke (a peer died or closed its connection)
@@ -308,6 +309,9 @@ class InitRequest(_message.Message):
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
     master_address: _builtins.str
     """master_address is the host of the group's TCP store, served by the
     trainer (rank 0). Required.
@@ -331,10 +335,26 @@ class InitRequest(_message.Message):
     """backend is the collective library. BACKEND_UNSPECIFIED lets the engine
     choose (NCCL on CUDA workers, gloo otherwise).
     """
+    owner: _builtins.str
+    """owner names the caller, which becomes the engine's owner (e.g.
+    "host:pid:random", unique per trainer). Empty is the anonymous owner,
+    shared by every caller that sends no owner.
+    """
+    force: _builtins.bool
+    """force takes the engine over from a live owner (an operator's escape
+    hatch; the previous owner's update in flight is cancelled). Default
+    false: NOT_OWNER while another owner is alive.
+    """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """timeout bounds the join and, afterwards, every collective on the group
         (each bucket's receive). Unset or zero means 120 seconds.
+        """
+
+    @_builtins.property
+    def lease_ttl(self) -> _duration_pb2.Duration:
+        """lease_ttl is how long the ownership outlives the owner's last call while
+        none of its KeepAlive calls is open. Unset or zero means 60 seconds.
         """
 
     def __init__(
@@ -347,10 +367,13 @@ class InitRequest(_message.Message):
         group_name: _builtins.str = ...,
         backend: Global___Backend.ValueType = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        owner: _builtins.str = ...,
+        lease_ttl: _duration_pb2.Duration | None = ...,
+        force: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "group_name", b"group_name", "master_address", b"master_address", "master_port", b"master_port", "rank_offset", b"rank_offset", "timeout", b"timeout", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "force", b"force", "group_name", b"group_name", "lease_ttl", b"lease_ttl", "master_address", b"master_address", "master_port", b"master_port", "owner", b"owner", "rank_offset", b"rank_offset", "timeout", b"timeout", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -365,9 +388,10 @@ class InitResponse(_message.Message):
     ALREADY_JOINED_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
     JOIN_SECONDS_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     already_joined: _builtins.bool
     """already_joined is true when the engine was already a member with
-    identical parameters and nothing was done.
+    identical parameters and nothing was done (but the ownership).
     """
     join_seconds: _builtins.float
     """join_seconds is how long forming the group took, in seconds (0 when
@@ -377,20 +401,77 @@ class InitResponse(_message.Message):
     def group(self) -> Global___GroupInfo:
         """group describes the group as joined."""
 
+    @_builtins.property
+    def owner(self) -> Global___OwnerInfo:
+        """owner is the engine's owner now (the caller)."""
+
     def __init__(
         self,
         *,
         already_joined: _builtins.bool = ...,
         group: Global___GroupInfo | None = ...,
         join_seconds: _builtins.float = ...,
+        owner: Global___OwnerInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "owner", b"owner"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_joined", b"already_joined", "group", b"group", "join_seconds", b"join_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_joined", b"already_joined", "group", b"group", "join_seconds", b"join_seconds", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InitResponse: _TypeAlias = InitResponse  # noqa: Y015
+
+@_typing.final
+class OwnerInfo(_message.Message):
+    """OwnerInfo describes the engine's owner: the caller holding its lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_CALLS_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """owner is the owner's name as it sent it (InitRequest.owner); empty is the
+    anonymous owner.
+    """
+    since_unix_seconds: _builtins.float
+    """since_unix_seconds is when it became the owner, seconds since the Unix
+    epoch.
+    """
+    keepalive_calls: _builtins.int
+    """keepalive_calls is the number of the owner's KeepAlive calls open now; 0
+    means the lease lives on its ttl.
+    """
+    @_builtins.property
+    def lease_ttl(self) -> _duration_pb2.Duration:
+        """lease_ttl is how long the ownership outlives the owner's last call
+        without a KeepAlive call.
+        """
+
+    @_builtins.property
+    def expires_in(self) -> _duration_pb2.Duration:
+        """expires_in is the time left before the lease expires; unset while a
+        KeepAlive call is open or an update of the owner is in flight.
+        """
+
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        since_unix_seconds: _builtins.float = ...,
+        keepalive_calls: _builtins.int = ...,
+        lease_ttl: _duration_pb2.Duration | None = ...,
+        expires_in: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_in", b"expires_in", "lease_ttl", b"lease_ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in", b"expires_in", "keepalive_calls", b"keepalive_calls", "lease_ttl", b"lease_ttl", "owner", b"owner", "since_unix_seconds", b"since_unix_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OwnerInfo: _TypeAlias = OwnerInfo  # noqa: Y015
 
 @_typing.final
 class GroupInfo(_message.Message):
@@ -535,6 +616,7 @@ class PrepareHeader(_message.Message):
     BUCKET_COUNT_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     INCREMENTAL_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id identifies the update in Update, Complete, Cancel and the
     status. Empty means the engine assigns one and returns it.
@@ -567,6 +649,11 @@ class PrepareHeader(_message.Message):
     """incremental, when true, means further buckets will be declared with
     Update before Complete (vLLM's start/update/finish style).
     """
+    owner: _builtins.str
+    """owner names the caller (as InitRequest.owner); it must be the engine's
+    owner, or the engine must have no live owner. Empty is the anonymous
+    owner.
+    """
     def __init__(
         self,
         *,
@@ -578,10 +665,11 @@ class PrepareHeader(_message.Message):
         bucket_count: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
         incremental: _builtins.bool = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "incremental", b"incremental", "layout", b"layout", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -725,11 +813,16 @@ class UpdateRequest(_message.Message):
     UPDATE_ID_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
     BUCKETS_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id must name the update in flight. Required."""
     transport: Global___Transport.ValueType
     """transport is how these buckets' bytes travel. Unspecified means the
     header's transport.
+    """
+    owner: _builtins.str
+    """owner names the caller; it must be the engine's owner. Empty is the
+    anonymous owner.
     """
     @_builtins.property
     def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___BucketSpec]:
@@ -743,10 +836,11 @@ class UpdateRequest(_message.Message):
         update_id: _builtins.str = ...,
         transport: Global___Transport.ValueType = ...,
         buckets: _abc.Iterable[Global___BucketSpec] | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "transport", b"transport", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "owner", b"owner", "transport", b"transport", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -791,11 +885,22 @@ class CompleteRequest(_message.Message):
     UPDATE_ID_FIELD_NUMBER: _builtins.int
     FLUSH_CACHE_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    VERIFY_ONLY_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id must name the update in flight. Required."""
     flush_cache: _builtins.bool
     """flush_cache asks the engine to drop caches computed with the old weights
     (prefix/KV cache), as SGLang's flush_cache. Default false.
+    """
+    owner: _builtins.str
+    """owner names the caller; it must be the engine's owner. Empty is the
+    anonymous owner.
+    """
+    verify_only: _builtins.bool
+    """verify_only waits for every bucket and verifies the update without
+    applying it (the first phase of a fleet-wide commit; see Complete).
+    Default false: apply.
     """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
@@ -809,10 +914,12 @@ class CompleteRequest(_message.Message):
         update_id: _builtins.str = ...,
         flush_cache: _builtins.bool = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        owner: _builtins.str = ...,
+        verify_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["flush_cache", b"flush_cache", "timeout", b"timeout", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["flush_cache", b"flush_cache", "owner", b"owner", "timeout", b"timeout", "update_id", b"update_id", "verify_only", b"verify_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -833,6 +940,7 @@ class CompleteResponse(_message.Message):
     APPLY_SECONDS_FIELD_NUMBER: _builtins.int
     TOTAL_SECONDS_FIELD_NUMBER: _builtins.int
     CACHE_FLUSHED_FIELD_NUMBER: _builtins.int
+    VERIFIED_ONLY_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id is the update that completed."""
     weight_version: _builtins.str
@@ -857,6 +965,11 @@ class CompleteResponse(_message.Message):
     """
     cache_flushed: _builtins.bool
     """cache_flushed is true when the engine's cache was flushed."""
+    verified_only: _builtins.bool
+    """verified_only is true when the request asked for verify_only: the
+    update is verified and waits for the applying Complete; weight_version
+    is then still the old one. false: the update was applied.
+    """
     def __init__(
         self,
         *,
@@ -869,10 +982,11 @@ class CompleteResponse(_message.Message):
         apply_seconds: _builtins.float = ...,
         total_seconds: _builtins.float = ...,
         cache_flushed: _builtins.bool = ...,
+        verified_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_seconds", b"apply_seconds", "bucket_count", b"bucket_count", "bytes_received", b"bytes_received", "cache_flushed", b"cache_flushed", "receive_seconds", b"receive_seconds", "tensor_count", b"tensor_count", "total_seconds", b"total_seconds", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_seconds", b"apply_seconds", "bucket_count", b"bucket_count", "bytes_received", b"bytes_received", "cache_flushed", b"cache_flushed", "receive_seconds", b"receive_seconds", "tensor_count", b"tensor_count", "total_seconds", b"total_seconds", "update_id", b"update_id", "verified_only", b"verified_only", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1028,12 +1142,17 @@ class WatchRequest(_message.Message):
     UPDATE_ID_FIELD_NUMBER: _builtins.int
     HOLD_FIELD_NUMBER: _builtins.int
     INTERVAL_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id is the update in flight to watch (from PrepareResponse); required."""
     hold: _builtins.bool
     """hold makes this call the trainer's proof of life for the update: its end
     before the update ended fails the update (PEER_LOST). false: only watch
     (an operator's `wsync` CLI).
+    """
+    owner: _builtins.str
+    """owner names the caller; with hold it must be the engine's owner. Empty is
+    the anonymous owner. Ignored without hold.
     """
     @_builtins.property
     def interval(self) -> _duration_pb2.Duration:
@@ -1045,10 +1164,11 @@ class WatchRequest(_message.Message):
         update_id: _builtins.str = ...,
         hold: _builtins.bool = ...,
         interval: _duration_pb2.Duration | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["interval", b"interval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold", b"hold", "interval", b"interval", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold", b"hold", "interval", b"interval", "owner", b"owner", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1250,6 +1370,7 @@ class GetStatusResponse(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     ENGINE_FIELD_NUMBER: _builtins.int
     UPDATES_COMPLETED_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     state: Global___LifecycleState.ValueType
     """state is the lifecycle state."""
     paused: _builtins.bool
@@ -1282,6 +1403,12 @@ class GetStatusResponse(_message.Message):
     def engine(self) -> Global___EngineInfo:
         """engine describes the model served."""
 
+    @_builtins.property
+    def owner(self) -> Global___OwnerInfo:
+        """owner is the engine's live owner; unset when it has none (never owned,
+        left, or its lease expired).
+        """
+
     def __init__(
         self,
         *,
@@ -1295,10 +1422,11 @@ class GetStatusResponse(_message.Message):
         last_error: Global___ErrorDetail | None = ...,
         engine: Global___EngineInfo | None = ...,
         updates_completed: _builtins.int = ...,
+        owner: Global___OwnerInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "group", b"group", "last_error", b"last_error", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "group", b"group", "last_error", b"last_error", "owner", b"owner", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dirty", b"dirty", "engine", b"engine", "group", b"group", "last_error", b"last_error", "pause_mode", b"pause_mode", "paused", b"paused", "state", b"state", "update", b"update", "updates_completed", b"updates_completed", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dirty", b"dirty", "engine", b"engine", "group", b"group", "last_error", b"last_error", "owner", b"owner", "pause_mode", b"pause_mode", "paused", b"paused", "state", b"state", "update", b"update", "updates_completed", b"updates_completed", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1312,21 +1440,33 @@ class CancelRequest(_message.Message):
 
     UPDATE_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id names the update to cancel. Empty means whatever update is in
     flight.
     """
     reason: _builtins.str
     """reason is recorded in last_error for operators. Empty means "cancelled"."""
+    owner: _builtins.str
+    """owner names the caller; it must be the engine's owner unless force is
+    set. Empty is the anonymous owner.
+    """
+    force: _builtins.bool
+    """force cancels even when another caller owns the engine (an operator);
+    the owner then loses the engine. Default false: NOT_OWNER.
+    """
     def __init__(
         self,
         *,
         update_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        owner: _builtins.str = ...,
+        force: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "owner", b"owner", "reason", b"reason", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1364,16 +1504,29 @@ Global___CancelResponse: _TypeAlias = CancelResponse  # noqa: Y015
 
 @_typing.final
 class LeaveRequest(_message.Message):
-    """LeaveRequest leaves the weight-sync group. It has no fields."""
+    """LeaveRequest leaves the weight-sync group."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    OWNER_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """owner names the caller; it must be the engine's owner unless force is
+    set or the owner is no longer alive. Empty is the anonymous owner.
+    """
+    force: _builtins.bool
+    """force leaves even when another caller owns the engine (an operator).
+    Default false: NOT_OWNER.
+    """
     def __init__(
         self,
+        *,
+        owner: _builtins.str = ...,
+        force: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1492,3 +1645,65 @@ class GetWeightChecksumsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetWeightChecksumsResponse: _TypeAlias = GetWeightChecksumsResponse  # noqa: Y015
+
+@_typing.final
+class KeepAliveRequest(_message.Message):
+    """KeepAliveRequest holds the owner's lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    INTERVAL_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """owner names the caller (as InitRequest.owner). Empty is the anonymous
+    owner.
+    """
+    @_builtins.property
+    def interval(self) -> _duration_pb2.Duration:
+        """interval is the time between two messages; unset or zero means 1 s."""
+
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        interval: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["interval", b"interval"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval", b"interval", "owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveRequest: _TypeAlias = KeepAliveRequest  # noqa: Y015
+
+@_typing.final
+class KeepAliveResponse(_message.Message):
+    """KeepAliveResponse is one look at the engine while the lease is held."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    state: Global___LifecycleState.ValueType
+    """state is the engine's lifecycle state."""
+    weight_version: _builtins.str
+    """weight_version is the version being served."""
+    @_builtins.property
+    def owner(self) -> Global___OwnerInfo:
+        """owner is the lease, as GetStatus reports it."""
+
+    def __init__(
+        self,
+        *,
+        state: Global___LifecycleState.ValueType = ...,
+        weight_version: _builtins.str = ...,
+        owner: Global___OwnerInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "state", b"state", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveResponse: _TypeAlias = KeepAliveResponse  # noqa: Y015

@@ -26,9 +26,17 @@ if _version_not_supported:
 
 
 class WeightSyncServiceStub:
-    """WeightSyncService is served by the inference engine. One trainer drives it;
-    calls from several trainers are serialized by the lifecycle state machine
-    (a second concurrent update gets ABORTED).
+    """WeightSyncService is served by the inference engine. One trainer drives it:
+    the engine's owner. Init makes its caller the owner (a lease, in the spirit
+    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
+    Cancel, Leave and held Watch calls from any other caller fail with
+    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
+    while one of its KeepAlive calls is open, while an update it prepared is in
+    flight, and for lease_ttl after its last call. Ownership passes when the
+    owner is no longer alive (its process died: its KeepAlive call ended), when
+    it leaves, or when an operator forces it (Init, Cancel or Leave with force
+    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
+    authenticated caller.
     """
 
     def __init__(self, channel):
@@ -92,12 +100,25 @@ class WeightSyncServiceStub:
                 request_serializer=wsync_dot_v1_dot_weight__sync__pb2.GetWeightChecksumsRequest.SerializeToString,
                 response_deserializer=wsync_dot_v1_dot_weight__sync__pb2.GetWeightChecksumsResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_stream(
+                '/wsync.v1.WeightSyncService/KeepAlive',
+                request_serializer=wsync_dot_v1_dot_weight__sync__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=wsync_dot_v1_dot_weight__sync__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServiceServicer:
-    """WeightSyncService is served by the inference engine. One trainer drives it;
-    calls from several trainers are serialized by the lifecycle state machine
-    (a second concurrent update gets ABORTED).
+    """WeightSyncService is served by the inference engine. One trainer drives it:
+    the engine's owner. Init makes its caller the owner (a lease, in the spirit
+    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
+    Cancel, Leave and held Watch calls from any other caller fail with
+    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
+    while one of its KeepAlive calls is open, while an update it prepared is in
+    flight, and for lease_ttl after its last call. Ownership passes when the
+    owner is no longer alive (its process died: its KeepAlive call ended), when
+    it leaves, or when an operator forces it (Init, Cancel or Leave with force
+    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
+    authenticated caller.
     """
 
     def Init(self, request, context):
@@ -108,6 +129,11 @@ class WeightSyncServiceServicer:
         every other engine to join too: call Init on all engines before (or while)
         the trainer creates its side of the group, never after it blocks.
         Fails with DEADLINE_EXCEEDED at `timeout` if the group does not form.
+
+        Init makes the caller (InitRequest.owner) the engine's owner; another
+        caller's Init fails with NOT_OWNER while the owner is alive, unless
+        force = true. When the previous owner is no longer alive, a new owner's
+        Init with other parameters leaves the old group first.
 
         Idempotent: calling Init again with identical parameters while joined
         succeeds with already_joined = true; with other parameters it fails with
@@ -129,6 +155,9 @@ class WeightSyncServiceServicer:
         may start broadcasting as soon as it has the reply. State becomes
         RECEIVING.
 
+        The header's owner must be the engine's owner, or the engine must have
+        no live owner (the caller then becomes it): NOT_OWNER otherwise.
+
         Not idempotent: a second Prepare while an update is in flight fails with
         ABORTED.
         """
@@ -143,8 +172,8 @@ class WeightSyncServiceServicer:
 
         Precondition: state RECEIVING or RECEIVED, update_id equal to the update
         in flight, which was prepared with incremental = true. Transports other
-        than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Not idempotent: every
-        call appends buckets.
+        than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Only the owner may call
+        it (NOT_OWNER). Not idempotent: every call appends buckets.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,10 +187,19 @@ class WeightSyncServiceServicer:
         becomes READY.
 
         Precondition: state RECEIVING or RECEIVED and update_id equal to the
-        update in flight. On any failure the update is abandoned, the weight
-        version is unchanged, the state becomes FAILED and the group is left
-        (call Init again). Calling Complete for an update that already failed
-        (state FAILED) returns that update's error. Not idempotent.
+        update in flight; only the owner may call it (NOT_OWNER). On any failure
+        the update is abandoned, the weight version is unchanged, the state
+        becomes FAILED and the group is left (call Init again). Calling Complete
+        for an update that already failed (state FAILED) returns that update's
+        error. Not idempotent.
+
+        Two phases (a trainer's all-or-nothing commit across a fleet): Complete
+        with verify_only = true waits for every bucket and verifies the update
+        (staged: the new weights are ready beside the served ones) without
+        applying it; the state stays RECEIVED, the engine keeps serving the old
+        weights, no bucket may be added any more, and the update can still be
+        cancelled. A second Complete (verify_only = false) then applies it.
+        Calling verify_only again after a verification succeeds at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,8 +257,8 @@ class WeightSyncServiceServicer:
         instead of at the group timeout; once Complete was called it no longer
         does. A trainer keeps one held Watch open per engine from Prepare's reply
         to Complete's, and treats the stream's early end as the engine's death.
-        Several calls may watch one update; each held one counts. Read-only
-        otherwise: safe to retry.
+        Several calls may watch one update; each held one counts; only the owner
+        may hold (NOT_OWNER). Read-only otherwise: safe to retry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -236,7 +274,9 @@ class WeightSyncServiceServicer:
         nothing was armed, so the state goes back to READY and the group is kept.
 
         Allowed in every state except APPLYING (the apply is short and cannot be
-        undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
+        undone half-way: FAILED_PRECONDITION), for the owner, or for anyone with
+        force = true (an operator; the owner then loses the engine: its
+        KeepAlive calls end with NOT_OWNER). Idempotent: with no update in
         flight (or update_id naming another update) it succeeds with
         cancelled = false.
         """
@@ -250,8 +290,9 @@ class WeightSyncServiceServicer:
         UNINITIALIZED.
 
         Precondition: no update in flight (state UNINITIALIZED, READY or
-        FAILED); Cancel first otherwise. Idempotent: leaving when not joined
-        succeeds with was_member = false.
+        FAILED); Cancel first otherwise. Only the owner may leave while it is
+        alive, unless force = true; leaving releases the ownership. Idempotent:
+        leaving when not joined succeeds with was_member = false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -264,6 +305,23 @@ class WeightSyncServiceServicer:
 
         Allowed in every state; reads the weights between two inference steps.
         Unknown names fail with INVALID_ARGUMENT. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """KeepAlive holds the owner's lease for as long as the call is open (as
+        etcd's LeaseKeepAlive): the owner cannot lose the engine to its lease's
+        expiry, and the end of the call (its process died, its connection
+        dropped, it cancelled the call) releases the ownership at once, so that
+        another trainer may take the engine over without waiting. The engine
+        sends one message at once and one every `interval` with its state.
+
+        Precondition: the caller (owner) is the engine's owner, or the engine has
+        no live owner (the caller then becomes it): NOT_OWNER otherwise. The
+        stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
+        the ownership away. Several calls of one owner may be open. Safe to retry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -327,6 +385,11 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     request_deserializer=wsync_dot_v1_dot_weight__sync__pb2.GetWeightChecksumsRequest.FromString,
                     response_serializer=wsync_dot_v1_dot_weight__sync__pb2.GetWeightChecksumsResponse.SerializeToString,
             ),
+            'KeepAlive': grpc.unary_stream_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=wsync_dot_v1_dot_weight__sync__pb2.KeepAliveRequest.FromString,
+                    response_serializer=wsync_dot_v1_dot_weight__sync__pb2.KeepAliveResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'wsync.v1.WeightSyncService', rpc_method_handlers)
@@ -336,9 +399,17 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WeightSyncService:
-    """WeightSyncService is served by the inference engine. One trainer drives it;
-    calls from several trainers are serialized by the lifecycle state machine
-    (a second concurrent update gets ABORTED).
+    """WeightSyncService is served by the inference engine. One trainer drives it:
+    the engine's owner. Init makes its caller the owner (a lease, in the spirit
+    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
+    Cancel, Leave and held Watch calls from any other caller fail with
+    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
+    while one of its KeepAlive calls is open, while an update it prepared is in
+    flight, and for lease_ttl after its last call. Ownership passes when the
+    owner is no longer alive (its process died: its KeepAlive call ended), when
+    it leaves, or when an operator forces it (Init, Cancel or Leave with force
+    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
+    authenticated caller.
     """
 
     @staticmethod
@@ -628,6 +699,33 @@ class WeightSyncService:
             '/wsync.v1.WeightSyncService/GetWeightChecksums',
             wsync_dot_v1_dot_weight__sync__pb2.GetWeightChecksumsRequest.SerializeToString,
             wsync_dot_v1_dot_weight__sync__pb2.GetWeightChecksumsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/wsync.v1.WeightSyncService/KeepAlive',
+            wsync_dot_v1_dot_weight__sync__pb2.KeepAliveRequest.SerializeToString,
+            wsync_dot_v1_dot_weight__sync__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,7 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   INVALID_ARGUMENT    bad metadata (unknown tensor, shape, dtype, offsets...)
   FAILED_PRECONDITION the RPC is not allowed in the current lifecycle state
   ABORTED             another update is already in flight
+  FAILED_PRECONDITION also NOT_OWNER: another caller owns the engine
   ALREADY_EXISTS      the group is already joined with other parameters
   DEADLINE_EXCEEDED   a join, receive, drain or apply ran past its timeout
   UNAVAILABLE         the group broke (a peer died or closed its connection)
@@ -49,9 +50,17 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class WeightSyncServiceStub:
-    """WeightSyncService is served by the inference engine. One trainer drives it;
-    calls from several trainers are serialized by the lifecycle state machine
-    (a second concurrent update gets ABORTED).
+    """WeightSyncService is served by the inference engine. One trainer drives it:
+    the engine's owner. Init makes its caller the owner (a lease, in the spirit
+    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
+    Cancel, Leave and held Watch calls from any other caller fail with
+    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
+    while one of its KeepAlive calls is open, while an update it prepared is in
+    flight, and for lease_ttl after its last call. Ownership passes when the
+    owner is no longer alive (its process died: its KeepAlive call ended), when
+    it leaves, or when an operator forces it (Init, Cancel or Leave with force
+    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
+    authenticated caller.
     """
 
     @_typing.overload
@@ -66,6 +75,11 @@ class WeightSyncServiceStub:
     every other engine to join too: call Init on all engines before (or while)
     the trainer creates its side of the group, never after it blocks.
     Fails with DEADLINE_EXCEEDED at `timeout` if the group does not form.
+
+    Init makes the caller (InitRequest.owner) the engine's owner; another
+    caller's Init fails with NOT_OWNER while the owner is alive, unless
+    force = true. When the previous owner is no longer alive, a new owner's
+    Init with other parameters leaves the old group first.
 
     Idempotent: calling Init again with identical parameters while joined
     succeeds with already_joined = true; with other parameters it fails with
@@ -83,6 +97,9 @@ class WeightSyncServiceStub:
     may start broadcasting as soon as it has the reply. State becomes
     RECEIVING.
 
+    The header's owner must be the engine's owner, or the engine must have
+    no live owner (the caller then becomes it): NOT_OWNER otherwise.
+
     Not idempotent: a second Prepare while an update is in flight fails with
     ABORTED.
     """
@@ -93,8 +110,8 @@ class WeightSyncServiceStub:
 
     Precondition: state RECEIVING or RECEIVED, update_id equal to the update
     in flight, which was prepared with incremental = true. Transports other
-    than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Not idempotent: every
-    call appends buckets.
+    than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Only the owner may call
+    it (NOT_OWNER). Not idempotent: every call appends buckets.
     """
     Complete: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.CompleteRequest, _weight_sync_pb2.CompleteResponse]
     """Complete waits (bounded by `timeout`) until every declared bucket has
@@ -104,10 +121,19 @@ class WeightSyncServiceStub:
     becomes READY.
 
     Precondition: state RECEIVING or RECEIVED and update_id equal to the
-    update in flight. On any failure the update is abandoned, the weight
-    version is unchanged, the state becomes FAILED and the group is left
-    (call Init again). Calling Complete for an update that already failed
-    (state FAILED) returns that update's error. Not idempotent.
+    update in flight; only the owner may call it (NOT_OWNER). On any failure
+    the update is abandoned, the weight version is unchanged, the state
+    becomes FAILED and the group is left (call Init again). Calling Complete
+    for an update that already failed (state FAILED) returns that update's
+    error. Not idempotent.
+
+    Two phases (a trainer's all-or-nothing commit across a fleet): Complete
+    with verify_only = true waits for every bucket and verifies the update
+    (staged: the new weights are ready beside the served ones) without
+    applying it; the state stays RECEIVED, the engine keeps serving the old
+    weights, no bucket may be added any more, and the update can still be
+    cancelled. A second Complete (verify_only = false) then applies it.
+    Calling verify_only again after a verification succeeds at once.
     """
     Pause: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.PauseRequest, _weight_sync_pb2.PauseResponse]
     """Pause stops admitting new generation requests; `mode` says what happens
@@ -149,8 +175,8 @@ class WeightSyncServiceStub:
     instead of at the group timeout; once Complete was called it no longer
     does. A trainer keeps one held Watch open per engine from Prepare's reply
     to Complete's, and treats the stream's early end as the engine's death.
-    Several calls may watch one update; each held one counts. Read-only
-    otherwise: safe to retry.
+    Several calls may watch one update; each held one counts; only the owner
+    may hold (NOT_OWNER). Read-only otherwise: safe to retry.
     """
     Cancel: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.CancelRequest, _weight_sync_pb2.CancelResponse]
     """Cancel abandons the update in flight. The receivers stop, received
@@ -162,7 +188,9 @@ class WeightSyncServiceStub:
     nothing was armed, so the state goes back to READY and the group is kept.
 
     Allowed in every state except APPLYING (the apply is short and cannot be
-    undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
+    undone half-way: FAILED_PRECONDITION), for the owner, or for anyone with
+    force = true (an operator; the owner then loses the engine: its
+    KeepAlive calls end with NOT_OWNER). Idempotent: with no update in
     flight (or update_id naming another update) it succeeds with
     cancelled = false.
     """
@@ -172,8 +200,9 @@ class WeightSyncServiceStub:
     UNINITIALIZED.
 
     Precondition: no update in flight (state UNINITIALIZED, READY or
-    FAILED); Cancel first otherwise. Idempotent: leaving when not joined
-    succeeds with was_member = false.
+    FAILED); Cancel first otherwise. Only the owner may leave while it is
+    alive, unless force = true; leaving releases the ownership. Idempotent:
+    leaving when not joined succeeds with was_member = false.
     """
     GetWeightChecksums: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.GetWeightChecksumsRequest, _weight_sync_pb2.GetWeightChecksumsResponse]
     """GetWeightChecksums returns a SHA-256 digest of the bytes of each served
@@ -183,12 +212,33 @@ class WeightSyncServiceStub:
     Allowed in every state; reads the weights between two inference steps.
     Unknown names fail with INVALID_ARGUMENT. Idempotent.
     """
+    KeepAlive: _grpc.UnaryStreamMultiCallable[_weight_sync_pb2.KeepAliveRequest, _weight_sync_pb2.KeepAliveResponse]
+    """KeepAlive holds the owner's lease for as long as the call is open (as
+    etcd's LeaseKeepAlive): the owner cannot lose the engine to its lease's
+    expiry, and the end of the call (its process died, its connection
+    dropped, it cancelled the call) releases the ownership at once, so that
+    another trainer may take the engine over without waiting. The engine
+    sends one message at once and one every `interval` with its state.
+
+    Precondition: the caller (owner) is the engine's owner, or the engine has
+    no live owner (the caller then becomes it): NOT_OWNER otherwise. The
+    stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
+    the ownership away. Several calls of one owner may be open. Safe to retry.
+    """
 
 @_typing.type_check_only
 class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
-    """WeightSyncService is served by the inference engine. One trainer drives it;
-    calls from several trainers are serialized by the lifecycle state machine
-    (a second concurrent update gets ABORTED).
+    """WeightSyncService is served by the inference engine. One trainer drives it:
+    the engine's owner. Init makes its caller the owner (a lease, in the spirit
+    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
+    Cancel, Leave and held Watch calls from any other caller fail with
+    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
+    while one of its KeepAlive calls is open, while an update it prepared is in
+    flight, and for lease_ttl after its last call. Ownership passes when the
+    owner is no longer alive (its process died: its KeepAlive call ended), when
+    it leaves, or when an operator forces it (Init, Cancel or Leave with force
+    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
+    authenticated caller.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -200,6 +250,11 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     every other engine to join too: call Init on all engines before (or while)
     the trainer creates its side of the group, never after it blocks.
     Fails with DEADLINE_EXCEEDED at `timeout` if the group does not form.
+
+    Init makes the caller (InitRequest.owner) the engine's owner; another
+    caller's Init fails with NOT_OWNER while the owner is alive, unless
+    force = true. When the previous owner is no longer alive, a new owner's
+    Init with other parameters leaves the old group first.
 
     Idempotent: calling Init again with identical parameters while joined
     succeeds with already_joined = true; with other parameters it fails with
@@ -217,6 +272,9 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     may start broadcasting as soon as it has the reply. State becomes
     RECEIVING.
 
+    The header's owner must be the engine's owner, or the engine must have
+    no live owner (the caller then becomes it): NOT_OWNER otherwise.
+
     Not idempotent: a second Prepare while an update is in flight fails with
     ABORTED.
     """
@@ -227,8 +285,8 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
 
     Precondition: state RECEIVING or RECEIVED, update_id equal to the update
     in flight, which was prepared with incremental = true. Transports other
-    than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Not idempotent: every
-    call appends buckets.
+    than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Only the owner may call
+    it (NOT_OWNER). Not idempotent: every call appends buckets.
     """
     Complete: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.CompleteRequest, _weight_sync_pb2.CompleteResponse]  # type: ignore[assignment]
     """Complete waits (bounded by `timeout`) until every declared bucket has
@@ -238,10 +296,19 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     becomes READY.
 
     Precondition: state RECEIVING or RECEIVED and update_id equal to the
-    update in flight. On any failure the update is abandoned, the weight
-    version is unchanged, the state becomes FAILED and the group is left
-    (call Init again). Calling Complete for an update that already failed
-    (state FAILED) returns that update's error. Not idempotent.
+    update in flight; only the owner may call it (NOT_OWNER). On any failure
+    the update is abandoned, the weight version is unchanged, the state
+    becomes FAILED and the group is left (call Init again). Calling Complete
+    for an update that already failed (state FAILED) returns that update's
+    error. Not idempotent.
+
+    Two phases (a trainer's all-or-nothing commit across a fleet): Complete
+    with verify_only = true waits for every bucket and verifies the update
+    (staged: the new weights are ready beside the served ones) without
+    applying it; the state stays RECEIVED, the engine keeps serving the old
+    weights, no bucket may be added any more, and the update can still be
+    cancelled. A second Complete (verify_only = false) then applies it.
+    Calling verify_only again after a verification succeeds at once.
     """
     Pause: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.PauseRequest, _weight_sync_pb2.PauseResponse]  # type: ignore[assignment]
     """Pause stops admitting new generation requests; `mode` says what happens
@@ -283,8 +350,8 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     instead of at the group timeout; once Complete was called it no longer
     does. A trainer keeps one held Watch open per engine from Prepare's reply
     to Complete's, and treats the stream's early end as the engine's death.
-    Several calls may watch one update; each held one counts. Read-only
-    otherwise: safe to retry.
+    Several calls may watch one update; each held one counts; only the owner
+    may hold (NOT_OWNER). Read-only otherwise: safe to retry.
     """
     Cancel: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.CancelRequest, _weight_sync_pb2.CancelResponse]  # type: ignore[assignment]
     """Cancel abandons the update in flight. The receivers stop, received
@@ -296,7 +363,9 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     nothing was armed, so the state goes back to READY and the group is kept.
 
     Allowed in every state except APPLYING (the apply is short and cannot be
-    undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
+    undone half-way: FAILED_PRECONDITION), for the owner, or for anyone with
+    force = true (an operator; the owner then loses the engine: its
+    KeepAlive calls end with NOT_OWNER). Idempotent: with no update in
     flight (or update_id naming another update) it succeeds with
     cancelled = false.
     """
@@ -306,8 +375,9 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     UNINITIALIZED.
 
     Precondition: no update in flight (state UNINITIALIZED, READY or
-    FAILED); Cancel first otherwise. Idempotent: leaving when not joined
-    succeeds with was_member = false.
+    FAILED); Cancel first otherwise. Only the owner may leave while it is
+    alive, unless force = true; leaving releases the ownership. Idempotent:
+    leaving when not joined succeeds with was_member = false.
     """
     GetWeightChecksums: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.GetWeightChecksumsRequest, _weight_sync_pb2.GetWeightChecksumsResponse]  # type: ignore[assignment]
     """GetWeightChecksums returns a SHA-256 digest of the bytes of each served
@@ -317,11 +387,32 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     Allowed in every state; reads the weights between two inference steps.
     Unknown names fail with INVALID_ARGUMENT. Idempotent.
     """
+    KeepAlive: _aio.UnaryStreamMultiCallable[_weight_sync_pb2.KeepAliveRequest, _weight_sync_pb2.KeepAliveResponse]  # type: ignore[assignment]
+    """KeepAlive holds the owner's lease for as long as the call is open (as
+    etcd's LeaseKeepAlive): the owner cannot lose the engine to its lease's
+    expiry, and the end of the call (its process died, its connection
+    dropped, it cancelled the call) releases the ownership at once, so that
+    another trainer may take the engine over without waiting. The engine
+    sends one message at once and one every `interval` with its state.
+
+    Precondition: the caller (owner) is the engine's owner, or the engine has
+    no live owner (the caller then becomes it): NOT_OWNER otherwise. The
+    stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
+    the ownership away. Several calls of one owner may be open. Safe to retry.
+    """
 
 class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
-    """WeightSyncService is served by the inference engine. One trainer drives it;
-    calls from several trainers are serialized by the lifecycle state machine
-    (a second concurrent update gets ABORTED).
+    """WeightSyncService is served by the inference engine. One trainer drives it:
+    the engine's owner. Init makes its caller the owner (a lease, in the spirit
+    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
+    Cancel, Leave and held Watch calls from any other caller fail with
+    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
+    while one of its KeepAlive calls is open, while an update it prepared is in
+    flight, and for lease_ttl after its last call. Ownership passes when the
+    owner is no longer alive (its process died: its KeepAlive call ended), when
+    it leaves, or when an operator forces it (Init, Cancel or Leave with force
+    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
+    authenticated caller.
     """
 
     @_abc_1.abstractmethod
@@ -337,6 +428,11 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         every other engine to join too: call Init on all engines before (or while)
         the trainer creates its side of the group, never after it blocks.
         Fails with DEADLINE_EXCEEDED at `timeout` if the group does not form.
+
+        Init makes the caller (InitRequest.owner) the engine's owner; another
+        caller's Init fails with NOT_OWNER while the owner is alive, unless
+        force = true. When the previous owner is no longer alive, a new owner's
+        Init with other parameters leaves the old group first.
 
         Idempotent: calling Init again with identical parameters while joined
         succeeds with already_joined = true; with other parameters it fails with
@@ -360,6 +456,9 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         may start broadcasting as soon as it has the reply. State becomes
         RECEIVING.
 
+        The header's owner must be the engine's owner, or the engine must have
+        no live owner (the caller then becomes it): NOT_OWNER otherwise.
+
         Not idempotent: a second Prepare while an update is in flight fails with
         ABORTED.
         """
@@ -376,8 +475,8 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
 
         Precondition: state RECEIVING or RECEIVED, update_id equal to the update
         in flight, which was prepared with incremental = true. Transports other
-        than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Not idempotent: every
-        call appends buckets.
+        than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Only the owner may call
+        it (NOT_OWNER). Not idempotent: every call appends buckets.
         """
 
     @_abc_1.abstractmethod
@@ -393,10 +492,19 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         becomes READY.
 
         Precondition: state RECEIVING or RECEIVED and update_id equal to the
-        update in flight. On any failure the update is abandoned, the weight
-        version is unchanged, the state becomes FAILED and the group is left
-        (call Init again). Calling Complete for an update that already failed
-        (state FAILED) returns that update's error. Not idempotent.
+        update in flight; only the owner may call it (NOT_OWNER). On any failure
+        the update is abandoned, the weight version is unchanged, the state
+        becomes FAILED and the group is left (call Init again). Calling Complete
+        for an update that already failed (state FAILED) returns that update's
+        error. Not idempotent.
+
+        Two phases (a trainer's all-or-nothing commit across a fleet): Complete
+        with verify_only = true waits for every bucket and verifies the update
+        (staged: the new weights are ready beside the served ones) without
+        applying it; the state stays RECEIVED, the engine keeps serving the old
+        weights, no bucket may be added any more, and the update can still be
+        cancelled. A second Complete (verify_only = false) then applies it.
+        Calling verify_only again after a verification succeeds at once.
         """
 
     @_abc_1.abstractmethod
@@ -462,8 +570,8 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         instead of at the group timeout; once Complete was called it no longer
         does. A trainer keeps one held Watch open per engine from Prepare's reply
         to Complete's, and treats the stream's early end as the engine's death.
-        Several calls may watch one update; each held one counts. Read-only
-        otherwise: safe to retry.
+        Several calls may watch one update; each held one counts; only the owner
+        may hold (NOT_OWNER). Read-only otherwise: safe to retry.
         """
 
     @_abc_1.abstractmethod
@@ -481,7 +589,9 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         nothing was armed, so the state goes back to READY and the group is kept.
 
         Allowed in every state except APPLYING (the apply is short and cannot be
-        undone half-way: FAILED_PRECONDITION). Idempotent: with no update in
+        undone half-way: FAILED_PRECONDITION), for the owner, or for anyone with
+        force = true (an operator; the owner then loses the engine: its
+        KeepAlive calls end with NOT_OWNER). Idempotent: with no update in
         flight (or update_id naming another update) it succeeds with
         cancelled = false.
         """
@@ -497,8 +607,9 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         UNINITIALIZED.
 
         Precondition: no update in flight (state UNINITIALIZED, READY or
-        FAILED); Cancel first otherwise. Idempotent: leaving when not joined
-        succeeds with was_member = false.
+        FAILED); Cancel first otherwise. Only the owner may leave while it is
+        alive, unless force = true; leaving releases the ownership. Idempotent:
+        leaving when not joined succeeds with was_member = false.
         """
 
     @_abc_1.abstractmethod
@@ -513,6 +624,25 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
 
         Allowed in every state; reads the weights between two inference steps.
         Unknown names fail with INVALID_ARGUMENT. Idempotent.
+        """
+
+    @_abc_1.abstractmethod
+    def KeepAlive(
+        self,
+        request: _weight_sync_pb2.KeepAliveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_weight_sync_pb2.KeepAliveResponse], _abc.AsyncIterator[_weight_sync_pb2.KeepAliveResponse]]:
+        """KeepAlive holds the owner's lease for as long as the call is open (as
+        etcd's LeaseKeepAlive): the owner cannot lose the engine to its lease's
+        expiry, and the end of the call (its process died, its connection
+        dropped, it cancelled the call) releases the ownership at once, so that
+        another trainer may take the engine over without waiting. The engine
+        sends one message at once and one every `interval` with its state.
+
+        Precondition: the caller (owner) is the engine's owner, or the engine has
+        no live owner (the caller then becomes it): NOT_OWNER otherwise. The
+        stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
+        the ownership away. Several calls of one owner may be open. Safe to retry.
         """
 
 def add_WeightSyncServiceServicer_to_server(servicer: WeightSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

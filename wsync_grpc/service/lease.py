@@ -1,0 +1,94 @@
+"""``KeepAlive``: the owner's hold on its lease, as a server stream (``docs/architecture.md``, "Ownership").
+
+While one of the owner's KeepAlive calls is open the lease cannot expire;
+gRPC ends the call as soon as the owner's process dies or its connection
+drops, and the end of the owner's last call releases the lease at once
+(:meth:`~wsync_grpc.core.ownership.Ownership.keepalive_closed`). When the
+ownership passes to someone else (an operator's force) the stream ends with
+FAILED_PRECONDITION / NOT_OWNER.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.core.errors import FailedPrecondition, clip
+from wsync_grpc.core.ownership import describe
+from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.status import owner_info
+from wsync_grpc.wire.convert import state_to_proto
+from wsync_grpc.wire.status import to_status
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEPALIVE_INTERVAL_S = 1.0
+"""Time between two ``KeepAliveResponse`` messages when the request gives none, in seconds."""
+
+POLL_S = 0.05
+"""How often a KeepAlive stream checks whether its owner lost the engine, in seconds."""
+
+
+def open_keepalive(engine: EngineState, owner: str, context: grpc.ServicerContext) -> int:
+    """Claim the engine for ``owner`` and count this call; its end releases the lease. Lock not held.
+
+    Returns:
+        The ownership generation the call holds.
+
+    Raises:
+        FailedPrecondition: NOT_OWNER, another owner is alive.
+    """
+    with engine.lock:
+        engine.claim(owner, "KeepAlive")
+        generation = engine.ownership.keepalive_opened()
+
+    def on_call_end() -> None:
+        with engine.lock:
+            engine.ownership.keepalive_closed(generation)
+            alive = engine.ownership.alive(engine.update is not None)
+        if not alive and engine.ownership.owner == owner:
+            log.info("the owner %s closed its last KeepAlive call: its lease is released", clip(owner))
+
+    if not context.add_callback(on_call_end):
+        on_call_end()
+    return generation
+
+
+def keepalive_stream(
+    engine: EngineState, owner: str, generation: int, interval_s: float, context: grpc.ServicerContext
+) -> Iterator[pb.KeepAliveResponse]:
+    """One message at once and one every ``interval_s`` seconds while ``owner`` holds the engine.
+
+    Ends with FAILED_PRECONDITION / NOT_OWNER once the ownership passed to
+    someone else; stops without a last message when the caller has gone.
+    """
+    while context.is_active():
+        with engine.lock:
+            own = engine.ownership
+            lost = own.generation != generation
+            if not lost:
+                msg = pb.KeepAliveResponse(
+                    state=state_to_proto(engine.lifecycle.state), weight_version=engine.weight_version
+                )
+                view = own.view(engine.update is not None)
+                if view is not None:
+                    msg.owner.CopyFrom(owner_info(view))
+        if lost:
+            err = FailedPrecondition(
+                "NOT_OWNER",
+                f"the engine no longer belongs to {describe(owner)} (an operator took it over, or it was left)",
+                owner=clip(own.owner or "", 200),
+            )
+            context.abort_with_status(to_status(err))
+            return
+        yield msg
+        until = time.monotonic() + interval_s
+        while time.monotonic() < until and context.is_active():
+            with engine.lock:
+                if engine.ownership.generation != generation:
+                    break
+            time.sleep(POLL_S)
