@@ -510,6 +510,7 @@ def case_control(h: Harness, reps: int, bucket_sizes: Sequence[int]) -> dict[str
                 t = time.monotonic()
                 header, msgs = _prepare_messages(model, bucket_bytes)
                 build_s = time.monotonic() - t
+                header.owner = client.owner  # the client owns the engine (Init): its Prepare names it
                 sizes = [pb.PrepareRequest(header=header).ByteSize()] + [m.ByteSize() for m in msgs]
                 runs: dict[str, list[float]] = {"prepare": [], "ready": []}
                 for rep in range(reps + 1):  # the first is a warm-up

@@ -404,6 +404,7 @@ def test_streaming_apply_freezes_requests_left_running_by_a_timed_out_drain(serv
                 pb.PauseRequest(mode=pb.PAUSE_MODE_WAIT, timeout=duration_pb2.Duration(nanos=1_000_000)), timeout=10
             )
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+        assert error_reason(e.value) == "DRAIN_TIMEOUT"
         st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
         assert st.paused and st.engine.running_requests == 2
         # Many small buckets: steps between two of them would see a mix of A and B.

@@ -166,8 +166,10 @@ def test_generation_keeps_flowing_during_a_staged_sync(
     assert result.engines[engine.target].apply_seconds < end - start
 
 
-def _prepare(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, tensors: list[tuple[str, str, list[int]]]) -> Any:
-    """A one-bucket individual-layout Prepare of ``(name, dtype, shape)`` tensors."""
+def _prepare(
+    stub: weight_sync_pb2_grpc.WeightSyncServiceStub, tensors: list[tuple[str, str, list[int]]], owner: str
+) -> Any:
+    """A one-bucket individual-layout Prepare of ``(name, dtype, shape)`` tensors, as ``owner``."""
     specs = [pb.TensorSpec(name=n, dtype=d, shape=s) for n, d, s in tensors]
     size = sum(
         torch.tensor([], dtype=getattr(torch, d)).element_size() * int(torch.Size(s).numel()) for n, d, s in tensors
@@ -177,6 +179,7 @@ def _prepare(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, tensors: list[tup
         bucket_count=1,
         total_bytes=size,
         layout=pb.BUCKET_LAYOUT_INDIVIDUAL,
+        owner=owner,
     )
     msgs = [
         pb.PrepareRequest(header=header),
@@ -192,11 +195,11 @@ def test_bad_metadata_is_refused_before_any_byte_moves(engine: Vllm, originals: 
         stub = c.stubs[engine.target]
         q = "model.layers.0.self_attn.q_proj.weight"
         with pytest.raises(grpc.RpcError) as e:
-            _prepare(stub, [(q, "float32", list(originals[q].shape))])
+            _prepare(stub, [(q, "float32", list(originals[q].shape))], c.owner)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "k_proj" in (e.value.details() or "") and "fused" in (e.value.details() or "")
         with pytest.raises(grpc.RpcError) as e:
-            _prepare(stub, [("model.norm.weight", "float32", [575])])
+            _prepare(stub, [("model.norm.weight", "float32", [575])], c.owner)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert engine.status().state == pb.LIFECYCLE_STATE_READY
         c.sync(originals.items(), "after-bad")

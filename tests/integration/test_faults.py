@@ -32,14 +32,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from support import ENV, ROOT, code_of, join_as_trainer, status, tensor_server
+from support import ENV, ROOT, code_of, free_port, join_as_trainer, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.engines import synthetic
 from wsync_grpc.group.waits import wait_work
-from wsync_grpc.testing import EngineProcess, spawn_engine
+from wsync_grpc.testing import EngineProcess, cli_command, spawn_engine
 from wsync_grpc.trainer import TRAINER, SyncError, SyncProgress, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
@@ -539,3 +539,76 @@ def test_a_refused_complete_changes_nothing() -> None:
             assert done.weight_version == "hostile"
         finally:
             trainer.destroy()  # type: ignore[attr-defined]
+
+
+def test_an_init_whose_group_never_forms_gives_up_at_its_timeout() -> None:
+    """Nobody serves the store: Init ends with its timeout (plus torch's connect retries, never 10 s more)."""
+    with tensor_server("tiny") as (_srv, _engine, stub):
+        req = pb.InitRequest(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2)
+        req.timeout.FromMilliseconds(1000)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Init(req, timeout=30)
+        took = time.monotonic() - t0
+        assert code_of(e.value) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), e.value
+        assert error_reason(e.value) in ("JOIN_TIMEOUT", "JOIN_FAILED")
+        assert took < 11.0, f"Init took {took:.1f} s for a 1 s timeout"
+        st = status(stub)
+        assert st.state == State.UNINITIALIZED.value and not st.HasField("group")
+        assert st.last_error.reason == error_reason(e.value)
+
+
+def _armed_update(stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> str:
+    """Prepare one bucket of ``model.norm.weight`` (the engine must be joined); the update's id."""
+    spec = pb.BucketSpec(index=0, size_bytes=128)
+    spec.tensors.add(name="model.norm.weight", dtype="bfloat16", shape=[64], offset_bytes=0)
+    header = pb.PrepareHeader(weight_version="never", bucket_count=1, total_bytes=128)
+    reply = stub.Prepare(iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=spec)]), timeout=30)
+    return reply.update_id
+
+
+def test_an_operators_cancel_of_an_armed_update_records_its_reason() -> None:
+    """``wsync cancel --reason``: the update is abandoned, the group left, the reason in ``last_error``."""
+    with tensor_server("tiny") as (srv, _engine, stub):
+        trainer = join_as_trainer(stub)
+        try:
+            update_id = _armed_update(stub)
+            r = subprocess.run(
+                cli_command("cancel", "--target", srv.address, "--reason", "rollback requested by ops"),
+                capture_output=True,
+                text=True,
+                env=ENV,
+                cwd=ROOT,
+                timeout=60,
+            )
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["update_id"] == update_id
+            st = status(stub)
+            assert st.state == State.FAILED.value and not st.HasField("group") and st.weight_version == ""
+            assert st.last_error.reason == "UPDATE_CANCELLED" and st.last_error.update_id == update_id
+            assert "rollback requested by ops" in st.last_error.message
+        finally:
+            trainer.destroy()
+
+
+def test_sigterm_with_an_update_in_flight_cancels_it_and_stops(tmp_path: Path) -> None:
+    """SIGTERM: health NOT_SERVING, the update cancelled (SHUTDOWN), the group left, exit 0 within the grace."""
+    log = tmp_path / "engine.log"
+    engine = spawn_engine(
+        ["--synthetic", "tiny", "--grace", "1"], port_file=tmp_path / "port", log=log, env=ENV, cwd=ROOT
+    )
+    try:
+        stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(engine.target))
+        trainer = join_as_trainer(stub)
+        try:
+            _armed_update(stub)
+            assert status(stub).state == State.RECEIVING.value
+            engine.terminate()
+            assert engine.process.wait(30) == 0
+        finally:
+            trainer.destroy()
+        out = log.read_text()
+        assert "failed: SHUTDOWN" in out, out[-3000:]
+        assert "stopped" in out
+    finally:
+        engine.kill()

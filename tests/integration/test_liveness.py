@@ -171,3 +171,77 @@ def test_a_killed_engine_is_named_within_two_seconds(tmp_path: Path) -> None:
     finally:
         for e in engines:
             e.stop()
+
+
+FROZEN_BOUND_S = 8.0
+"""A frozen peer announces nothing: HTTP/2 keepalive (a ping every 2 s, 2 s to answer) notices it."""
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_trainer_is_noticed_by_keepalive_long_before_the_group_timeout(engine: EngineProcess) -> None:
+    """SIGSTOP, not SIGKILL: no FIN or RST reaches the engine, only its keepalive pings go unanswered."""
+    old = {n: tensor_sha256(t) for n, t in synthetic.build(PRESET, seed=1, dtype=torch.bfloat16).items()}
+    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(engine.target))
+    cmd = [sys.executable, "-c", TRAINER, engine.target, "staged"]
+    trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        wait_for(trainer, "synced old", 120)
+        wait_for(trainer, "bucket 1/", 60)
+        trainer.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        while st.state != pb.LIFECYCLE_STATE_FAILED and st.weight_version != "new":
+            assert time.monotonic() - frozen < FROZEN_BOUND_S, f"engine still {pb.LifecycleState.Name(st.state)}"
+            time.sleep(0.05)
+            st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        noticed = time.monotonic() - frozen
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    if st.weight_version == "new":
+        pytest.skip("the broadcast ended before the trainer froze")
+    print(f"the engine noticed the frozen trainer after {noticed:.2f} s")
+    assert st.last_error.reason == "PEER_LOST", st.last_error
+    assert served(engine.target)[1] == old
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_engine_is_named_by_keepalive_long_before_the_group_timeout(tmp_path: Path) -> None:
+    """SIGSTOP of one engine mid-broadcast: the trainer's keepalive drops it, and the sync fails naming it."""
+    engines = [
+        spawn_engine(
+            ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1"],
+            port_file=tmp_path / f"{name}.port",
+            log=tmp_path / f"{name}.log",
+            env=ENV,
+            cwd=ROOT,
+            name=name,
+        )
+        for name in ("survivor", "victim")
+    ]
+    survivor, victim = engines
+    try:
+        before = served(survivor.target)[1]
+        frozen: list[float] = []
+
+        def freeze_after_first(p: SyncProgress) -> None:
+            if p.buckets_sent == 1:
+                victim.process.send_signal(signal.SIGSTOP)
+                frozen.append(time.monotonic())
+
+        targets = [survivor.target, victim.target]
+        with TrainerClient(targets, group_timeout_s=GROUP_TIMEOUT_S, rpc_timeout_s=30, solo_bytes=0) as client:
+            tensors = synthetic.build(PRESET, seed=9, dtype=torch.bfloat16)
+            with pytest.raises(SyncError) as info:
+                client.sync(tensors.items(), "doomed", bucket_bytes=8 << 20, progress=freeze_after_first)
+            noticed = time.monotonic() - frozen[0]
+            victim.kill()
+            print(f"the trainer named the frozen engine after {noticed:.2f} s")
+            assert noticed < FROZEN_BOUND_S, f"the trainer took {noticed:.2f} s"
+            assert victim.target in info.value.failures, info.value
+        status, sums = served(survivor.target)
+        assert sums == before and status.weight_version == "", "staged: the survivor's weights are intact"
+    finally:
+        victim.kill()
+        for e in engines:
+            e.stop()

@@ -17,6 +17,7 @@ from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncEr
 from wsync_grpc.core.lifecycle import Lifecycle
 from wsync_grpc.core.ownership import Ownership
 from wsync_grpc.service.membership import Membership
+from wsync_grpc.service.metrics import EngineMetrics
 from wsync_grpc.service.status import EngineFacts, ErrorRecord, StatusSnapshot
 from wsync_grpc.worker.buffers import BufferPool
 
@@ -50,6 +51,7 @@ class EngineState:
         update: the update in flight, from the moment its receivers start to its apply or failure.
         failed_update: the last update that failed, until the next Init (Complete reports its error).
         ownership: the engine's owner and its lease (:mod:`wsync_grpc.core.ownership`).
+        metrics: the engine's Prometheus metrics (:mod:`wsync_grpc.service.metrics`), served when asked.
     """
 
     def __init__(self, adapter: EngineAdapter, keep_buffers: bool | None = None) -> None:
@@ -69,6 +71,8 @@ class EngineState:
         self.update: UpdateSession | None = None
         self.failed_update: UpdateSession | None = None
         self.ownership = Ownership()
+        self.metrics = EngineMetrics()
+        self.metrics.watch_state(self.snapshot, lambda: self.receive_buffer_bytes)
 
     def check_owner(self, caller: str, what: str) -> None:
         """Refuse ``caller`` when another owner is alive (renew the lease when it is the owner). Lock held.

@@ -1,12 +1,14 @@
-"""What an update reports when it is armed (Prepare) and when it is applied (Complete)."""
+"""What an update reports when it is armed (Prepare), verified or applied (Complete), or failed (metrics)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from wsync_grpc.core.errors import clip
+from wsync_grpc.core.errors import WsyncError, clip
+from wsync_grpc.service.status import Progress
 
 if TYPE_CHECKING:
     from wsync_grpc.service.session import UpdateSession
@@ -90,3 +92,37 @@ def applied_result(s: UpdateSession, t0: float, done: float, flush_cache: bool) 
         result.total_seconds,
     )
     return result
+
+
+def record_applied(s: UpdateSession, result: CompleteResult) -> CompleteResult:
+    """Count applied update ``s`` in the engine's metrics (its phases, in seconds); return ``result``."""
+    phases = {"prepare": (s.armed_at or s.started) - s.started, "receive": result.receive_seconds}
+    if s.verified:
+        phases["verify"] = s.verify_s
+    phases["apply"] = result.apply_seconds
+    s.engine.metrics.update_applied(phases, result.total_seconds, sum(r.bytes_done for r in s.receivers))
+    return result
+
+
+def record_failed(s: UpdateSession, err: WsyncError) -> None:
+    """Count failed update ``s`` in the engine's metrics (cancelled when ``err`` says it was asked for)."""
+    cancelled = err.reason in ("UPDATE_CANCELLED", "SHUTDOWN")
+    received = sum(r.bytes_done for r in s.receivers)
+    s.engine.metrics.update_failed(err.reason, cancelled, time.monotonic() - s.started, received)
+
+
+def progress_of(s: UpdateSession) -> Progress:
+    """Where update ``s`` stands (the slowest worker's counts; sizes in bytes, times in seconds). Lock held."""
+    h = s.header
+    return Progress(
+        update_id=h.update_id,
+        weight_version=h.weight_version,
+        layout=h.layout,
+        apply_mode=h.apply_mode,
+        buckets_expected=len(s.feed),
+        buckets_received=min((r.buckets_done for r in s.receivers), default=0),
+        bytes_expected=s.bytes,
+        bytes_received=min((r.bytes_done for r in s.receivers), default=0),
+        elapsed_seconds=time.monotonic() - s.started,
+        incremental=h.incremental,
+    )

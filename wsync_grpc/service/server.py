@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from wsync.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
 from wsync_grpc.core.adapter import EngineAdapter
+from wsync_grpc.service.metrics import RpcMetrics
 from wsync_grpc.service.servicer import WeightSyncServicer
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class WsyncServer:
         address: ``host:port`` to give clients.
         servicer: the weight-sync servicer.
         health: the health servicer (``""`` and the service name report SERVING).
+        metrics_http: the HTTP server of ``/metrics`` (Prometheus), ``None`` when not asked for.
     """
 
     server: grpc.Server
@@ -97,6 +99,7 @@ class WsyncServer:
     address: str
     servicer: WeightSyncServicer
     health: health.HealthServicer
+    metrics_http: Any = None
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     def stop(self, grace: float = 5.0) -> None:
@@ -107,10 +110,27 @@ class WsyncServer:
         self.health.enter_graceful_shutdown()
         self.servicer.shutdown()
         self.server.stop(grace).wait(grace + 5)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
 
     def wait(self) -> None:
         """Block until the server stops."""
         self.server.wait_for_termination()
+
+
+KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+"""HTTP/2 keepalive of the engine's server: it pings every connection every 2 s and drops one whose peer
+does not answer within 2 s (``keepalive_timeout_ms``, and ``http2.ping_timeout_ms`` in gRPC's current
+core). A frozen or partitioned trainer announces nothing (no FIN, no RST); the dropped connection ends
+its held ``Watch`` and ``KeepAlive`` calls as its death would. The trainer's own pings are accepted
+down to one a second (gRPC's A8 client-side keepalive)."""
 
 
 def build_server(
@@ -123,6 +143,8 @@ def build_server(
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
     extra: Callable[[grpc.Server], list[str]] | None = None,
+    metrics_host: str = "127.0.0.1",
+    metrics_port: int | None = None,
 ) -> WsyncServer:
     """Start a server for ``adapter`` on ``host:port`` (port 0 = any free port).
 
@@ -137,24 +159,29 @@ def build_server(
         tls_cert, tls_key: PEM files of the server's certificate chain and key; both set = TLS.
         extra: registers further services on the server; returns their full names
             (for reflection and health).
+        metrics_host: bind address of the Prometheus ``/metrics`` endpoint (default loopback).
+        metrics_port: its TCP port; ``None`` (default) serves no metrics; 0 picks a free port.
 
     Raises:
         ValueError: only one of ``tls_cert`` and ``tls_key`` given.
         OSError: a TLS file cannot be read.
         RuntimeError: the port could not be bound.
+        OSError: the metrics port could not be bound.
     """
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("TLS needs both a certificate and its key (tls_cert and tls_key)")
     creds = (
         grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())]) if tls_cert and tls_key else None
     )
-    interceptors: list[_Interceptor] = [_TokenAuth(token)] if token else []
+    servicer = WeightSyncServicer(adapter)
+    # First, so that calls the token check refuses are counted too.
+    interceptors: list[_Interceptor] = [RpcMetrics(servicer.engine.metrics)]
+    interceptors += [_TokenAuth(token)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="wsync-grpc"),
         interceptors=interceptors,
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS],
     )
-    servicer = WeightSyncServicer(adapter)
     weight_sync_pb2_grpc.add_WeightSyncServiceServicer_to_server(servicer, server)
     names = [WEIGHT_SYNC_SERVICE]
     if extra is not None:
@@ -168,10 +195,11 @@ def build_server(
     bound = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
     if bound == 0:
         raise RuntimeError(f"could not bind {bind}")
+    metrics_http = servicer.engine.metrics.serve(metrics_host, metrics_port) if metrics_port is not None else None
     server.start()
     shown = host if ":" not in host else f"[{host}]"
     log.info("wsync serving %s on %s:%d", adapter.name, shown, bound)
-    return WsyncServer(server, bound, f"{shown}:{bound}", servicer, health_servicer)
+    return WsyncServer(server, bound, f"{shown}:{bound}", servicer, health_servicer, metrics_http)
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"

@@ -44,7 +44,15 @@ from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
 from wsync_grpc.core.validation import BucketSpecFields, UpdateHeader, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
-from wsync_grpc.service.outcome import CompleteResult, PrepareResult, applied_result, verified_result
+from wsync_grpc.service.outcome import (
+    CompleteResult,
+    PrepareResult,
+    applied_result,
+    progress_of,
+    record_applied,
+    record_failed,
+    verified_result,
+)
 from wsync_grpc.service.remote import ReceiverView, RemoteReceivers
 from wsync_grpc.service.status import Progress
 from wsync_grpc.worker.feed import BucketFeed
@@ -112,6 +120,7 @@ class UpdateSession:
         self.completing = False
         self.verifying = False
         self.verified = False
+        self.verify_s = 0.0
         self.auto_paused = False
         self.error: WsyncError | None = None
         self.ended = threading.Event()
@@ -296,11 +305,13 @@ class UpdateSession:
         Raises:
             see :meth:`wait_received`.
         """
+        t0 = time.monotonic()
         self.wait_received(timeout_s)
         with self.engine.lock:
             if self.error is not None:
                 raise self.error
             self.verified = True
+            self.verify_s = time.monotonic() - t0
             return verified_result(self, self.engine.weight_version, time.monotonic())
 
     def complete(self, timeout_s: float, flush_cache: bool) -> CompleteResult:
@@ -356,25 +367,13 @@ class UpdateSession:
                 eng.adapter.resume()
             eng.dirty_paused = False
             self.ended.set()
-        return applied_result(self, t0, done, flush_cache)
+        return record_applied(self, applied_result(self, t0, done, flush_cache))
 
     # ----------------------------------------------------------------- progress
 
     def progress(self) -> Progress:
         """Where the update stands (the slowest worker's counts). Lock held."""
-        h = self.header
-        return Progress(
-            update_id=h.update_id,
-            weight_version=h.weight_version,
-            layout=h.layout,
-            apply_mode=h.apply_mode,
-            buckets_expected=len(self.feed),
-            buckets_received=min((r.buckets_done for r in self.receivers), default=0),
-            bytes_expected=self.bytes,
-            bytes_received=min((r.bytes_done for r in self.receivers), default=0),
-            elapsed_seconds=time.monotonic() - self.started,
-            incremental=h.incremental,
-        )
+        return progress_of(self)
 
     # ------------------------------------------------------------------ failure
 
@@ -401,6 +400,7 @@ class UpdateSession:
             eng.failed_update = self
             eng.record_error(err, self.header.update_id)
             self.ended.set()
+            record_failed(self, err)
             log.warning(
                 "update %s (version %s) failed: %s %s",
                 clip(self.header.update_id),

@@ -129,6 +129,8 @@ def _serve_vllm(args: argparse.Namespace, token: str | None) -> int:
             tls_key=args.tls_key,
             port_file=args.port_file,
             grace=args.grace,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
         )
     )
 
@@ -151,6 +153,8 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         extra=extra,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
     log.info(
         "model %s: %d tensors, %.1fM parameters, %.1f MB, dtype %s; listening on %s",
@@ -274,6 +278,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="allow a non-loopback --host without TLS and token (anyone who reaches it can change the weights)",
     )
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get at shutdown")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the metrics (default loopback)")
     v = s.add_argument_group("vLLM engine (--engine vllm, the 'vllm' extra)")
     v.add_argument(
         "--engine",

@@ -41,6 +41,7 @@ class VllmServeOptions:
         token, tls_cert, tls_key: the gRPC server's bearer token and TLS files (see ``build_server``).
         port_file: where to write the gRPC port once serving.
         grace: seconds in-flight RPCs get at shutdown.
+        metrics_host, metrics_port: wsync's Prometheus ``/metrics`` endpoint (``None``: not served).
     """
 
     model: str
@@ -55,6 +56,8 @@ class VllmServeOptions:
     tls_key: Path | None = None
     port_file: Path | None = None
     grace: float = 5.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
 
 
 def vllm_argv(o: VllmServeOptions) -> list[str]:
@@ -113,7 +116,16 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
     try:
         async with build_async_engine_client(args) as client:
             adapter = await VllmAdapter.create(client)
-            srv = build_server(adapter, host=o.host, port=o.port, token=o.token, tls_cert=o.tls_cert, tls_key=o.tls_key)
+            srv = build_server(
+                adapter,
+                host=o.host,
+                port=o.port,
+                token=o.token,
+                tls_cert=o.tls_cert,
+                tls_key=o.tls_key,
+                metrics_host=o.metrics_host,
+                metrics_port=o.metrics_port,
+            )
             specs = adapter.parameter_specs()
             log.info(
                 "vLLM engine %s: %d checkpoint tensors, %d worker(s); wsync.v1 on %s, HTTP on %s",

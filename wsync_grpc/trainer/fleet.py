@@ -29,6 +29,19 @@ from wsync_grpc.wire.convert import PAUSE_MODES, duration
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Largest reply the client accepts, in bytes (checksums of 100k tensors exceed gRPC's 4 MiB default)."""
 
+KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+"""HTTP/2 keepalive of the client's channels: a ping every 2 s, the connection dropped when an engine
+does not answer within 2 s (``keepalive_timeout_ms``, and ``http2.ping_timeout_ms`` in gRPC's current
+core). A frozen or partitioned engine announces nothing; the dropped connection ends the update's held
+``Watch`` calls as its death would. Engines accept pings down to one a second (their server's
+``KEEPALIVE_OPTIONS``)."""
+
 R = TypeVar("R")
 
 
@@ -81,6 +94,7 @@ class Fleet:
         options = [
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            *KEEPALIVE_OPTIONS,
             *channel_options,
         ]
         self.engines: list[RemoteEngine] = []

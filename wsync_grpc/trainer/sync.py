@@ -348,15 +348,17 @@ class SyncRunner:
         """The failure protocol: Cancel everywhere, leave the group, build the one error to raise."""
         update_id, weight_version, results = request.update_id, request.weight_version, results or {}
         all_failures = dict(failures)
+        lost: set[str] = set()
         if self._holds is not None:  # engines whose stream ended first: dead, or their update failed
             for t, f in self._holds.stop().items():
                 all_failures.setdefault(t, f)
+                lost.add(t)  # no Cancel: the end of its held Watch already failed its update, if it lives
         cancelled: dict[str, bool] = {}
         cancel_failures: dict[str, EngineFailure] = {}
         if stage != "init":
             # Cancel is idempotent: engines that rejected Prepare (or completed)
             # answer cancelled = false and keep their state.
-            pending = [e for e in self._fleet.engines if e.target not in results]
+            pending = [e for e in self._fleet.engines if e.target not in results and e.target not in lost]
             replies, cancel_failures = self._fleet.gather(
                 "Cancel",
                 lambda e: self._fleet.start_cancel(e, update_id, f"the trainer abandoned the update ({stage} failed)"),
