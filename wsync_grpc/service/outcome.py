@@ -46,6 +46,8 @@ class CompleteResult:
     total_seconds: float
     cache_flushed: bool
     verified_only: bool = False
+    prepare_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 def verified_result(s: UpdateSession, served_version: str, done: float) -> CompleteResult:
@@ -64,6 +66,8 @@ def verified_result(s: UpdateSession, served_version: str, done: float) -> Compl
         total_seconds=done - s.started,
         cache_flushed=False,
         verified_only=True,
+        prepare_seconds=(s.armed_at or s.started) - s.started,
+        verify_seconds=s.verify_s,
     )
 
 
@@ -82,6 +86,8 @@ def applied_result(s: UpdateSession, t0: float, done: float, flush_cache: bool) 
         apply_seconds=done - t0,
         total_seconds=done - s.started,
         cache_flushed=flush_cache,
+        prepare_seconds=armed - s.started,
+        verify_seconds=s.verify_s,
     )
     log.info(
         "update %s applied: version %s, %d tensors, %d bytes, %.3f s total",
@@ -96,9 +102,9 @@ def applied_result(s: UpdateSession, t0: float, done: float, flush_cache: bool) 
 
 def record_applied(s: UpdateSession, result: CompleteResult) -> CompleteResult:
     """Count applied update ``s`` in the engine's metrics (its phases, in seconds); return ``result``."""
-    phases = {"prepare": (s.armed_at or s.started) - s.started, "receive": result.receive_seconds}
+    phases = {"prepare": result.prepare_seconds, "receive": result.receive_seconds}
     if s.verified:
-        phases["verify"] = s.verify_s
+        phases["verify"] = result.verify_seconds
     phases["apply"] = result.apply_seconds
     s.engine.metrics.update_applied(phases, result.total_seconds, sum(r.bytes_done for r in s.receivers))
     return result

@@ -23,6 +23,7 @@ import grpc
 import torch
 from google.protobuf import json_format
 from google.protobuf.message import Message
+from pythonjsonlogger.json import JsonFormatter
 from wsync.v1 import generation_pb2, generation_pb2_grpc, weight_sync_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
@@ -251,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``wsync`` argument parser."""
     p = argparse.ArgumentParser(prog="wsync", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--log-level", default=os.environ.get("WSYNC_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=os.environ.get("WSYNC_LOG_FORMAT", "text"),
+        help="json: one JSON object per log line (time, level, logger, message), for log collectors",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_rpcs(sub)
@@ -400,14 +407,25 @@ def _bind(method: str, request: Message) -> Callable[..., Message]:
     return call
 
 
+def _configure_logging(level: str, fmt: str) -> None:
+    """Log to stderr at ``level``: text lines, or one JSON object per line (``python-json-logger``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``wsync`` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    _configure_logging(args.log_level, args.log_format)
     try:
         result: int = args.func(args)
     except UsageError as e:

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -27,6 +28,7 @@ from wsync_grpc.trainer.broadcast import PackBuffers
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
+from wsync_grpc.trainer.metrics import TrainerMetrics
 from wsync_grpc.trainer.options import (
     DEFAULT_GROUP_TIMEOUT_S,
     DEFAULT_RPC_TIMEOUT_S,
@@ -114,6 +116,8 @@ class TrainerClient:
             ``None`` (default) = ``"host:pid:random"``, unique per client. Every
             engine has one owner at a time: a client whose engine another live
             client owns gets ``NOT_OWNER`` from ``init``/``sync``.
+        metrics_registry: where the client's Prometheus metrics go (:mod:`wsync_grpc.trainer.metrics`);
+            ``None`` = a registry of its own (:attr:`metrics_registry`), for the caller to serve.
 
     Raises:
         ValueError: no targets, duplicate targets, a ``workers`` list of the
@@ -156,6 +160,7 @@ class TrainerClient:
         channel_options: Sequence[tuple[str, Any]] = (),
         keep_buffers: bool | None = None,
         owner: str | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         targets = list(targets)
         self._settings = client_settings(
@@ -180,12 +185,20 @@ class TrainerClient:
         self._leases = Leases(self._fleet.engines, owner, self._fleet.metadata)
         self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases)
         self._buffers = PackBuffers(keep_buffers, self._settings.device)
-        self._sync = SyncRunner(self._fleet, self._membership, self._settings, self._cancel_event, self._buffers)
+        self._metrics = TrainerMetrics(metrics_registry)
+        self._sync = SyncRunner(
+            self._fleet, self._membership, self._settings, self._cancel_event, self._buffers, self._metrics
+        )
 
     @property
     def targets(self) -> list[str]:
         """The engines' addresses, in rank order."""
         return [e.target for e in self._fleet.engines]
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """The registry of the client's Prometheus metrics (serve it with ``prometheus_client``)."""
+        return self._metrics.registry
 
     @property
     def owner(self) -> str:
@@ -233,21 +246,16 @@ class TrainerClient:
         return self._membership.port
 
     def status(self) -> dict[str, pb.GetStatusResponse]:
-        """``GetStatus`` on every engine: target -> reply.
-
-        Raises:
-            EngineCallError: some engine did not answer; ``results`` has the others.
-        """
+        """``GetStatus`` on every engine: target -> reply (EngineCallError when some does not answer)."""
         return self._fleet.status()
 
     def pause(self, mode: PauseModeName = "abort", timeout: float | None = None) -> dict[str, pb.PauseResponse]:
         """``Pause`` every engine: target -> reply (how many requests were aborted/drained/frozen).
 
         Args:
-            mode: ``"abort"`` (end requests in flight), ``"wait"`` (drain them)
-                or ``"keep"`` (freeze them until resume), as vLLM's ``/pause?mode=``.
-            timeout: drain bound of ``"wait"``, in seconds; ``None`` = the
-                engine's default (60 s).
+            mode: ``"abort"`` (end requests in flight), ``"wait"`` (drain them) or ``"keep"``
+                (freeze them until resume), as vLLM's ``/pause?mode=``.
+            timeout: drain bound of ``"wait"``, in seconds; ``None`` = the engine's default (60 s).
 
         Raises:
             ValueError: unknown mode.
@@ -259,8 +267,7 @@ class TrainerClient:
         """``Resume`` every engine: target -> reply.
 
         Args:
-            force: resume even an engine whose weights a failed streaming
-                update left dirty (half-updated).
+            force: resume even an engine whose weights a failed update left dirty (half-updated).
 
         Raises:
             EngineCallError: some engine refused (e.g. FAILED_PRECONDITION ENGINE_DIRTY).
@@ -281,14 +288,12 @@ class TrainerClient:
     def cancel(self, reason: str = "cancelled by the trainer") -> dict[str, pb.CancelResponse]:
         """Cancel whatever update is in flight on every engine, and interrupt a :meth:`sync` in flight.
 
-        Engines that had an update in flight abandon it, go to FAILED and
-        leave the group, so the client is then marked for re-initialization.
-        Safe to call from another thread while ``sync`` runs: its broadcast
-        stops at the next wait and it raises :class:`SyncError`.
+        Engines that had an update in flight abandon it, go to FAILED and leave the group (the client
+        re-initializes next). From another thread while ``sync`` runs: its broadcast stops at the next
+        wait and it raises :class:`SyncError`.
 
         Args:
             reason: recorded in the engines' ``last_error``.
-
         Returns:
             target -> reply (``cancelled`` is False where nothing was in flight).
 
@@ -305,8 +310,7 @@ class TrainerClient:
             target -> reply (``was_member`` is False where it was not a member).
 
         Raises:
-            EngineCallError: some engine failed (FAILED_PRECONDITION when an
-                update is in flight there: :meth:`cancel` first).
+            EngineCallError: some engine failed (FAILED_PRECONDITION with an update in flight: cancel first).
         """
         with self._op_lock:
             return self._membership.leave()
@@ -314,8 +318,7 @@ class TrainerClient:
     def close(self) -> None:
         """Leave the group (engines and trainer, best effort) and close the channels. Idempotent.
 
-        Errors from engines are logged, not raised: ``close`` runs on the way
-        out, often after another error.
+        Errors from engines are logged, not raised: ``close`` runs on the way out, often after another error.
         """
         if self._membership.closed:
             return
@@ -343,8 +346,7 @@ class TrainerClient:
         ``1, 1 + w0, ...`` in target order, then ``Init`` everywhere while the
         trainer joins as rank 0; an engine's Init failing early ends it at once.
 
-        Without ``force``, a client that is already initialized and healthy
-        returns its current membership without any call.
+        Without ``force``, an initialized, healthy client returns its membership without any call.
 
         Returns:
             target -> ``InitResponse`` (the group as each engine joined it).

@@ -174,6 +174,8 @@ class EngineSyncResult:
         apply_seconds: apply time at Complete, in seconds.
         total_seconds: first Prepare message to the end of Complete, in seconds.
         cache_flushed: whether the engine flushed its cache.
+        verify_seconds: the engine's wait for the last buckets in the verifying Complete, in seconds
+            (0 for a streaming update).
     """
 
     target: str
@@ -187,6 +189,7 @@ class EngineSyncResult:
     apply_seconds: float
     total_seconds: float
     cache_flushed: bool
+    verify_seconds: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
@@ -242,6 +245,24 @@ class SyncResult:
     def gb_per_s(self) -> float:
         """End-to-end throughput: ``payload_bytes`` over ``total_seconds`` (Prepare to Complete), GB/s."""
         return _gb_per_s(self.payload_bytes, self.total_seconds)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """The sync's time from the first Prepare to the last Complete reply, split into disjoint phases.
+
+        ``prepare`` (the Prepare round trip: every engine validated and armed), ``broadcast`` (first
+        broadcast posted to the last one finished; packing overlaps it, see :attr:`pack_seconds`),
+        ``verify`` (waiting for every engine to have received and verified everything: the first
+        commit phase of a staged update; 0 for a streaming one) and ``apply`` (the applying Complete
+        round trip). They add up to :attr:`total_seconds` but for the bookkeeping between them.
+        Seconds.
+        """
+        return {
+            "prepare": self.prepare_seconds,
+            "broadcast": self.broadcast_seconds,
+            "verify": self.verify_seconds,
+            "apply": self.complete_seconds - self.verify_seconds,
+        }
 
     @property
     def broadcast_gb_per_s(self) -> float:

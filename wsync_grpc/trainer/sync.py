@@ -45,6 +45,7 @@ from wsync_grpc.trainer.broadcast import Broadcast, PackBuffers
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.liveness import Holds
 from wsync_grpc.trainer.membership import Membership
+from wsync_grpc.trainer.metrics import TrainerMetrics
 from wsync_grpc.trainer.options import ApplyMode, Layout
 from wsync_grpc.trainer.planning import Planner
 from wsync_grpc.trainer.results import (
@@ -118,6 +119,7 @@ class SyncRunner:
         settings: the client's settings (timeouts are read at every update).
         cancel_event: the client's cancel signal; set, it stops the update at its next wait.
         buffers: the trainer's pack buffers.
+        metrics: the client's Prometheus metrics.
     """
 
     def __init__(
@@ -127,8 +129,10 @@ class SyncRunner:
         settings: ClientSettings,
         cancel_event: threading.Event,
         buffers: PackBuffers,
+        metrics: TrainerMetrics,
     ) -> None:
         self._fleet = fleet
+        self._metrics = metrics
         self._membership = membership
         self._settings = settings
         self._cancel_event = cancel_event
@@ -197,6 +201,7 @@ class SyncRunner:
             total_seconds=done - t0,
             engines={e.target: results[e.target] for e in self._fleet.engines},
         )
+        self._metrics.sync_applied(result)
         _report(request, "applied")
         return result
 
@@ -384,6 +389,7 @@ class SyncRunner:
             parts.append(f"applied on {', '.join(results)} (they serve {weight_version!r} now)")
         parts.append("the trainer left the group; the next sync re-initializes it")
         log.warning("%s", "; ".join(parts))
+        self._metrics.sync_failed(stage)
         return SyncError(
             "; ".join(parts),
             stage=stage,
@@ -420,4 +426,5 @@ def _engine_result(target: str, r: pb.CompleteResponse, prepared: pb.PrepareResp
         apply_seconds=r.apply_seconds,
         total_seconds=r.total_seconds,
         cache_flushed=r.cache_flushed,
+        verify_seconds=r.verify_seconds,
     )

@@ -941,6 +941,8 @@ class CompleteResponse(_message.Message):
     TOTAL_SECONDS_FIELD_NUMBER: _builtins.int
     CACHE_FLUSHED_FIELD_NUMBER: _builtins.int
     VERIFIED_ONLY_FIELD_NUMBER: _builtins.int
+    PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
+    VERIFY_SECONDS_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id is the update that completed."""
     weight_version: _builtins.str
@@ -970,6 +972,14 @@ class CompleteResponse(_message.Message):
     update is verified and waits for the applying Complete; weight_version
     is then still the old one. false: the update was applied.
     """
+    prepare_seconds: _builtins.float
+    """prepare_seconds is the time from the first Prepare message to the armed
+    receivers (PrepareResponse.ready_seconds), in seconds.
+    """
+    verify_seconds: _builtins.float
+    """verify_seconds is the time the verifying Complete (verify_only) waited
+    for the last buckets, in seconds; 0 when the update had none.
+    """
     def __init__(
         self,
         *,
@@ -983,10 +993,12 @@ class CompleteResponse(_message.Message):
         total_seconds: _builtins.float = ...,
         cache_flushed: _builtins.bool = ...,
         verified_only: _builtins.bool = ...,
+        prepare_seconds: _builtins.float = ...,
+        verify_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_seconds", b"apply_seconds", "bucket_count", b"bucket_count", "bytes_received", b"bytes_received", "cache_flushed", b"cache_flushed", "receive_seconds", b"receive_seconds", "tensor_count", b"tensor_count", "total_seconds", b"total_seconds", "update_id", b"update_id", "verified_only", b"verified_only", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_seconds", b"apply_seconds", "bucket_count", b"bucket_count", "bytes_received", b"bytes_received", "cache_flushed", b"cache_flushed", "prepare_seconds", b"prepare_seconds", "receive_seconds", b"receive_seconds", "tensor_count", b"tensor_count", "total_seconds", b"total_seconds", "update_id", b"update_id", "verified_only", b"verified_only", "verify_seconds", b"verify_seconds", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,127 @@
+"""Prometheus metrics scraped over HTTP from a real engine after real syncs (good, refused, cancelled).
+
+The engine runs as ``wsync serve --synthetic tiny --metrics-port P``; the trainer's own registry
+(``TrainerClient.metrics_registry``) is read in-process, and each sync's phase split is checked to
+add up to its total.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from support import ENV, ROOT, free_port
+
+from wsync_grpc.engines import synthetic
+from wsync_grpc.testing import EngineProcess, spawn_engine
+from wsync_grpc.trainer import SyncError, SyncResult, TrainerClient
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def samples(text: str) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(all_: Samples, name: str, **labels: str) -> float:
+    return all_.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[tuple[EngineProcess, int]]:
+    """An engine with metrics on a free port, logging JSON lines (``WSYNC_LOG_FORMAT=json``) to engine.log."""
+    port = free_port()
+    e = spawn_engine(
+        ["--synthetic", "tiny", "--dtype", "bfloat16", "--grace", "1", "--metrics-port", str(port)],
+        port_file=tmp_path / "engine.port",
+        log=tmp_path / "engine.log",
+        env={**ENV, "WSYNC_LOG_FORMAT": "json"},
+        cwd=ROOT,
+    )
+    yield e, port
+    e.stop()
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return samples(r.read().decode())
+
+
+@pytest.mark.timeout(180)
+def test_metrics_after_good_refused_and_cancelled_syncs(engine: tuple[EngineProcess, int]) -> None:
+    proc, port = engine
+    model = synthetic.build("tiny", seed=1, dtype=torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in model.values())
+    results: list[SyncResult] = []
+    with TrainerClient([proc.target], rpc_timeout_s=30) as client:
+        results.append(client.sync(model.items(), "v1"))
+        results.append(client.sync(model.items(), "v2", apply_mode="streaming"))
+        with pytest.raises(SyncError) as refused:  # a tensor the engine does not have
+            client.sync([*model.items(), ("model.nope.weight", torch.zeros(4))], "bad")
+        assert refused.value.failures[proc.target].code == grpc.StatusCode.INVALID_ARGUMENT
+
+        def cancel_once_prepared(phase: str) -> None:
+            if phase == "prepared":
+                client.cancel("metrics test")
+
+        with pytest.raises(SyncError):
+            client.sync(model.items(), "cancelled", on_phase=cancel_once_prepared)
+        results.append(client.sync(model.items(), "v3"))
+        m = scrape(port)
+        trainer = samples(generate_latest(client.metrics_registry).decode())
+
+    # Updates by outcome and reason; a refused Prepare is no update, only a refused RPC.
+    assert value(m, "wsync_updates_total", outcome="applied", reason="") == 3
+    assert value(m, "wsync_updates_total", outcome="cancelled", reason="UPDATE_CANCELLED") == 1
+    assert value(m, "wsync_update_duration_seconds_count", outcome="applied") == 3
+    assert value(m, "wsync_update_duration_seconds_count", outcome="cancelled") == 1
+    for phase, count in {"prepare": 3, "receive": 3, "verify": 2, "apply": 3}.items():
+        assert value(m, "wsync_update_phase_duration_seconds_count", phase=phase) == count, phase
+        assert value(m, "wsync_update_phase_duration_seconds_sum", phase=phase) >= 0
+    assert value(m, "wsync_received_bytes_total") >= 3 * nbytes
+    assert value(m, "wsync_rpcs_total", method="Prepare", code="INVALID_ARGUMENT") == 1
+    assert value(m, "wsync_rpcs_total", method="Prepare", code="OK") == 4
+    assert value(m, "wsync_rpcs_total", method="Complete", code="OK") == 5  # staged: two each
+    assert value(m, "wsync_rpcs_total", method="Cancel", code="OK") >= 1
+    assert value(m, "wsync_rpcs_total", method="Init", code="OK") >= 2  # re-formed after the cancel
+    # Gauges, read from the engine's status at the scrape.
+    assert value(m, "wsync_lifecycle_state", state="READY") == 1
+    assert value(m, "wsync_lifecycle_state", state="FAILED") == 0
+    assert value(m, "wsync_owner_present") == 1 and value(m, "wsync_updates_in_flight") == 0
+    assert value(m, "wsync_paused") == 0 and value(m, "wsync_dirty") == 0
+    assert value(m, "wsync_weight_version_info", weight_version="v3") == 1
+    assert value(m, "wsync_receive_buffer_bytes") > 0  # CPU workers keep their buffers
+
+    # The trainer's registry: the same phases, and the failures by stage.
+    assert value(trainer, "wsync_trainer_syncs_total", outcome="applied", stage="") == 3
+    assert value(trainer, "wsync_trainer_syncs_total", outcome="failed", stage="prepare") == 1
+    failed = {dict(labels)["stage"]: v for (name, labels), v in trainer.items() if name == "wsync_trainer_syncs_total"}
+    assert sum(failed.values()) == 3 + 2, failed  # the cancelled one at its broadcast or its verification
+    for phase in ("plan", "init", "prepare", "pack", "broadcast", "verify", "apply", "total"):
+        assert value(trainer, "wsync_trainer_sync_phase_duration_seconds_count", phase=phase) == 3, phase
+    for r in results:
+        split = sum(r.phases.values())
+        assert abs(split - r.total_seconds) <= 0.05 * r.total_seconds + 0.005, (r.phases, r.total_seconds)
+
+
+def test_engine_logs_are_json_lines_with_log_format_json(engine: tuple[EngineProcess, int], tmp_path: Path) -> None:
+    proc, _port = engine
+    with TrainerClient([proc.target], rpc_timeout_s=30) as client:
+        client.sync(synthetic.build("tiny", seed=2, dtype=torch.bfloat16).items(), "json-logged")
+    proc.stop()
+    lines = [ln for ln in (tmp_path / "engine.log").read_text().splitlines() if ln.startswith("{")]
+    records = [json.loads(ln) for ln in lines]
+    assert len(records) >= 4
+    assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
+    assert any(r["logger"] == "wsync_grpc.service.session" and "applied" in r["message"] for r in records)
