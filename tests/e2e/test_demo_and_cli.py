@@ -36,6 +36,8 @@ def test_demo_one_step_syncs_smollm2_into_two_engines() -> None:
     assert out.count("greedy (step-1): same") == 2
     assert out.count("stopped (exit 0)") == 2  # engines shut down cleanly on SIGTERM
     assert re.search(r"sync step-1: \d+ buckets, 538\.1 MB to 2 engines", out), out[-3000:]
+    phases = re.search(r"phases \(s\): plan [\d.]+, prepare ([\d.]+), broadcast ([\d.]+), verify ([\d.]+), apply", out)
+    assert phases is not None, out[-3000:]
 
 
 @pytest.mark.slow

@@ -168,6 +168,8 @@ def _train_and_sync(tr: _Trainer, client: TrainerClient, version: str, step: int
         f"to {len(result.engines)} engines in {result.total_seconds:.3f} s ({result.gb_per_s:.2f} GB/s)",
         flush=True,
     )
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in {"plan": result.plan_seconds, **result.phases}.items())
+    print(f"  phases (s): {phases} (packing {result.pack_seconds:.3f} s of the broadcast)", flush=True)
     # The trainer's expectation: the same weights in the local copy.
     with tr.local.weights_lock():
         tr.local.load_weights(0, named)
