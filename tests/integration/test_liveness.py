@@ -130,9 +130,9 @@ def test_a_killed_trainer_is_noticed_within_two_seconds(engine: EngineProcess, m
     assert sums == {n: tensor_sha256(t) for n, t in fresh.items()}
 
 
-@pytest.mark.timeout(300)
-def test_a_killed_engine_is_named_within_two_seconds(tmp_path: Path) -> None:
-    engines = [
+def spawn_pair(tmp_path: Path) -> list[EngineProcess]:
+    """Two engines serving the same synthetic model: ``survivor`` and ``victim``."""
+    return [
         spawn_engine(
             ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1"],
             port_file=tmp_path / f"{name}.port",
@@ -143,7 +143,11 @@ def test_a_killed_engine_is_named_within_two_seconds(tmp_path: Path) -> None:
         )
         for name in ("survivor", "victim")
     ]
-    survivor, victim = engines
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_engine_is_named_within_two_seconds(tmp_path: Path) -> None:
+    engines = survivor, victim = spawn_pair(tmp_path)
     try:
         before = served(survivor.target)[1]
         killed: list[float] = []
@@ -208,18 +212,7 @@ def test_a_frozen_trainer_is_noticed_by_keepalive_long_before_the_group_timeout(
 @pytest.mark.timeout(300)
 def test_a_frozen_engine_is_named_by_keepalive_long_before_the_group_timeout(tmp_path: Path) -> None:
     """SIGSTOP of one engine mid-broadcast: the trainer's keepalive drops it, and the sync fails naming it."""
-    engines = [
-        spawn_engine(
-            ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1"],
-            port_file=tmp_path / f"{name}.port",
-            log=tmp_path / f"{name}.log",
-            env=ENV,
-            cwd=ROOT,
-            name=name,
-        )
-        for name in ("survivor", "victim")
-    ]
-    survivor, victim = engines
+    engines = survivor, victim = spawn_pair(tmp_path)
     try:
         before = served(survivor.target)[1]
         frozen: list[float] = []

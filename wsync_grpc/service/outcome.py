@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from wsync_grpc.core.errors import WsyncError, clip
 from wsync_grpc.service.status import Progress
+from wsync_grpc.service.tracing import record_span
 
 if TYPE_CHECKING:
     from wsync_grpc.service.session import UpdateSession
@@ -131,4 +132,14 @@ def progress_of(s: UpdateSession) -> Progress:
         bytes_received=min((r.bytes_done for r in s.receivers), default=0),
         elapsed_seconds=time.monotonic() - s.started,
         incremental=h.incremental,
+    )
+
+
+def trace_receive(s: UpdateSession) -> None:
+    """Record update ``s``'s ``wsync.engine.receive`` span: armed receivers to the last bucket's arrival."""
+    if s.trace_context is None or s.armed_at is None or not s.receivers:
+        return
+    last = max((r.last_arrival_at or s.armed_at) for r in s.receivers)
+    record_span(
+        "wsync.engine.receive", s.trace_context, s.armed_at, last, update_id=s.header.update_id, buckets=len(s.feed)
     )

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+from opentelemetry.context import Context
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -30,9 +31,11 @@ from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TI
 from wsync_grpc.core.validation import UpdateValidator, validate_transport
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.lease import DEFAULT_KEEPALIVE_INTERVAL_S, keepalive_stream, open_keepalive
+from wsync_grpc.service.outcome import trace_receive
 from wsync_grpc.service.prepare import PrepareReader, cancelled_while_preparing
 from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.service.status import owner_info, status_response
+from wsync_grpc.service.tracing import server_span
 from wsync_grpc.service.watch import DEFAULT_WATCH_INTERVAL_S, hold, watch_stream
 from wsync_grpc.wire.convert import PAUSE_MODES, from_proto, seconds, state_to_proto, transport_from_proto
 from wsync_grpc.wire.status import grpc_errors
@@ -171,6 +174,12 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self, request_iterator: Iterator[pb.PrepareRequest], context: grpc.ServicerContext
     ) -> pb.PrepareResponse:
         """Read, validate and arm one update (see the contract for semantics)."""
+        with server_span("wsync.engine.prepare", context) as trace_context:
+            return self._prepare(request_iterator, context, trace_context)
+
+    def _prepare(
+        self, request_iterator: Iterator[pb.PrepareRequest], context: grpc.ServicerContext, trace_context: Context
+    ) -> pb.PrepareResponse:
         started = time.monotonic()
         with self._lock:
             self.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
@@ -183,6 +192,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 if reader.cancel.is_set():
                     raise cancelled_while_preparing()
                 session = UpdateSession(self.engine, header, validator, buckets, started)
+                session.trace_context = trace_context
                 session.start()
         except BaseException:
             with self._lock:
@@ -226,7 +236,11 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             upd = self.engine.current(request.update_id)
             timeout = seconds(request.timeout, self.engine.membership.group_timeout_s)  # refused before anything
             upd.begin_complete(request.verify_only)
-        result = upd.verify(timeout) if request.verify_only else upd.complete(timeout, request.flush_cache)
+        phase = "verify" if request.verify_only else "apply"
+        with server_span(f"wsync.engine.{phase}", context, update_id=upd.header.update_id):
+            result = upd.verify(timeout) if request.verify_only else upd.complete(timeout, request.flush_cache)
+        if request.verify_only or not upd.verified:  # every bucket arrived in this call: trace the receive
+            trace_receive(upd)
         return pb.CompleteResponse(**dataclasses.asdict(result))
 
     @grpc_errors

@@ -29,6 +29,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from opentelemetry.context import Context
+
 from wsync_grpc.core.adapter import EngineAdapter, PauseMode, RemoteWorkers
 from wsync_grpc.core.errors import (
     Aborted,
@@ -77,8 +79,7 @@ class UpdateSession:
         started: when the Prepare began, on the monotonic clock (seconds).
 
     Attributes:
-        feed: the declared buckets, read by every receiver; closed at Complete or on failure
-            (at once for a non-incremental update).
+        feed: the declared buckets, read by every receiver; closed at Complete or failure (at once if not incremental).
         cancel: set when the update is abandoned; every receiver's wait ends on it.
         receivers: one per worker, in worker order, once :meth:`start` ran.
         tensors: tensors declared so far.
@@ -89,6 +90,7 @@ class UpdateSession:
         verified: every bucket arrived and was verified; the applying Complete only applies.
         auto_paused: the session paused the engine for a streaming update and resumes it afterwards.
         error: why the update failed; ``None`` while it has not.
+        trace_context: the OpenTelemetry context of its Prepare span (:mod:`wsync_grpc.service.tracing`).
     """
 
     def __init__(
@@ -117,12 +119,11 @@ class UpdateSession:
         self.tensors = sum(len(b.tensors) for b in buckets)
         self.bytes = sum(b.size_bytes for b in buckets)
         self.armed_at: float | None = None
-        self.completing = False
-        self.verifying = False
-        self.verified = False
+        self.completing = self.verifying = self.verified = False
         self.verify_s = 0.0
         self.auto_paused = False
         self.error: WsyncError | None = None
+        self.trace_context: Context | None = None
         self.ended = threading.Event()
         """Set once the update was applied or failed (``Watch`` streams end on it)."""
 

@@ -7,15 +7,12 @@ every engine at once, every engine replying once its receivers are armed;
 the broadcast of every bucket (:mod:`wsync_grpc.trainer.broadcast`);
 Complete everywhere; per-engine results and trainer-side timings.
 
-A staged update is committed in two phases, so that the fleet publishes the
-new version on every engine or on none (``docs/architecture.md``, "Fleet
-commit"): first ``Complete(verify_only)`` everywhere (every bucket arrived
-and the new weights are ready beside the served ones; nothing is published),
-then, only when every engine verified, the applying ``Complete`` everywhere.
-A failure before the decision cancels the update on every engine (all keep
-serving the old version); once every engine verified, the engines that can
-apply do, and the error names those that could not (the one window: an engine
-that dies or fails during its own apply).
+A staged update commits in two phases, so that the fleet publishes the new
+version on every engine or on none (``docs/architecture.md``, "Fleet commit"):
+``Complete(verify_only)`` everywhere, then, only once every engine verified,
+the applying ``Complete`` everywhere. A failure before that cancels the update
+everywhere; after it, the engines that can apply do, and the error names those
+that could not (the one window: an engine failing in its own apply).
 
 The failure protocol (:meth:`SyncRunner._abandon`): when any engine fails
 (or the trainer's broadcast does), no further byte is broadcast, the update
@@ -34,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
@@ -60,6 +58,7 @@ from wsync_grpc.trainer.results import (
     failure_lines,
 )
 from wsync_grpc.trainer.settings import ClientSettings
+from wsync_grpc.trainer.tracing import SyncTrace
 from wsync_grpc.wire.convert import APPLY_MODES, LAYOUTS, duration
 
 log = logging.getLogger(__name__)
@@ -139,18 +138,31 @@ class SyncRunner:
         self._buffers = buffers
         self._planner = Planner(settings)
         self._holds: Holds | None = None
+        self._trace: SyncTrace  # one per run
 
     def run(self, named_tensors: Iterable[tuple[str, torch.Tensor]], request: UpdateRequest) -> SyncResult:
-        """Push ``named_tensors`` to every engine as ``request`` says.
+        """Push ``named_tensors`` to every engine as ``request`` says, as one trace (:mod:`.tracing`).
 
         Raises:
             ValueError: nothing to send, or a planning error.
             SyncError: the update failed; it was abandoned on every engine.
             ClientError: the client was closed.
         """
+        n = len(self._fleet.engines)
+        self._trace = SyncTrace(request.update_id, request.weight_version, request.apply_mode, n)
+        try:
+            result = self._run(named_tensors, request)
+        except BaseException as e:
+            self._trace.end(e)
+            raise
+        self._trace.end()
+        return result
+
+    def _run(self, named_tensors: Iterable[tuple[str, torch.Tensor]], request: UpdateRequest) -> SyncResult:
         if self._membership.closed:
             raise ClientError("the client is closed")
         t_plan = time.monotonic()
+        self._trace.begin("plan")
         pairs = list(named_tensors)
         layout_enum = core_layout.Layout(request.layout)
         buckets, messages = self._planner.plan(pairs, request.bucket_bytes, request.dtype, layout_enum)
@@ -169,12 +181,14 @@ class SyncRunner:
         )
         try:
             t_bcast = time.monotonic()
+            self._trace.begin("broadcast")
             pack_s = self._broadcast(request, group, buckets, by_name, wire_bytes)
             broadcast_s = time.monotonic() - t_bcast
             _report(request, "broadcast")
             t_complete = time.monotonic()
             verify_s = 0.0
             if request.apply_mode == "staged":
+                self._trace.begin("verify")
                 self._verify(request)
                 verify_s = time.monotonic() - t_complete
                 _report(request, "verified")
@@ -183,14 +197,7 @@ class SyncRunner:
             holds, self._holds = self._holds, None
             holds.close()
         result = SyncResult(
-            update_id=request.update_id,
-            weight_version=request.weight_version,
-            layout=request.layout,
-            apply_mode=request.apply_mode,
-            bucket_count=len(buckets),
-            tensor_count=sum(len(b.tensors) for b in buckets),
-            payload_bytes=sum(b.payload_bytes for b in buckets),
-            wire_bytes=wire_bytes,
+            **_sizes(request, buckets, wire_bytes),
             init_seconds=init_s,
             plan_seconds=plan_s,
             prepare_seconds=prepare_s,
@@ -213,6 +220,7 @@ class SyncRunner:
         """
         t_init = time.monotonic()
         if self._membership.needs_init:
+            self._trace.begin("init")
             try:
                 self._membership.form()
             except InitError as e:
@@ -251,11 +259,11 @@ class SyncRunner:
             yield from messages
 
         t0 = time.monotonic()
+        self._trace.begin("prepare")
+        metadata = self._trace.metadata(self._fleet.metadata)
         prepared, failures = self._fleet.gather(
             "Prepare",
-            lambda e: e.stub.Prepare.future(
-                stream(), timeout=self._settings.rpc_timeout_s, metadata=self._fleet.metadata
-            ),
+            lambda e: e.stub.Prepare.future(stream(), timeout=self._settings.rpc_timeout_s, metadata=metadata),
         )
         prepare_s = time.monotonic() - t0
         if not failures and self._cancel_event.is_set():
@@ -301,11 +309,10 @@ class SyncRunner:
             owner=self._fleet.owner,
             verify_only=True,
         )
+        metadata = self._trace.metadata(self._fleet.metadata)
         _, failures = self._fleet.gather(
             "Complete",
-            lambda e: e.stub.Complete.future(
-                req, timeout=self._settings.timeouts.group_rpc_s, metadata=self._fleet.metadata
-            ),
+            lambda e: e.stub.Complete.future(req, timeout=self._settings.timeouts.group_rpc_s, metadata=metadata),
         )
         if not failures and self._cancel_event.is_set():
             failures[TRAINER] = EngineFailure(TRAINER, "verify", None, "CANCELLED", "cancel() was called")
@@ -327,13 +334,11 @@ class SyncRunner:
             timeout=duration(self._settings.group_timeout_s),
             owner=self._fleet.owner,
         )
+        self._trace.begin("apply")
+        metadata = self._trace.metadata(self._fleet.metadata)
         completed, failures = self._fleet.gather(
             "Complete",
-            lambda e: e.stub.Complete.future(
-                req,
-                timeout=self._settings.timeouts.group_rpc_s,
-                metadata=self._fleet.metadata,
-            ),
+            lambda e: e.stub.Complete.future(req, timeout=self._settings.timeouts.group_rpc_s, metadata=metadata),
         )
         done = time.monotonic()
         results = {t: _engine_result(t, r, prepared[t]) for t, r in completed.items()}
@@ -400,6 +405,20 @@ class SyncRunner:
             cancelled=cancelled,
             broadcast_started=broadcast_started,
         )
+
+
+def _sizes(request: UpdateRequest, buckets: Sequence[Bucket], wire_bytes: int) -> dict[str, Any]:
+    """The fields of a :class:`SyncResult` that describe the update and its sizes (bytes)."""
+    return {
+        "update_id": request.update_id,
+        "weight_version": request.weight_version,
+        "layout": request.layout,
+        "apply_mode": request.apply_mode,
+        "bucket_count": len(buckets),
+        "tensor_count": sum(len(b.tensors) for b in buckets),
+        "payload_bytes": sum(b.payload_bytes for b in buckets),
+        "wire_bytes": wire_bytes,
+    }
 
 
 def _report(request: UpdateRequest, phase: str) -> None:
