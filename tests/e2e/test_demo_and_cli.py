@@ -120,6 +120,10 @@ def test_cli_watch_shows_engines_and_the_update_in_flight() -> None:
             assert people.returncode == 0, people.stderr
             line = people.stdout.strip()
             assert line.startswith(srv.address) and "RECEIVING" in line and "update=step-7 0/1 buckets" in line
+            bars = _wsync("watch", srv.address, "--bars", "--count", "2", "--interval", "0.1")
+            assert bars.returncode == 0, bars.stderr
+            assert f"{srv.address} RECEIVING version=- update=step-7 0/1 buckets" in bars.stdout, bars.stdout
+            assert "0.00/128B" in bars.stdout or "0/128" in bars.stdout, bars.stdout  # the bytes, as a bar
         finally:
             stub.Cancel(pb.CancelRequest(), timeout=10)
             trainer.destroy()  # type: ignore[attr-defined]

@@ -318,6 +318,7 @@ def _watch(args: argparse.Namespace) -> int:
         count=args.count,
         as_json=args.json,
         timeout_s=args.timeout,
+        bars=args.bars,
     )
 
 

@@ -2,8 +2,9 @@
 
 Every ``--interval`` seconds it asks each engine for ``GetStatus`` and prints one line per
 engine: for people by default, or one JSON object per line with ``--json`` (the ``GetStatus``
-reply with a ``target`` field, for scripts). An engine that does not answer gets a line that
-says so, and the others go on.
+reply with a ``target`` field, for scripts), or, with ``--bars``, one progress bar per engine
+(``tqdm``) that fills with the bytes of the update in flight. An engine that does not answer gets
+a line that says so, and the others go on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, TextIO
 
 import grpc
 from google.protobuf import json_format
+from tqdm import tqdm
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -51,6 +53,7 @@ def watch(
     as_json: bool,
     timeout_s: float,
     out: TextIO = sys.stdout,
+    bars: bool = False,
 ) -> int:
     """Print ``count`` rounds (0: until interrupted) of every target's status; 0 once done.
 
@@ -59,9 +62,12 @@ def watch(
         metadata: the call metadata (token).
         interval_s: time between two rounds, in seconds.
         timeout_s: deadline of each GetStatus, in seconds.
+        bars: one progress bar per engine instead of lines.
     """
     channels = {t: channel(t) for t in targets}
     stubs = {t: weight_sync_pb2_grpc.WeightSyncServiceStub(c) for t, c in channels.items()}
+    if bars:
+        return _watch_bars(stubs, metadata, interval_s, count, timeout_s, out, channels)
     rounds = 0
     try:
         while count == 0 or rounds < count:
@@ -76,6 +82,64 @@ def watch(
         for c in channels.values():
             c.close()
     return 0
+
+
+def _watch_bars(
+    stubs: dict[str, weight_sync_pb2_grpc.WeightSyncServiceStub],
+    metadata: tuple[tuple[str, str | bytes], ...],
+    interval_s: float,
+    count: int,
+    timeout_s: float,
+    out: TextIO,
+    channels: dict[str, grpc.Channel],
+) -> int:
+    """``watch`` with one ``tqdm`` bar per engine: bytes of the update in flight, state and version."""
+    shown = {t: tqdm(total=0, desc=t, position=i, file=out, unit="B", unit_scale=True) for i, t in enumerate(stubs)}
+    rounds = 0
+    try:
+        while count == 0 or rounds < count:
+            if rounds:
+                time.sleep(interval_s)
+            rounds += 1
+            for t, stub in stubs.items():
+                _update_bar(shown[t], t, stub, metadata, timeout_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for bar in shown.values():
+            bar.close()
+        for c in channels.values():
+            c.close()
+    return 0
+
+
+def _update_bar(
+    bar: tqdm[Any],
+    target: str,
+    stub: weight_sync_pb2_grpc.WeightSyncServiceStub,
+    metadata: tuple[tuple[str, str | bytes], ...],
+    timeout_s: float,
+) -> None:
+    """Fill ``bar`` with the bytes of ``target``'s update in flight; its state and version as description."""
+    try:
+        st = stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s, metadata=metadata)
+    except grpc.RpcError as e:
+        call: Any = e
+        bar.set_description_str(f"{target} {call.code().name}", refresh=False)
+        bar.refresh()
+        return
+    state = pb.LifecycleState.Name(st.state).removeprefix("LIFECYCLE_STATE_")
+    desc = f"{target} {state} version={st.weight_version or '-'}"
+    if st.HasField("update"):
+        u = st.update
+        bar.total, bar.n = u.bytes_expected, u.bytes_received
+        desc += f" update={u.weight_version} {u.buckets_received}/{u.buckets_expected} buckets"
+    else:
+        bar.total, bar.n = 0, 0
+    if st.HasField("last_error"):
+        desc += f" last_error={st.last_error.reason}"
+    bar.set_description_str(desc, refresh=False)
+    bar.refresh()
 
 
 def _line(
@@ -109,6 +173,7 @@ def add_parser(
     w.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between two rounds")
     w.add_argument("--count", type=int, default=0, help="rounds to print (default: until interrupted)")
     w.add_argument("--json", action="store_true", help="one JSON object per engine and round")
+    w.add_argument("--bars", action="store_true", help="one progress bar per engine (bytes of the update in flight)")
     w.add_argument("--timeout", type=float, default=10.0, help="deadline of each GetStatus, in seconds")
     common(w)
     w.set_defaults(func=run)
