@@ -84,21 +84,23 @@ def throughput(results: dict[str, Any]) -> list[str]:
 
 def breakdown(results: dict[str, Any]) -> list[str]:
     lines = [
-        "| model | apply | total ms | ceiling ms | Prepare ms | broadcast ms | of which packing ms "
-        "| Complete ms | of which apply ms | buckets | CPU s: wsync / ceiling |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | apply | total ms | ceiling ms | plan ms | Prepare ms | broadcast ms | of which packing ms "
+        "| Complete ms | of which verify ms | of which apply ms | buckets | CPU s: wsync / ceiling |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in results["models"].items():
         for mode in ("streaming", "staged"):
             runs = m["runs"][mode]
 
             def ms(key: str, runs: list[dict[str, Any]] = runs) -> str:
+                if any(key not in r for r in runs):  # results of a run before the key existed
+                    return "-"
                 return f"{med(col(runs, key)) * 1e3:.0f}"
 
             lines.append(
-                f"| {label(name)} | {mode} | {ms('seconds')} | {ms('raw')} | {ms('prepare')} | {ms('broadcast')} "
-                f"| {ms('pack')} | {ms('complete')} | {ms('apply')} | {runs[0]['buckets']} "
-                f"| {med(col(runs, 'cpu')):.2f} / {med(col(runs, 'raw_cpu')):.2f} |"
+                f"| {label(name)} | {mode} | {ms('seconds')} | {ms('raw')} | {ms('plan')} | {ms('prepare')} "
+                f"| {ms('broadcast')} | {ms('pack')} | {ms('complete')} | {ms('verify')} | {ms('apply')} "
+                f"| {runs[0]['buckets']} | {med(col(runs, 'cpu')):.2f} / {med(col(runs, 'raw_cpu')):.2f} |"
             )
     return lines
 

@@ -264,6 +264,7 @@ class Session:
             "broadcast": r.broadcast_seconds,
             "pack": r.pack_seconds,
             "complete": r.complete_seconds,
+            "verify": r.verify_seconds,
             "apply": max(e.apply_seconds for e in r.engines.values()),
             "buckets": r.bucket_count,
             "payload": r.payload_bytes,
