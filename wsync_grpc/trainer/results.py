@@ -250,16 +250,16 @@ class SyncResult:
     def phases(self) -> dict[str, float]:
         """The sync's time from the first Prepare to the last Complete reply, split into disjoint phases.
 
-        ``prepare`` (the Prepare round trip: every engine validated and armed), ``broadcast`` (first
-        broadcast posted to the last one finished; packing overlaps it, see :attr:`pack_seconds`),
-        ``verify`` (waiting for every engine to have received and verified everything: the first
-        commit phase of a staged update; 0 for a streaming one) and ``apply`` (the applying Complete
-        round trip). They add up to :attr:`total_seconds` but for the bookkeeping between them.
-        Seconds.
+        ``prepare`` (the Prepare round trip: every engine validated and armed), ``broadcast`` (from
+        the last Prepare reply to the first Complete: the broadcast itself, :attr:`broadcast_seconds`,
+        with packing overlapped, plus opening the held ``Watch`` calls), ``verify`` (waiting for every
+        engine to have received and verified everything: the first commit phase of a staged update;
+        0 for a streaming one) and ``apply`` (the applying Complete round trip). They add up to
+        :attr:`total_seconds`. Seconds.
         """
         return {
             "prepare": self.prepare_seconds,
-            "broadcast": self.broadcast_seconds,
+            "broadcast": self.total_seconds - self.prepare_seconds - self.complete_seconds,
             "verify": self.verify_seconds,
             "apply": self.complete_seconds - self.verify_seconds,
         }
