@@ -66,8 +66,18 @@ def watch(
     """
     channels = {t: channel(t) for t in targets}
     stubs = {t: weight_sync_pb2_grpc.WeightSyncServiceStub(c) for t, c in channels.items()}
-    if bars:
-        return _watch_bars(stubs, metadata, interval_s, count, timeout_s, out, channels)
+    shown = (
+        {t: tqdm(total=0, desc=t, position=i, file=out, unit="B", unit_scale=True) for i, t in enumerate(stubs)}
+        if bars
+        else {}
+    )
+
+    def show(t: str, stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> None:
+        if bars:
+            _update_bar(shown[t], t, stub, metadata, timeout_s)
+        else:
+            print(_line(t, stub, metadata, as_json, timeout_s), file=out, flush=True)
+
     rounds = 0
     try:
         while count == 0 or rounds < count:
@@ -75,34 +85,7 @@ def watch(
                 time.sleep(interval_s)
             rounds += 1
             for t, stub in stubs.items():
-                print(_line(t, stub, metadata, as_json, timeout_s), file=out, flush=True)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for c in channels.values():
-            c.close()
-    return 0
-
-
-def _watch_bars(
-    stubs: dict[str, weight_sync_pb2_grpc.WeightSyncServiceStub],
-    metadata: tuple[tuple[str, str | bytes], ...],
-    interval_s: float,
-    count: int,
-    timeout_s: float,
-    out: TextIO,
-    channels: dict[str, grpc.Channel],
-) -> int:
-    """``watch`` with one ``tqdm`` bar per engine: bytes of the update in flight, state and version."""
-    shown = {t: tqdm(total=0, desc=t, position=i, file=out, unit="B", unit_scale=True) for i, t in enumerate(stubs)}
-    rounds = 0
-    try:
-        while count == 0 or rounds < count:
-            if rounds:
-                time.sleep(interval_s)
-            rounds += 1
-            for t, stub in stubs.items():
-                _update_bar(shown[t], t, stub, metadata, timeout_s)
+                show(t, stub)
     except KeyboardInterrupt:
         pass
     finally:
