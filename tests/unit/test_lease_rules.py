@@ -98,6 +98,12 @@ def test_force_takes_the_engine_and_ends_the_old_owners_keepalives(own: Ownershi
     assert own.owner == "op" and own.generation != g
     own.keepalive_closed(g)  # the old call's end does not touch the new owner's lease
     assert own.alive(busy=False)
+    assert own.force_release("op", busy=False) is None  # the owner itself: nothing to force
+    generation = own.generation
+    assert own.force_release("someone", busy=False) == "op"
+    assert own.owner is None and own.generation == generation + 1
+    assert own.force_release("someone", busy=False) is None  # no owner left
+    own.claim("op", busy=False, what="Init")
     own.release()
     assert own.owner is None and own.view(busy=False) is None
 

@@ -151,6 +151,14 @@ class Ownership:
             self.generation += 1
             self._keepalives = 0
 
+    def force_release(self, caller: str, busy: bool) -> str | None:
+        """An operator's force: a live owner other than ``caller`` loses the engine; returns its name, if any."""
+        lost = self.owner
+        if lost is None or lost == caller or not self.alive(busy):
+            return None
+        self.release()
+        return lost
+
     def keepalive_opened(self) -> int:
         """Count a KeepAlive call of the owner (call :meth:`claim` first); returns the generation it holds."""
         self._keepalives += 1

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from wsync_grpc.core.adapter import EngineAdapter, PauseMode, PauseOutcome, RemoteWorkers
 from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
 from wsync_grpc.core.lifecycle import Lifecycle
-from wsync_grpc.core.ownership import Ownership
+from wsync_grpc.core.ownership import Ownership, OwnerView
 from wsync_grpc.service.membership import Membership
 from wsync_grpc.service.metrics import EngineMetrics
 from wsync_grpc.service.status import EngineFacts, ErrorRecord, StatusSnapshot
@@ -93,6 +93,10 @@ class EngineState:
         """
         return self.ownership.claim(caller, self.update is not None, what=what, ttl_s=ttl_s, force=force)
 
+    def owner_view(self) -> OwnerView | None:
+        """The live owner, as GetStatus reports it; ``None`` when there is none. Lock held."""
+        return self.ownership.view(self.update is not None)
+
     def record_error(self, err: WsyncError, update_id: str = "") -> None:
         """Remember ``err`` as the last error (GetStatus reports it)."""
         self.last_error = ErrorRecord.of(err, update_id)
@@ -142,7 +146,7 @@ class EngineState:
                 engine=self.facts,
                 running_requests=running,
                 waiting_requests=waiting,
-                owner=self.ownership.view(self.update is not None),
+                owner=self.owner_view(),
             )
 
     def pause(self, mode: PauseMode, timeout_s: float) -> tuple[bool, PauseOutcome, PauseMode]:

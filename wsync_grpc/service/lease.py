@@ -49,8 +49,8 @@ def open_keepalive(engine: EngineState, owner: str, context: grpc.ServicerContex
     def on_call_end() -> None:
         with engine.lock:
             engine.ownership.keepalive_closed(generation)
-            alive = engine.ownership.alive(engine.update is not None)
-        if not alive and engine.ownership.owner == owner:
+            released = engine.ownership.owner == owner and engine.owner_view() is None
+        if released:
             log.info("the owner %s closed its last KeepAlive call: its lease is released", clip(owner))
 
     if not context.add_callback(on_call_end):
@@ -74,7 +74,7 @@ def keepalive_stream(
                 msg = pb.KeepAliveResponse(
                     state=state_to_proto(engine.lifecycle.state), weight_version=engine.weight_version
                 )
-                view = own.view(engine.update is not None)
+                view = engine.owner_view()
                 if view is not None:
                     msg.owner.CopyFrom(owner_info(view))
         if lost:

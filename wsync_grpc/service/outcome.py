@@ -51,44 +51,50 @@ class CompleteResult:
     verify_seconds: float = 0.0
 
 
-def verified_result(s: UpdateSession, served_version: str, done: float) -> CompleteResult:
-    """The result of update ``s``, verified at ``done`` (monotonic seconds) while ``served_version`` is served."""
-    last = max((r.last_arrival_at or done) for r in s.receivers) if s.receivers else done
+def _last_arrival(s: UpdateSession, default: float) -> float:
+    """When the last bucket arrived on the slowest worker (monotonic seconds); ``default`` before any did."""
+    return max((r.last_arrival_at or default) for r in s.receivers) if s.receivers else default
+
+
+def _result(
+    s: UpdateSession, done: float, *, version: str, applied: int, apply_s: float, flushed: bool, verified_only: bool
+) -> CompleteResult:
+    """What update ``s`` reports at ``done`` (monotonic seconds); the keywords are what differs between replies."""
+    armed = s.armed_at or s.started
     r0 = s.receivers[0] if s.receivers else None
-    log.info("update %s verified: every bucket arrived; waiting for the applying Complete", clip(s.header.update_id))
     return CompleteResult(
         update_id=s.header.update_id,
-        weight_version=served_version,
+        weight_version=version,
         bucket_count=r0.buckets_done if r0 else 0,
-        tensor_count=0,
+        tensor_count=applied,
         bytes_received=r0.bytes_done if r0 else 0,
-        receive_seconds=max(0.0, last - (s.armed_at or s.started)),
-        apply_seconds=0.0,
+        receive_seconds=max(0.0, _last_arrival(s, done) - armed),
+        apply_seconds=apply_s,
         total_seconds=done - s.started,
-        cache_flushed=False,
-        verified_only=True,
-        prepare_seconds=(s.armed_at or s.started) - s.started,
+        cache_flushed=flushed,
+        verified_only=verified_only,
+        prepare_seconds=armed - s.started,
         verify_seconds=s.verify_s,
     )
 
 
+def verified_result(s: UpdateSession, served_version: str, done: float) -> CompleteResult:
+    """The result of update ``s``, verified at ``done`` (monotonic seconds) while ``served_version`` is served."""
+    log.info("update %s verified: every bucket arrived; waiting for the applying Complete", clip(s.header.update_id))
+    return _result(s, done, version=served_version, applied=0, apply_s=0.0, flushed=False, verified_only=True)
+
+
 def applied_result(s: UpdateSession, t0: float, done: float, flush_cache: bool) -> CompleteResult:
     """The result of update ``s``, applied from ``t0`` to ``done`` (monotonic seconds), logged."""
-    last = max((r.last_arrival_at or done) for r in s.receivers) if s.receivers else done
-    armed = s.armed_at or s.started
-    r0 = s.receivers[0] if s.receivers else None
-    result = CompleteResult(
-        update_id=s.header.update_id,
-        weight_version=s.header.weight_version,
-        bucket_count=r0.buckets_done if r0 else 0,
-        tensor_count=r0.tensors_applied if r0 else 0,
-        bytes_received=r0.bytes_done if r0 else 0,
-        receive_seconds=max(0.0, last - armed),
-        apply_seconds=done - t0,
-        total_seconds=done - s.started,
-        cache_flushed=flush_cache,
-        prepare_seconds=armed - s.started,
-        verify_seconds=s.verify_s,
+    applied = s.receivers[0].tensors_applied if s.receivers else 0
+    result = _result(
+        s,
+        done,
+        version=s.header.weight_version,
+        applied=applied,
+        apply_s=done - t0,
+        flushed=flush_cache,
+        verified_only=False,
     )
     log.info(
         "update %s applied: version %s, %d tensors, %d bytes, %.3f s total",
@@ -139,7 +145,7 @@ def trace_receive(s: UpdateSession) -> None:
     """Record update ``s``'s ``wsync.engine.receive`` span: armed receivers to the last bucket's arrival."""
     if s.trace_context is None or s.armed_at is None or not s.receivers:
         return
-    last = max((r.last_arrival_at or s.armed_at) for r in s.receivers)
+    last = _last_arrival(s, s.armed_at)
     record_span(
         "wsync.engine.receive", s.trace_context, s.armed_at, last, update_id=s.header.update_id, buckets=len(s.feed)
     )

@@ -140,7 +140,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     def _owner_info(self) -> pb.OwnerInfo:
         """The live owner's ``wsync.v1.OwnerInfo`` (empty when none). Lock held."""
-        view = self.engine.ownership.view(self.engine.update is not None)
+        view = self.engine.owner_view()
         return owner_info(view) if view is not None else pb.OwnerInfo()
 
     @grpc_errors
@@ -162,10 +162,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     def _force_away(self, caller: str, what: str) -> None:
         """An operator's force: the live owner, if another caller, loses the engine. Lock held."""
-        own = self.engine.ownership
-        if own.owner is not None and own.owner != caller and own.alive(self.engine.update is not None):
-            log.warning("%s with force: %s loses the engine", what, describe(own.owner))
-            own.release()
+        lost = self.engine.ownership.force_release(caller, self.engine.update is not None)
+        if lost is not None:
+            log.warning("%s with force: %s loses the engine", what, describe(lost))
 
     # ------------------------------------------------------ Prepare/Update/Complete
 

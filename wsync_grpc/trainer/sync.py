@@ -303,17 +303,7 @@ class SyncRunner:
         Raises:
             SyncError: some engine failed (stage ``"verify"``); the update was cancelled everywhere.
         """
-        req = pb.CompleteRequest(
-            update_id=request.update_id,
-            timeout=duration(self._settings.group_timeout_s),
-            owner=self._fleet.owner,
-            verify_only=True,
-        )
-        metadata = self._trace.metadata(self._fleet.metadata)
-        _, failures = self._fleet.gather(
-            "Complete",
-            lambda e: e.stub.Complete.future(req, timeout=self._settings.timeouts.group_rpc_s, metadata=metadata),
-        )
+        _, failures = self._complete_everywhere(request, verify_only=True)
         if not failures and self._cancel_event.is_set():
             failures[TRAINER] = EngineFailure(TRAINER, "verify", None, "CANCELLED", "cancel() was called")
         if failures:
@@ -328,24 +318,31 @@ class SyncRunner:
             SyncError: some engine failed (stage ``"apply"`` for a staged update, whose every engine had
                 verified it; ``"complete"`` for a streaming one); ``results`` has the engines that applied it.
         """
-        req = pb.CompleteRequest(
-            update_id=request.update_id,
-            flush_cache=request.flush_cache,
-            timeout=duration(self._settings.group_timeout_s),
-            owner=self._fleet.owner,
-        )
         self._trace.begin("apply")
-        metadata = self._trace.metadata(self._fleet.metadata)
-        completed, failures = self._fleet.gather(
-            "Complete",
-            lambda e: e.stub.Complete.future(req, timeout=self._settings.timeouts.group_rpc_s, metadata=metadata),
-        )
+        completed, failures = self._complete_everywhere(request, verify_only=False)
         done = time.monotonic()
         results = {t: _engine_result(t, r, prepared[t]) for t, r in completed.items()}
         if failures:
             stage = "apply" if request.apply_mode == "staged" else "complete"
             raise self._abandon(request, stage, failures, results, broadcast_started=True)
         return results, done
+
+    def _complete_everywhere(
+        self, request: UpdateRequest, *, verify_only: bool
+    ) -> tuple[dict[str, pb.CompleteResponse], dict[str, EngineFailure]]:
+        """One ``Complete`` per engine, concurrently, carrying the current phase's trace context."""
+        req = pb.CompleteRequest(
+            update_id=request.update_id,
+            flush_cache=request.flush_cache and not verify_only,
+            timeout=duration(self._settings.group_timeout_s),
+            owner=self._fleet.owner,
+            verify_only=verify_only,
+        )
+        metadata = self._trace.metadata(self._fleet.metadata)
+        return self._fleet.gather(
+            "Complete",
+            lambda e: e.stub.Complete.future(req, timeout=self._settings.timeouts.group_rpc_s, metadata=metadata),
+        )
 
     def _abandon(
         self,
