@@ -18,8 +18,12 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import ENV, ROOT, free_port
+from wsync.v1 import weight_sync_pb2 as pb
+from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.engines import synthetic
+from wsync_grpc.engines.tensor import TensorEngine
+from wsync_grpc.service.server import build_server
 from wsync_grpc.testing import EngineProcess, spawn_engine
 from wsync_grpc.trainer import SyncError, SyncResult, TrainerClient
 
@@ -127,3 +131,21 @@ def test_engine_logs_are_json_lines_with_log_format_json(engine: tuple[EnginePro
     assert len(records) >= 4
     assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
     assert any(r["logger"] == "wsync_grpc.service.session" and "applied" in r["message"] for r in records)
+
+
+def test_rpcs_refused_by_the_token_check_are_counted() -> None:
+    """The RPC counter sits before the token check: UNAUTHENTICATED calls show up by method and code."""
+    srv = build_server(TensorEngine(synthetic.build("tiny")), token="s3cret", metrics_port=0)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+            stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=(("authorization", "Bearer s3cret"),))
+        m = scrape(srv.metrics_http.server_port)
+        assert value(m, "wsync_rpcs_total", method="GetStatus", code="UNAUTHENTICATED") == 2
+        assert value(m, "wsync_rpcs_total", method="GetStatus", code="OK") == 1
+    finally:
+        srv.stop(1)
