@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,11 +43,11 @@ ENV = child_env()
 
 @contextmanager
 def tensor_server(
-    preset: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.bfloat16
+    preset: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.bfloat16, checkpoint_roots: Sequence[str] = ()
 ) -> Iterator[tuple[WsyncServer, TensorEngine, weight_sync_pb2_grpc.WeightSyncServiceStub]]:
     """A real gRPC server on a loopback port serving a synthetic :class:`TensorEngine`."""
     engine = TensorEngine(synthetic.build(preset, seed=seed, dtype=dtype), aliases=synthetic.aliases(preset))
-    with in_process_server(engine) as (srv, stub):
+    with in_process_server(engine, checkpoint_roots=checkpoint_roots) as (srv, stub):
         yield srv, engine, stub
 
 

@@ -182,11 +182,23 @@ CASES: dict[str, tuple[list[pb.PrepareRequest], grpc.StatusCode, str, str]] = {
         "TRANSPORT_UNIMPLEMENTED",
         "TRANSPORT_CUDA_IPC",
     ),
-    "disk transport": (
-        [h(transport=pb.TRANSPORT_DISK)],
-        grpc.StatusCode.UNIMPLEMENTED,
-        "TRANSPORT_UNIMPLEMENTED",
-        "TRANSPORT_DISK",
+    "disk transport without a checkpoint path": (
+        [pb.PrepareRequest(header=pb.PrepareHeader(weight_version="v", transport=pb.TRANSPORT_DISK))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "MISSING_CHECKPOINT_PATH",
+        "checkpoint_path",
+    ),
+    "disk transport with bucket fields": (
+        [h(transport=pb.TRANSPORT_DISK, checkpoint_path="x")],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "DISK_HEADER_FIELDS",
+        "bucket_count",
+    ),
+    "checkpoint path on a broadcast": (
+        [h(checkpoint_path="/some/where"), b(0, 128, t())],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "UNEXPECTED_CHECKPOINT_PATH",
+        "TRANSPORT_DISK only",
     ),
     "undefined layout": ([h(layout=7)], grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_ENUM_VALUE", "layout"),
 }

@@ -11,9 +11,11 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
+from safetensors.torch import save_file
 from support import code_of, free_port, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 
@@ -160,6 +162,16 @@ class Harness:
             else:
                 assert not self.init().already_joined
                 assert status(s).state == State.READY.value  # type: ignore[arg-type]
+        elif rpc == Rpc.PREPARE and state != State.READY:  # no group: a broadcast is refused, a disk update runs
+            with pytest.raises(grpc.RpcError) as e:
+                self.prepare(incremental=False)
+            assert code_of(e.value) == grpc.StatusCode.FAILED_PRECONDITION and error_reason(e.value) == "WRONG_STATE"
+            assert "call Init first" in e.value.details() and status(s).state == state.value  # type: ignore[attr-defined,arg-type]
+            header = pb.PrepareHeader(weight_version="v-test", transport=pb.TRANSPORT_DISK, checkpoint_path="ckpt")
+            r = s.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=30)  # type: ignore[attr-defined]
+            assert r.tensor_count == len(NAMES) - 5
+            assert s.Complete(pb.CompleteRequest(update_id=r.update_id), timeout=30).weight_version == "v-test"  # type: ignore[attr-defined]
+            assert status(s).state == State.UNINITIALIZED.value  # type: ignore[arg-type]
         elif rpc == Rpc.PREPARE:
             assert self.prepare(incremental=False).bucket_count == 1
             assert status(s).state in (State.RECEIVING.value, State.RECEIVED.value)  # type: ignore[arg-type]
@@ -243,8 +255,11 @@ ALLOWED_PAIRS = [(s, r) for s in HOLDABLE for r in Rpc if s in ALLOWED[r]]
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("state", "rpc"), ALLOWED_PAIRS, ids=lambda x: x.name)
-def test_allowed_rpc_succeeds(state: State, rpc: Rpc) -> None:
-    with tensor_server(seed=0) as (_, _, stub):
+def test_allowed_rpc_succeeds(state: State, rpc: Rpc, tmp_path: Path) -> None:
+    save_file({n: TENSORS[n] for n in NAMES[5:]}, str(tmp_path / "model.safetensors"))  # for a disk Prepare
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "model.safetensors").rename(tmp_path / "ckpt" / "model.safetensors")
+    with tensor_server(seed=0, checkpoint_roots=[str(tmp_path)]) as (_, _, stub):
         h = Harness(stub)
         try:
             h.to(state)

@@ -17,6 +17,8 @@ from wsync_grpc.core.errors import (
     GroupTimeout,
     Internal,
     InvalidArgument,
+    NotFound,
+    PermissionDenied,
     Phase,
     Unavailable,
     Unimplemented,
@@ -109,6 +111,8 @@ EXPECTED_CODES: dict[type[WsyncError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
     Internal: grpc.StatusCode.INTERNAL,
 }
 """The contract's canonical codes (docs/architecture.md, "Errors")."""

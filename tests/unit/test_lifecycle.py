@@ -12,6 +12,7 @@ from wsync_grpc.core.lifecycle import (
     ALLOWED,
     BUSY,
     TRANSITIONS,
+    WITHOUT_GROUP,
     Event,
     IllegalTransition,
     Lifecycle,
@@ -66,10 +67,27 @@ def test_begin_refuses_without_changing_state() -> None:
     with pytest.raises(UpdateInProgress):
         lc.begin(Rpc.PREPARE, Event.PREPARE)
     assert lc.state == State.RECEIVING
-    lc = Lifecycle(State.UNINITIALIZED)
+    lc = Lifecycle(State.JOINING)
     with pytest.raises(WrongState):
         lc.begin(Rpc.PREPARE, Event.PREPARE)
-    assert lc.state == State.UNINITIALIZED
+    assert lc.state == State.JOINING
+
+
+@pytest.mark.parametrize("origin", [State.UNINITIALIZED, State.READY, State.FAILED])
+def test_an_update_ends_where_it_started_without_a_group(origin: State) -> None:
+    """A disk update needs no group: rejected, the state is as it was; applied, READY only with the group."""
+    lc = Lifecycle(origin)
+    lc.begin(Rpc.PREPARE, Event.PREPARE)
+    assert lc.origin == origin
+    assert lc.fire(Event.REJECTED) == origin
+    lc.begin(Rpc.PREPARE, Event.PREPARE)
+    for event in (Event.ARMED, Event.ALL_RECEIVED, Event.APPLY):
+        lc.fire(event)
+    assert lc.fire(Event.APPLIED) == (State.READY if origin == State.READY else State.UNINITIALIZED)
+    lc.begin(Rpc.PREPARE, Event.PREPARE)
+    lc.fire(Event.ARMED)
+    assert lc.fire(Event.FAIL) == State.FAILED
+    assert (State.PREPARING, Event.REJECTED, origin) in WITHOUT_GROUP or origin == State.READY
 
 
 def test_every_state_is_reachable_and_can_get_back_to_ready() -> None:

@@ -9,8 +9,9 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.adapter import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument, Unimplemented
+from wsync_grpc.core.header import UpdateHeader, validate_transport
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
-from wsync_grpc.core.validation import PADDING_PER_TENSOR, UpdateHeader, UpdateValidator, validate_transport
+from wsync_grpc.core.validation import PADDING_PER_TENSOR, UpdateValidator
 
 SPECS = {
     "w": ParamSpec("w", torch.float32, (2, 3)),  # 24 bytes

@@ -61,6 +61,14 @@ class Unimplemented(WsyncError):
     """A transport or feature this engine does not implement (UNIMPLEMENTED)."""
 
 
+class PermissionDenied(WsyncError):
+    """A path outside what the engine's operator allows (PERMISSION_DENIED), e.g. a checkpoint outside every root."""
+
+
+class NotFound(WsyncError):
+    """A named file, checkpoint or adapter that does not exist (NOT_FOUND)."""
+
+
 class Internal(WsyncError):
     """Anything else (INTERNAL); logged by the engine."""
 

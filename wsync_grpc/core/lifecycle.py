@@ -74,7 +74,7 @@ IN_FLIGHT = frozenset({S.PREPARING, S.RECEIVING, S.RECEIVED, S.APPLYING})
 
 ALLOWED: dict[Rpc, frozenset[State]] = {
     Rpc.INIT: frozenset({S.UNINITIALIZED, S.READY, S.FAILED}),  # READY: idempotent or ALREADY_EXISTS
-    Rpc.PREPARE: frozenset({S.READY}),
+    Rpc.PREPARE: frozenset({S.UNINITIALIZED, S.READY, S.FAILED}),  # a broadcast also needs the group: READY
     Rpc.UPDATE: frozenset({S.RECEIVING, S.RECEIVED}),
     Rpc.COMPLETE: frozenset({S.RECEIVING, S.RECEIVED, S.FAILED}),  # FAILED: reports the update's error
     Rpc.PAUSE: ALL_STATES,
@@ -98,6 +98,8 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.JOINING, Event.JOINED): S.READY,
     (S.JOINING, Event.JOIN_FAILED): S.UNINITIALIZED,
     (S.READY, Event.PREPARE): S.PREPARING,
+    (S.UNINITIALIZED, Event.PREPARE): S.PREPARING,  # a disk update needs no group
+    (S.FAILED, Event.PREPARE): S.PREPARING,
     (S.PREPARING, Event.ARMED): S.RECEIVING,
     (S.PREPARING, Event.REJECTED): S.READY,
     (S.RECEIVING, Event.MORE_BUCKETS): S.RECEIVING,
@@ -114,13 +116,26 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 }
 """(state, event) -> next state. Pairs not listed are illegal."""
 
+WITHOUT_GROUP: dict[tuple[State, Event, State], State] = {
+    (S.PREPARING, Event.REJECTED, S.UNINITIALIZED): S.UNINITIALIZED,
+    (S.PREPARING, Event.REJECTED, S.FAILED): S.FAILED,
+    (S.APPLYING, Event.APPLIED, S.UNINITIALIZED): S.UNINITIALIZED,
+    (S.APPLYING, Event.APPLIED, S.FAILED): S.UNINITIALIZED,
+}
+"""(state, event, state the update started from) -> next state, where it differs from :data:`TRANSITIONS`.
+
+An update that started without a group (a disk update, from UNINITIALIZED or
+FAILED) ends without one: a rejected Prepare leaves the state as it was, an
+applied update ends in UNINITIALIZED. A failed one ends in FAILED like any other.
+"""
+
 
 class WrongState(FailedPrecondition):
     """An RPC is not allowed in the current state (FAILED_PRECONDITION, reason WRONG_STATE)."""
 
-    def __init__(self, rpc: Rpc, state: State) -> None:
+    def __init__(self, rpc: Rpc, state: State, why: str = "") -> None:
         allowed = ", ".join(s.name for s in State if s in ALLOWED[rpc])
-        message = f"{rpc.value} is not allowed in state {state.name} (allowed in: {allowed})"
+        message = f"{rpc.value} is not allowed in state {state.name} ({why or f'allowed in: {allowed}'})"
         super().__init__("WRONG_STATE", message, state=state.name, rpc=rpc.value)
         self.rpc = rpc
         self.state = state
@@ -148,7 +163,13 @@ class Lifecycle:
 
     def __init__(self, state: State = State.UNINITIALIZED) -> None:
         self._state = state
+        self._origin = State.READY
         self._lock = threading.Lock()
+
+    @property
+    def origin(self) -> State:
+        """The state the last update started from (READY, or UNINITIALIZED/FAILED for a disk update without a group)."""
+        return self._origin
 
     @property
     def state(self) -> State:
@@ -201,7 +222,10 @@ class Lifecycle:
 
     def _fire(self, event: Event) -> State:
         try:
-            self._state = TRANSITIONS[(self._state, event)]
+            nxt = TRANSITIONS[(self._state, event)]
         except KeyError:
             raise IllegalTransition(f"event {event.value} in state {self._state.name}") from None
+        if event is Event.PREPARE:
+            self._origin = self._state
+        self._state = WITHOUT_GROUP.get((self._state, event, self._origin), nxt)
         return self._state

@@ -28,8 +28,9 @@ import torch
 
 from wsync_grpc.core.adapter import ParamSpec
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
-from wsync_grpc.core.errors import InvalidArgument, Unimplemented
-from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot, Transport
+from wsync_grpc.core.errors import InvalidArgument
+from wsync_grpc.core.header import UpdateHeader, check_disk_header, validate_transport
+from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 
 PADDING_PER_TENSOR = 4096
 """Largest padding accepted per tensor in a flattened bucket, in bytes (alignment slack)."""
@@ -42,41 +43,6 @@ def _show(name: str) -> str:
     if len(name) > _MAX_NAME_IN_MESSAGE:
         name = name[:_MAX_NAME_IN_MESSAGE] + "..."
     return repr(name)
-
-
-@dataclass(frozen=True)
-class UpdateHeader:
-    """An update's header (``wsync.v1.PrepareHeader``), enum fields resolved to their defaults.
-
-    Attributes:
-        update_id: the update's id; empty until :meth:`UpdateValidator.header` gives it one.
-        weight_version: the version the engine serves once the update succeeded.
-        layout: how buckets travel.
-        apply_mode: when the engine applies.
-        bucket_count: buckets the Prepare stream carries.
-        total_bytes: bytes the buckets declare, in bytes.
-        incremental: whether Update may declare further buckets.
-        transport: how the bytes travel.
-    """
-
-    update_id: str
-    weight_version: str
-    layout: Layout
-    apply_mode: ApplyMode
-    bucket_count: int
-    total_bytes: int
-    incremental: bool
-    transport: Transport = Transport.BROADCAST
-
-    @property
-    def flattened(self) -> bool:
-        """Whether buckets travel as one flat byte buffer each."""
-        return self.layout is Layout.FLATTENED
-
-    @property
-    def streaming(self) -> bool:
-        """Whether buckets are applied as they arrive."""
-        return self.apply_mode is ApplyMode.STREAMING
 
 
 class TensorSpecFields(Protocol):
@@ -103,22 +69,6 @@ class BucketSpecFields(Protocol):
     def tensors(self) -> Sequence[TensorSpecFields]: ...
 
 
-def validate_transport(transport: Transport) -> None:
-    """Accept broadcast; refuse the transports not built yet.
-
-    Raises:
-        Unimplemented: CUDA IPC or disk (reason TRANSPORT_UNIMPLEMENTED).
-    """
-    if transport is Transport.BROADCAST:
-        return
-    name = f"TRANSPORT_{transport.name}"
-    raise Unimplemented(
-        "TRANSPORT_UNIMPLEMENTED",
-        f"transport {name} is not implemented by this engine yet; use TRANSPORT_BROADCAST",
-        transport=name,
-    )
-
-
 @dataclass
 class _Declared:
     """The tensors an update declared: every name as sent, and the canonical names they resolve to."""
@@ -136,12 +86,18 @@ class UpdateValidator:
         fused: groups of canonical names an update must carry all or none of
             (:class:`~wsync_grpc.core.adapter.FusedGroups`, e.g. vLLM's
             ``qkv_proj`` = ``q_proj`` + ``k_proj`` + ``v_proj``).
+        allow_disk: the engine reads checkpoints from disk (``TRANSPORT_DISK``); else UNIMPLEMENTED.
     """
 
     def __init__(
-        self, specs: Mapping[str, ParamSpec], aliases: Mapping[str, str], fused: Sequence[Sequence[str]] = ()
+        self,
+        specs: Mapping[str, ParamSpec],
+        aliases: Mapping[str, str],
+        fused: Sequence[Sequence[str]] = (),
+        allow_disk: bool = False,
     ) -> None:
         self._specs = specs
+        self._allow_disk = allow_disk
         self._aliases = aliases
         self._fused = [tuple(g) for g in fused]
         self._declared = _Declared()
@@ -166,7 +122,15 @@ class UpdateValidator:
             raise InvalidArgument("DUPLICATE_HEADER", "the Prepare stream carried a second header")
         if not h.weight_version:
             raise InvalidArgument("MISSING_WEIGHT_VERSION", "header.weight_version is required")
-        validate_transport(h.transport)
+        validate_transport(h.transport, self._allow_disk)
+        if h.disk:
+            check_disk_header(h)
+            self.header = dataclasses.replace(h, update_id=h.update_id or uuid.uuid4().hex, layout=Layout.INDIVIDUAL)
+            return self.header
+        if h.checkpoint_path:
+            raise InvalidArgument(
+                "UNEXPECTED_CHECKPOINT_PATH", "header.checkpoint_path is for transport TRANSPORT_DISK only"
+            )
         if h.bucket_count == 0 and not h.incremental:
             raise InvalidArgument(
                 "EMPTY_UPDATE", "header.bucket_count is 0; only an incremental update may start empty"
@@ -333,8 +297,24 @@ class UpdateValidator:
                 "TOTAL_BYTES_MISMATCH",
                 f"the header announced {self.header.total_bytes} bytes but the buckets add up to {self.bytes_declared}",
             )
-        if not self.header.incremental:
+        if not self.header.incremental and not self.header.disk:
             self.check_fused()
+
+    def disk_buckets(self, specs: Sequence[BucketSpecFields]) -> list[Bucket]:
+        """Validate the buckets a disk update's engine built from the checkpoint's headers, all at once.
+
+        The same checks as a broadcast's buckets (:meth:`bucket_messages`) and the fused groups.
+
+        Raises:
+            InvalidArgument: EMPTY_CHECKPOINT (no tensor), and the reasons of
+                :meth:`bucket_messages` and :meth:`check_fused`.
+        """
+        assert self.header is not None and self.header.disk
+        if not specs:
+            raise InvalidArgument("EMPTY_CHECKPOINT", "the checkpoint holds no tensor")
+        buckets = self.bucket_messages(specs)
+        self.check_fused()
+        return buckets
 
     def check_fused(self) -> None:
         """Refuse an update that carries part of a fused group (all its tensors are declared by now).

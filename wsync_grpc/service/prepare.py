@@ -19,8 +19,9 @@ import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.errors import Aborted, DeadlineExceeded, InvalidArgument, WsyncError
+from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import Bucket
-from wsync_grpc.core.validation import UpdateHeader, UpdateValidator
+from wsync_grpc.core.validation import UpdateValidator
 from wsync_grpc.wire.convert import header_from_proto
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +145,7 @@ def build_server(
     extra: Callable[[grpc.Server], list[str]] | None = None,
     metrics_host: str = "127.0.0.1",
     metrics_port: int | None = None,
+    checkpoint_roots: Sequence[str] = (),
 ) -> WsyncServer:
     """Start a server for ``adapter`` on ``host:port`` (port 0 = any free port).
 
@@ -161,9 +162,11 @@ def build_server(
             (for reflection and health).
         metrics_host: bind address of the Prometheus ``/metrics`` endpoint (default loopback).
         metrics_port: its TCP port; ``None`` (default) serves no metrics; 0 picks a free port.
+        checkpoint_roots: directories disk updates may read checkpoints from
+            (``--checkpoint-root``); empty: disk updates get PERMISSION_DENIED.
 
     Raises:
-        ValueError: only one of ``tls_cert`` and ``tls_key`` given.
+        ValueError: only one of ``tls_cert`` and ``tls_key`` given; a checkpoint root that is not a directory.
         OSError: a TLS file cannot be read.
         RuntimeError: the port could not be bound.
         OSError: the metrics port could not be bound.
@@ -173,7 +176,7 @@ def build_server(
     creds = (
         grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())]) if tls_cert and tls_key else None
     )
-    servicer = WeightSyncServicer(adapter)
+    servicer = WeightSyncServicer(adapter, checkpoint_roots=checkpoint_roots)
     # First, so that calls the token check refuses are counted too.
     interceptors: list[_Interceptor] = [RpcMetrics(servicer.engine.metrics)]
     interceptors += [_TokenAuth(token)] if token else []

@@ -15,20 +15,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 from opentelemetry.context import Context
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.adapter import EngineAdapter, FusedGroups, PauseMode, ServedChecksums
+from wsync_grpc.core.adapter import EngineAdapter, FusedGroups, PauseMode, RemoteWorkers, ServedChecksums
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
-from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State
+from wsync_grpc.core.header import validate_transport
+from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State, WrongState
 from wsync_grpc.core.ownership import DEFAULT_LEASE_TTL_S, describe
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TIMEOUT_S
-from wsync_grpc.core.validation import UpdateValidator, validate_transport
+from wsync_grpc.core.validation import UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.lease import DEFAULT_KEEPALIVE_INTERVAL_S, keepalive_stream, open_keepalive
 from wsync_grpc.service.outcome import trace_receive
@@ -39,6 +41,7 @@ from wsync_grpc.service.tracing import server_span
 from wsync_grpc.service.watch import DEFAULT_WATCH_INTERVAL_S, hold, watch_stream
 from wsync_grpc.wire.convert import PAUSE_MODES, from_proto, seconds, state_to_proto, transport_from_proto
 from wsync_grpc.wire.status import grpc_errors
+from wsync_grpc.worker.checkpoint import CheckpointRoots, plan_disk_update
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             them on CPU workers, where fresh memory costs page faults on every
             update; not on CUDA workers, where torch's caching allocator
             already reuses freed blocks and the KV cache wants the memory.
+        checkpoint_roots: directories disk updates may read checkpoints from
+            (``wsync serve --checkpoint-root``); empty (default): disk updates
+            are refused with PERMISSION_DENIED. Engines whose workers are other
+            processes (:class:`~wsync_grpc.core.adapter.RemoteWorkers`) answer
+            disk updates with UNIMPLEMENTED.
+
+    Raises:
+        ValueError: a checkpoint root that is not a directory.
     """
 
     def __init__(
@@ -66,8 +77,10 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         *,
         prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S,
         keep_buffers: bool | None = None,
+        checkpoint_roots: Sequence[str] = (),
     ) -> None:
         self.adapter = adapter
+        self.checkpoint_roots = CheckpointRoots(checkpoint_roots)
         self.prepare_timeout_s = prepare_timeout_s
         self.engine = EngineState(adapter, keep_buffers)
         self._lock = self.engine.lock
@@ -185,12 +198,18 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             reader = self._preparing = PrepareReader(self.prepare_timeout_s, self._claim_for_prepare)
         try:
             fused = self.adapter.fused_groups() if isinstance(self.adapter, FusedGroups) else ()
-            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused)
+            disk = not isinstance(self.adapter, RemoteWorkers)
+            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused, disk)
             header, buckets = reader.read(validator, request_iterator, context)
+            files: dict[str, Path] = {}
+            if header.disk:  # the buckets come from the checkpoint's headers
+                buckets, files = plan_disk_update(self.checkpoint_roots, header, validator)
+            elif self.lifecycle.origin is not State.READY:
+                raise WrongState(Rpc.PREPARE, self.lifecycle.origin, "a broadcast needs the group: call Init first")
             with self._lock:
                 if reader.cancel.is_set():
                     raise cancelled_while_preparing()
-                session = UpdateSession(self.engine, header, validator, buckets, started)
+                session = UpdateSession(self.engine, header, validator, buckets, started, files)
                 session.trace_context = trace_context
                 session.start()
         except BaseException:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from opentelemetry.context import Context
 
@@ -41,11 +42,13 @@ from wsync_grpc.core.errors import (
     clip,
     domain_error,
 )
+from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
-from wsync_grpc.core.validation import BucketSpecFields, UpdateHeader, UpdateValidator
+from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.local import LocalReceiver, local_receivers
 from wsync_grpc.service.outcome import (
     CompleteResult,
     PrepareResult,
@@ -58,7 +61,6 @@ from wsync_grpc.service.outcome import (
 from wsync_grpc.service.remote import ReceiverView, RemoteReceivers
 from wsync_grpc.service.status import Progress
 from wsync_grpc.worker.feed import BucketFeed
-from wsync_grpc.worker.receiver import WorkerReceiver
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class UpdateSession:
         validator: the validator that read the Prepare stream (it holds what was declared).
         buckets: the Prepare stream's buckets.
         started: when the Prepare began, on the monotonic clock (seconds).
+        files: a disk update's tensor name -> safetensors file; ``None`` for a broadcast.
 
     Attributes:
         feed: the declared buckets, read by every receiver; closed at Complete or failure (at once if not incremental).
@@ -100,6 +103,7 @@ class UpdateSession:
         validator: UpdateValidator,
         buckets: list[Bucket],
         started: float,
+        files: Mapping[str, Path] | None = None,
     ) -> None:
         self.engine = engine
         self.header = header
@@ -111,8 +115,9 @@ class UpdateSession:
             self.feed.close()
         self.cancel = threading.Event()
         self.receivers: list[ReceiverView] = []
-        self.local: list[WorkerReceiver] = []
-        """The receivers when they run in this process (the reference engine's)."""
+        self.local: list[LocalReceiver] = []
+        """The receivers when they run in this process (the reference engine's; a disk update's readers)."""
+        self.files = files or {}
         self.remote: RemoteReceivers | None = None
         """The receivers when they run in the engine's worker processes (:class:`RemoteWorkers`)."""
         self.prepared_buckets = len(buckets)
@@ -139,7 +144,7 @@ class UpdateSession:
             self.auto_paused = not eng.adapter.is_paused()
             eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         eng.update = self
-        if isinstance(eng.adapter, RemoteWorkers):
+        if isinstance(eng.adapter, RemoteWorkers) and not self.header.disk:
             self.remote = RemoteReceivers(
                 eng.adapter,
                 len(eng.membership.devices),
@@ -153,19 +158,7 @@ class UpdateSession:
             self.receivers = list(self.remote.receivers)
             self.remote.start()
             return
-        for i, g in enumerate(eng.membership.groups):
-            r = WorkerReceiver(
-                worker=i,
-                group=g,
-                adapter=eng.adapter,
-                feed=self.feed,
-                layout=self.header.layout,
-                apply_mode=self.header.apply_mode,
-                cancel=self.cancel,
-                pool=eng.pools[i],
-                on_event=self._on_receiver_event,
-            )
-            self.local.append(r)
+        self.local = local_receivers(eng, self.header, self.feed, self.files, self.cancel, self._on_receiver_event)
         self.receivers = list(self.local)
         for r in self.local:
             r.start()

@@ -156,6 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
         extra=extra,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        checkpoint_roots=args.checkpoint_root,
     )
     log.info(
         "model %s: %d tensors, %.1fM parameters, %.1f MB, dtype %s; listening on %s",
@@ -287,6 +288,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get at shutdown")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the metrics (default loopback)")
+    s.add_argument(
+        "--checkpoint-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="allow disk updates to read safetensors checkpoints under DIR (repeatable; default: none)",
+    )
     v = s.add_argument_group("vLLM engine (--engine vllm, the 'vllm' extra)")
     v.add_argument(
         "--engine",

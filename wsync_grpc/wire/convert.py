@@ -22,9 +22,9 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core.adapter import PauseMode
 from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.errors import InvalidArgument
+from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport
 from wsync_grpc.core.lifecycle import State
-from wsync_grpc.core.validation import UpdateHeader
 
 E = TypeVar("E")
 
@@ -136,6 +136,7 @@ def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
         bucket_count=h.bucket_count,
         total_bytes=h.total_bytes,
         incremental=h.incremental,
+        checkpoint_path=h.checkpoint_path,
     )
 
 

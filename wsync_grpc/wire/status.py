@@ -28,6 +28,8 @@ from wsync_grpc.core.errors import (
     FailedPrecondition,
     Internal,
     InvalidArgument,
+    NotFound,
+    PermissionDenied,
     Unavailable,
     Unimplemented,
     WsyncError,
@@ -48,6 +50,8 @@ STATUS_CODES: dict[type[WsyncError], grpc.StatusCode] = {
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
     Internal: grpc.StatusCode.INTERNAL,
 }
 """Error category -> canonical gRPC status code (``docs/architecture.md``, "Errors")."""

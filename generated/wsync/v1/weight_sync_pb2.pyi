@@ -88,8 +88,9 @@ class _TransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transport.V
     handles; engines answer UNIMPLEMENTED for now.
     """
     TRANSPORT_DISK: _Transport.ValueType  # 3
-    """TRANSPORT_DISK: reserved for safetensors files on a shared disk; engines
-    answer UNIMPLEMENTED for now.
+    """TRANSPORT_DISK: the engine reads a safetensors checkpoint from a disk it
+    can see (PrepareHeader.checkpoint_path; SGLang's update_weights_from_disk,
+    vLLM's reload_weights). Engines without disk updates answer UNIMPLEMENTED.
     """
 
 class Transport(_Transport, metaclass=_TransportEnumTypeWrapper):
@@ -106,8 +107,9 @@ TRANSPORT_CUDA_IPC: Transport.ValueType  # 2
 handles; engines answer UNIMPLEMENTED for now.
 """
 TRANSPORT_DISK: Transport.ValueType  # 3
-"""TRANSPORT_DISK: reserved for safetensors files on a shared disk; engines
-answer UNIMPLEMENTED for now.
+"""TRANSPORT_DISK: the engine reads a safetensors checkpoint from a disk it
+can see (PrepareHeader.checkpoint_path; SGLang's update_weights_from_disk,
+vLLM's reload_weights). Engines without disk updates answer UNIMPLEMENTED.
 """
 Global___Transport: _TypeAlias = Transport  # noqa: Y015
 
@@ -617,6 +619,7 @@ class PrepareHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     INCREMENTAL_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id identifies the update in Update, Complete, Cancel and the
     status. Empty means the engine assigns one and returns it.
@@ -628,7 +631,7 @@ class PrepareHeader(_message.Message):
     """
     transport: Global___Transport.ValueType
     """transport is how the bytes travel. Unspecified means broadcast; CUDA IPC
-    and disk fail with UNIMPLEMENTED.
+    fails with UNIMPLEMENTED.
     """
     layout: Global___BucketLayout.ValueType
     """layout is how each bucket's tensors travel. Unspecified means flattened."""
@@ -654,6 +657,17 @@ class PrepareHeader(_message.Message):
     owner, or the engine must have no live owner. Empty is the anonymous
     owner.
     """
+    checkpoint_path: _builtins.str
+    """checkpoint_path is, for transport TRANSPORT_DISK only, the safetensors
+    checkpoint the engine reads: a directory (with a
+    model.safetensors.index.json, or its *.safetensors files) or one
+    .safetensors file, as a path on the engine's host inside one of its
+    checkpoint roots; a relative path is taken under the first root (same
+    field as SGLang's UpdateWeightFromDiskReqInput.model_path). The engine
+    builds the buckets from the files' headers: layout, bucket_count,
+    total_bytes and incremental must be left unset and the stream carries no
+    bucket. Empty for a broadcast; required for a disk update.
+    """
     def __init__(
         self,
         *,
@@ -666,10 +680,11 @@ class PrepareHeader(_message.Message):
         total_bytes: _builtins.int = ...,
         incremental: _builtins.bool = ...,
         owner: _builtins.str = ...,
+        checkpoint_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

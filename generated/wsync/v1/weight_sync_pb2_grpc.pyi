@@ -89,13 +89,26 @@ class WeightSyncServiceStub:
     """Prepare announces one weight update: first a PrepareRequest carrying the
     header, then the buckets in bucket order (one or several per message).
 
-    Precondition: state READY. Every tensor is validated against the engine's
-    model before anything is armed; bad metadata fails with INVALID_ARGUMENT,
-    names the offending tensor and leaves the state READY. On success the
-    engine's background receivers are armed and the reply is sent only once
-    the receive of the first bucket is posted on every worker, so the trainer
-    may start broadcasting as soon as it has the reply. State becomes
-    RECEIVING.
+    Precondition: state READY for a broadcast (FAILED_PRECONDITION
+    WRONG_STATE without a group); a disk update (transport TRANSPORT_DISK)
+    needs no group and runs from UNINITIALIZED, READY or FAILED. Every tensor
+    is validated against the engine's model before anything is armed; bad
+    metadata fails with INVALID_ARGUMENT, names the offending tensor and
+    leaves the state as it was. On success the engine's background receivers
+    are armed and the reply is sent only once the receive of the first bucket
+    is posted on every worker, so the trainer may start broadcasting as soon
+    as it has the reply. State becomes RECEIVING.
+
+    Disk: the stream carries the header only, naming checkpoint_path. The
+    engine reads the safetensors headers of the checkpoint (never a pickle
+    file) and validates every tensor as it validates broadcast buckets, then
+    its readers load the tensors in the background (staged: into buffers
+    while serving; streaming: into the served weights, frozen). A path
+    outside the engine's checkpoint roots (wsync serve --checkpoint-root),
+    through ".." or a symlink out, fails with PERMISSION_DENIED; a missing
+    one with NOT_FOUND. Complete, Cancel, Watch and the weight version then
+    behave as for a broadcast; an applied disk update of an engine without a
+    group leaves it UNINITIALIZED, a failed one FAILED.
 
     The header's owner must be the engine's owner, or the engine must have
     no live owner (the caller then becomes it): NOT_OWNER otherwise.
@@ -264,13 +277,26 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     """Prepare announces one weight update: first a PrepareRequest carrying the
     header, then the buckets in bucket order (one or several per message).
 
-    Precondition: state READY. Every tensor is validated against the engine's
-    model before anything is armed; bad metadata fails with INVALID_ARGUMENT,
-    names the offending tensor and leaves the state READY. On success the
-    engine's background receivers are armed and the reply is sent only once
-    the receive of the first bucket is posted on every worker, so the trainer
-    may start broadcasting as soon as it has the reply. State becomes
-    RECEIVING.
+    Precondition: state READY for a broadcast (FAILED_PRECONDITION
+    WRONG_STATE without a group); a disk update (transport TRANSPORT_DISK)
+    needs no group and runs from UNINITIALIZED, READY or FAILED. Every tensor
+    is validated against the engine's model before anything is armed; bad
+    metadata fails with INVALID_ARGUMENT, names the offending tensor and
+    leaves the state as it was. On success the engine's background receivers
+    are armed and the reply is sent only once the receive of the first bucket
+    is posted on every worker, so the trainer may start broadcasting as soon
+    as it has the reply. State becomes RECEIVING.
+
+    Disk: the stream carries the header only, naming checkpoint_path. The
+    engine reads the safetensors headers of the checkpoint (never a pickle
+    file) and validates every tensor as it validates broadcast buckets, then
+    its readers load the tensors in the background (staged: into buffers
+    while serving; streaming: into the served weights, frozen). A path
+    outside the engine's checkpoint roots (wsync serve --checkpoint-root),
+    through ".." or a symlink out, fails with PERMISSION_DENIED; a missing
+    one with NOT_FOUND. Complete, Cancel, Watch and the weight version then
+    behave as for a broadcast; an applied disk update of an engine without a
+    group leaves it UNINITIALIZED, a failed one FAILED.
 
     The header's owner must be the engine's owner, or the engine must have
     no live owner (the caller then becomes it): NOT_OWNER otherwise.
@@ -448,13 +474,26 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """Prepare announces one weight update: first a PrepareRequest carrying the
         header, then the buckets in bucket order (one or several per message).
 
-        Precondition: state READY. Every tensor is validated against the engine's
-        model before anything is armed; bad metadata fails with INVALID_ARGUMENT,
-        names the offending tensor and leaves the state READY. On success the
-        engine's background receivers are armed and the reply is sent only once
-        the receive of the first bucket is posted on every worker, so the trainer
-        may start broadcasting as soon as it has the reply. State becomes
-        RECEIVING.
+        Precondition: state READY for a broadcast (FAILED_PRECONDITION
+        WRONG_STATE without a group); a disk update (transport TRANSPORT_DISK)
+        needs no group and runs from UNINITIALIZED, READY or FAILED. Every tensor
+        is validated against the engine's model before anything is armed; bad
+        metadata fails with INVALID_ARGUMENT, names the offending tensor and
+        leaves the state as it was. On success the engine's background receivers
+        are armed and the reply is sent only once the receive of the first bucket
+        is posted on every worker, so the trainer may start broadcasting as soon
+        as it has the reply. State becomes RECEIVING.
+
+        Disk: the stream carries the header only, naming checkpoint_path. The
+        engine reads the safetensors headers of the checkpoint (never a pickle
+        file) and validates every tensor as it validates broadcast buckets, then
+        its readers load the tensors in the background (staged: into buffers
+        while serving; streaming: into the served weights, frozen). A path
+        outside the engine's checkpoint roots (wsync serve --checkpoint-root),
+        through ".." or a symlink out, fails with PERMISSION_DENIED; a missing
+        one with NOT_FOUND. Complete, Cancel, Watch and the weight version then
+        behave as for a broadcast; an applied disk update of an engine without a
+        group leaves it UNINITIALIZED, a failed one FAILED.
 
         The header's owner must be the engine's owner, or the engine must have
         no live owner (the caller then becomes it): NOT_OWNER otherwise.

@@ -1,0 +1,86 @@
+"""An update's header (``wsync.v1.PrepareHeader``) in domain terms, and the checks that need only the header.
+
+The rest of an update's metadata (its buckets, checked against the model) is
+:mod:`wsync_grpc.core.validation`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wsync_grpc.core.errors import InvalidArgument, Unimplemented
+from wsync_grpc.core.layout import ApplyMode, Layout, Transport
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    """An update's header (``wsync.v1.PrepareHeader``), enum fields resolved to their defaults.
+
+    Attributes:
+        update_id: the update's id; empty until :meth:`UpdateValidator.header` gives it one.
+        weight_version: the version the engine serves once the update succeeded.
+        layout: how buckets travel.
+        apply_mode: when the engine applies.
+        bucket_count: buckets the Prepare stream carries.
+        total_bytes: bytes the buckets declare, in bytes.
+        incremental: whether Update may declare further buckets.
+        transport: how the bytes travel.
+        checkpoint_path: the safetensors checkpoint a disk update reads (as sent; resolved by the engine).
+    """
+
+    update_id: str
+    weight_version: str
+    layout: Layout
+    apply_mode: ApplyMode
+    bucket_count: int
+    total_bytes: int
+    incremental: bool
+    transport: Transport = Transport.BROADCAST
+    checkpoint_path: str = ""
+
+    @property
+    def disk(self) -> bool:
+        """Whether the engine reads the update from a checkpoint on disk (``TRANSPORT_DISK``)."""
+        return self.transport is Transport.DISK
+
+    @property
+    def flattened(self) -> bool:
+        """Whether buckets travel as one flat byte buffer each."""
+        return self.layout is Layout.FLATTENED
+
+    @property
+    def streaming(self) -> bool:
+        """Whether buckets are applied as they arrive."""
+        return self.apply_mode is ApplyMode.STREAMING
+
+
+def validate_transport(transport: Transport, allow_disk: bool = False) -> None:
+    """Accept broadcast, and disk where the engine reads checkpoints; refuse the transports not built yet.
+
+    Raises:
+        Unimplemented: CUDA IPC, or disk on an engine without disk updates (reason TRANSPORT_UNIMPLEMENTED).
+    """
+    if transport is Transport.BROADCAST or (transport is Transport.DISK and allow_disk):
+        return
+    name = f"TRANSPORT_{transport.name}"
+    raise Unimplemented(
+        "TRANSPORT_UNIMPLEMENTED",
+        f"transport {name} is not implemented by this engine yet; use TRANSPORT_BROADCAST",
+        transport=name,
+    )
+
+
+def check_disk_header(h: UpdateHeader) -> None:
+    """A disk update's header names a checkpoint and leaves the bucket fields to the engine.
+
+    Raises:
+        InvalidArgument: MISSING_CHECKPOINT_PATH, DISK_HEADER_FIELDS.
+    """
+    if not h.checkpoint_path:
+        raise InvalidArgument("MISSING_CHECKPOINT_PATH", "header.checkpoint_path is required for TRANSPORT_DISK")
+    if h.bucket_count or h.total_bytes or h.incremental:
+        raise InvalidArgument(
+            "DISK_HEADER_FIELDS",
+            "a disk update's buckets come from the checkpoint: header.bucket_count, total_bytes and "
+            "incremental must be 0/false",
+        )
