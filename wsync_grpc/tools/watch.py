@@ -74,7 +74,7 @@ def watch(
 
     def show(t: str, stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> None:
         if bars:
-            _update_bar(shown[t], t, stub, metadata, timeout_s)
+            update_bar(shown[t], t, stub, metadata, timeout_s)
         else:
             print(_line(t, stub, metadata, as_json, timeout_s), file=out, flush=True)
 
@@ -96,14 +96,17 @@ def watch(
     return 0
 
 
-def _update_bar(
+def update_bar(
     bar: tqdm[Any],
     target: str,
     stub: weight_sync_pb2_grpc.WeightSyncServiceStub,
     metadata: tuple[tuple[str, str | bytes], ...],
     timeout_s: float,
 ) -> None:
-    """Fill ``bar`` with the bytes of ``target``'s update in flight; its state and version as description."""
+    """Fill ``bar`` with the bytes of ``target``'s update in flight; its state and version as description.
+
+    Used by ``wsync watch --bars`` and ``wsync reload``; an engine that does not answer shows its code.
+    """
     try:
         st = stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as e:

@@ -8,11 +8,12 @@ Units: sizes in bytes, times in seconds, throughputs in GB/s (10^9 bytes per sec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -20,11 +21,11 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 from wsync.v1 import weight_sync_pb2 as pb
-from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.planning import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES
-from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup
+from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME
 from wsync_grpc.trainer.broadcast import PackBuffers
+from wsync_grpc.trainer.disk import DiskSyncRunner, checkpoint_path_of, save_checkpoint
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -35,7 +36,6 @@ from wsync_grpc.trainer.options import (
     ApplyMode,
     BackendName,
     Layout,
-    PauseModeName,
 )
 from wsync_grpc.trainer.results import (
     SyncProgress,
@@ -43,11 +43,12 @@ from wsync_grpc.trainer.results import (
 )
 from wsync_grpc.trainer.settings import Setting, client_settings
 from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest, check_request
+from wsync_grpc.trainer.views import ClientViews
 
 __all__ = ["TrainerClient"]
 
 
-class TrainerClient:
+class TrainerClient(ClientViews):
     """Drives one or more engines from the trainer, which is rank 0 of the weight-sync group.
 
     Nothing touches the network in the constructor; the group is formed by
@@ -186,104 +187,9 @@ class TrainerClient:
         self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases)
         self._buffers = PackBuffers(keep_buffers, self._settings.device)
         self._metrics = TrainerMetrics(metrics_registry)
-        self._sync = SyncRunner(
-            self._fleet, self._membership, self._settings, self._cancel_event, self._buffers, self._metrics
-        )
-
-    @property
-    def targets(self) -> list[str]:
-        """The engines' addresses, in rank order."""
-        return [e.target for e in self._fleet.engines]
-
-    @property
-    def metrics_registry(self) -> CollectorRegistry:
-        """The registry of the client's Prometheus metrics (serve it with ``prometheus_client``)."""
-        return self._metrics.registry
-
-    @property
-    def owner(self) -> str:
-        """The client's name as the engines' owner."""
-        return self._fleet.owner
-
-    @property
-    def stubs(self) -> dict[str, weight_sync_pb2_grpc.WeightSyncServiceStub]:
-        """target -> the generated stub on the client's channel, for calls the client does not wrap."""
-        return {e.target: e.stub for e in self._fleet.engines}
-
-    @property
-    def call_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        """The metadata (token) to pass along with calls made on :attr:`stubs`."""
-        return self._fleet.metadata
-
-    @property
-    def needs_init(self) -> bool:
-        """Whether the next :meth:`sync` (re-)initializes the group first."""
-        return self._membership.needs_init
-
-    @property
-    def group(self) -> WeightSyncGroup | None:
-        """The trainer's membership of the weight-sync group (rank 0), ``None`` before :meth:`init`."""
-        return self._membership.group
-
-    @property
-    def workers(self) -> dict[str, int]:
-        """target -> workers, as of the last :meth:`init` (0 before it)."""
-        return {e.target: e.workers for e in self._fleet.engines}
-
-    @property
-    def rank_offsets(self) -> dict[str, int]:
-        """target -> group rank of the engine's first worker, as of the last :meth:`init` (0 before it)."""
-        return {e.target: e.rank_offset for e in self._fleet.engines}
-
-    @property
-    def world_size(self) -> int:
-        """1 + every engine's workers, as of the last :meth:`init` (1 before it)."""
-        return 1 + sum(e.workers for e in self._fleet.engines)
-
-    @property
-    def port(self) -> int | None:
-        """The TCP port of the trainer's store in the current group; ``None`` when not joined."""
-        return self._membership.port
-
-    def status(self) -> dict[str, pb.GetStatusResponse]:
-        """``GetStatus`` on every engine: target -> reply (EngineCallError when some does not answer)."""
-        return self._fleet.status()
-
-    def pause(self, mode: PauseModeName = "abort", timeout: float | None = None) -> dict[str, pb.PauseResponse]:
-        """``Pause`` every engine: target -> reply (how many requests were aborted/drained/frozen).
-
-        Args:
-            mode: ``"abort"`` (end requests in flight), ``"wait"`` (drain them) or ``"keep"``
-                (freeze them until resume), as vLLM's ``/pause?mode=``.
-            timeout: drain bound of ``"wait"``, in seconds; ``None`` = the engine's default (60 s).
-
-        Raises:
-            ValueError: unknown mode.
-            EngineCallError: some engine failed (e.g. DEADLINE_EXCEEDED when the drain timed out).
-        """
-        return self._fleet.pause(mode, timeout)
-
-    def resume(self, force: bool = False) -> dict[str, pb.ResumeResponse]:
-        """``Resume`` every engine: target -> reply.
-
-        Args:
-            force: resume even an engine whose weights a failed update left dirty (half-updated).
-
-        Raises:
-            EngineCallError: some engine refused (e.g. FAILED_PRECONDITION ENGINE_DIRTY).
-        """
-        return self._fleet.resume(force)
-
-    def checksums(self, names: Iterable[str] = ()) -> dict[str, pb.GetWeightChecksumsResponse]:
-        """``GetWeightChecksums`` on every engine: target -> SHA-256 of each served tensor.
-
-        Args:
-            names: tensors to digest; empty (default) = every tensor.
-
-        Raises:
-            EngineCallError: some engine failed (e.g. INVALID_ARGUMENT UNKNOWN_TENSOR).
-        """
-        return self._fleet.checksums(names)
+        parts = (self._fleet, self._membership, self._settings, self._cancel_event, self._buffers, self._metrics)
+        self._sync = SyncRunner(*parts)
+        self._disk = DiskSyncRunner(*parts)
 
     def cancel(self, reason: str = "cancelled by the trainer") -> dict[str, pb.CancelResponse]:
         """Cancel whatever update is in flight on every engine, and interrupt a :meth:`sync` in flight.
@@ -430,20 +336,105 @@ class TrainerClient:
             ClientError: the client was closed.
         """
         check_request(weight_version, layout, apply_mode)
+        request = UpdateRequest(
+            weight_version=weight_version,
+            layout=layout,
+            apply_mode=apply_mode,
+            bucket_bytes=bucket_bytes or self._settings.bucket_bytes,
+            dtype=dtype,
+            flush_cache=flush_cache,
+            progress=progress,
+            update_id=update_id or uuid.uuid4().hex,
+            on_phase=on_phase,
+        )
+        with self._exclusive():
+            return self._sync.run(named_tensors, request)
+
+    def sync_from_disk(
+        self,
+        checkpoint_path: str | os.PathLike[str],
+        weight_version: str,
+        *,
+        apply_mode: ApplyMode = "staged",
+        flush_cache: bool = False,
+        update_id: str | None = None,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> SyncResult:
+        """Have every engine load the safetensors checkpoint at ``checkpoint_path`` as ``weight_version``.
+
+        SGLang's ``update_weights_from_disk`` and vLLM's ``reload_weights``, as
+        one committed update (:mod:`wsync_grpc.trainer.disk`): a header-only
+        ``Prepare`` (``TRANSPORT_DISK``) everywhere, each engine validating
+        every tensor from the files' headers before reading any; then, as for
+        :meth:`sync`, ``Complete(verify_only)`` everywhere and the applying
+        ``Complete`` only once every engine holds the whole checkpoint. No
+        group is formed (no Init): each engine reads the files itself, inside
+        the roots its operator allowed (``wsync serve --checkpoint-root``).
+
+        Args:
+            checkpoint_path: a directory (with ``model.safetensors.index.json``,
+                or ``*.safetensors`` files) or one ``.safetensors`` file, as the
+                engines see it; relative paths are taken under each engine's
+                first checkpoint root.
+            weight_version, apply_mode, flush_cache, update_id, on_phase: as for :meth:`sync`
+                (``on_phase`` gets ``"prepared"``, ``"verified"``, ``"applied"``).
+
+        Returns:
+            A :class:`SyncResult` (``wire_bytes`` 0; ``payload_bytes`` the checkpoint's tensors, in bytes).
+
+        Raises:
+            ValueError: empty ``weight_version`` or path, or a bad ``apply_mode``.
+            SyncError: some engine refused or failed (PERMISSION_DENIED for a path outside its
+                roots, NOT_FOUND, INVALID_ARGUMENT for a pickle file or tensors that do not fit
+                its model...); the update was cancelled everywhere.
+            RuntimeError: another sync is running in this client.
+        """
+        check_request(weight_version, "individual", apply_mode)
+        request = UpdateRequest(
+            weight_version=weight_version,
+            layout="individual",
+            apply_mode=apply_mode,
+            bucket_bytes=0,
+            dtype=None,
+            flush_cache=flush_cache,
+            progress=None,
+            update_id=update_id or uuid.uuid4().hex,
+            on_phase=on_phase,
+            checkpoint_path=checkpoint_path_of(checkpoint_path, None),
+        )
+        with self._exclusive():
+            return self._disk.run((), request)
+
+    def save_and_sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        directory: str | os.PathLike[str],
+        weight_version: str,
+        *,
+        engine_path: str | None = None,
+        **kwargs: Any,
+    ) -> SyncResult:
+        """Save ``named_tensors`` as ``directory/model.safetensors``, then :meth:`sync_from_disk` it.
+
+        Args:
+            named_tensors: as for :meth:`sync` (tied tensors are written once).
+            directory: where to write, on a disk the engines see too.
+            weight_version: as for :meth:`sync`.
+            engine_path: the directory as the engines see it; ``None`` = ``directory``.
+            kwargs: further arguments of :meth:`sync_from_disk`.
+
+        Raises:
+            as :func:`~wsync_grpc.trainer.disk.save_checkpoint` and :meth:`sync_from_disk`.
+        """
+        save_checkpoint(named_tensors, directory)
+        return self.sync_from_disk(checkpoint_path_of(directory, engine_path), weight_version, **kwargs)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the client's op lock for one sync; a second concurrent one raises :class:`RuntimeError`."""
         if not self._op_lock.acquire(blocking=False):
             raise RuntimeError("another sync (or init/leave) is running on this client")
         try:
-            request = UpdateRequest(
-                weight_version=weight_version,
-                layout=layout,
-                apply_mode=apply_mode,
-                bucket_bytes=bucket_bytes or self._settings.bucket_bytes,
-                dtype=dtype,
-                flush_cache=flush_cache,
-                progress=progress,
-                update_id=update_id or uuid.uuid4().hex,
-                on_phase=on_phase,
-            )
-            return self._sync.run(named_tensors, request)
+            yield
         finally:
             self._op_lock.release()

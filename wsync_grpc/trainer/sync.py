@@ -78,6 +78,7 @@ class UpdateRequest:
         progress: called after every bucket, or ``None``.
         update_id: the update's id.
         on_phase: called with each phase's name as it ends (:data:`PHASES`), or ``None``.
+        checkpoint_path: a disk update's checkpoint, as the engines see it; empty for a broadcast.
     """
 
     weight_version: str
@@ -89,6 +90,7 @@ class UpdateRequest:
     progress: Callable[[SyncProgress], None] | None
     update_id: str
     on_phase: Callable[[str], None] | None = None
+    checkpoint_path: str = ""
 
 
 PHASES = ("planned", "prepared", "broadcast", "verified", "applied")
@@ -171,10 +173,10 @@ class SyncRunner:
         by_name = dict(pairs)
         wire_bytes = total_wire_bytes(buckets, layout_enum)
         plan_s = time.monotonic() - t_plan
-        _report(request, "planned")
+        report(request, "planned")
         init_s, group = self._ensure_group(request)
         prepared, t0, prepare_s = self._prepare(request, buckets, messages, wire_bytes)
-        _report(request, "prepared")
+        report(request, "prepared")
         # Held from Prepare's reply to Complete's: a dead engine or trainer is noticed at once.
         self._holds = Holds(
             self._fleet.engines, request.update_id, self._fleet.metadata, self._fleet.owner, self._cancel_event
@@ -184,14 +186,14 @@ class SyncRunner:
             self._trace.begin("broadcast")
             pack_s = self._broadcast(request, group, buckets, by_name, wire_bytes)
             broadcast_s = time.monotonic() - t_bcast
-            _report(request, "broadcast")
+            report(request, "broadcast")
             t_complete = time.monotonic()
             verify_s = 0.0
             if request.apply_mode == "staged":
                 self._trace.begin("verify")
                 self._verify(request)
                 verify_s = time.monotonic() - t_complete
-                _report(request, "verified")
+                report(request, "verified")
             results, done = self._complete(request, prepared)
         finally:
             holds, self._holds = self._holds, None
@@ -209,7 +211,7 @@ class SyncRunner:
             engines={e.target: results[e.target] for e in self._fleet.engines},
         )
         self._metrics.sync_applied(result)
-        _report(request, "applied")
+        report(request, "applied")
         return result
 
     def _ensure_group(self, request: UpdateRequest) -> tuple[float, WeightSyncGroup]:
@@ -418,7 +420,7 @@ def _sizes(request: UpdateRequest, buckets: Sequence[Bucket], wire_bytes: int) -
     }
 
 
-def _report(request: UpdateRequest, phase: str) -> None:
+def report(request: UpdateRequest, phase: str) -> None:
     """Tell ``request.on_phase`` that ``phase`` ended; an exception it raises is logged, not raised."""
     if request.on_phase is None:
         return

@@ -1,0 +1,178 @@
+"""Disk updates from the trainer: every engine reads one safetensors checkpoint, committed as a broadcast is.
+
+The stateless ``update_weights_from_disk(base_url, checkpoint_path)`` that RL
+frameworks write for SGLang and vLLM, with wsync's guarantees:
+:class:`DiskSyncRunner` sends a header-only ``Prepare`` (``TRANSPORT_DISK``,
+``checkpoint_path``) to every engine at once; each engine validates every
+tensor of the checkpoint against its model from the files' headers and
+starts reading; then the same commit as a broadcast's
+(:class:`~wsync_grpc.trainer.sync.SyncRunner`): for a staged update
+``Complete(verify_only)`` everywhere, then the applying ``Complete`` only once
+every engine holds the whole checkpoint, so that the fleet serves the new
+version everywhere or nowhere. No group is needed: no Init, no rank, no byte
+on the wire. A failure cancels the update everywhere and raises one
+:class:`~wsync_grpc.trainer.results.SyncError`, as for a broadcast.
+
+:func:`save_checkpoint` writes named tensors as one safetensors file,
+atomically (a reader never sees half a file; one still reading the previous
+file keeps reading it).
+
+Units: sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.core import layout as core_layout
+from wsync_grpc.trainer.liveness import Holds
+from wsync_grpc.trainer.results import TRAINER, ClientError, EngineFailure, SyncResult
+from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest, report
+from wsync_grpc.wire.convert import APPLY_MODES
+
+CHECKPOINT_FILE = "model.safetensors"
+"""The file :func:`save_checkpoint` writes (a Hugging Face single-file checkpoint's name)."""
+
+
+def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | os.PathLike[str]) -> Path:
+    """Write ``named_tensors`` to ``directory/model.safetensors`` (created if needed); return the file.
+
+    Tensors sharing memory (tied embeddings) are written once, under their
+    first name, as :meth:`~wsync_grpc.trainer.client.TrainerClient.sync` sends
+    them. Tensors are detached, made contiguous and moved to CPU. The file is
+    written beside its final name and renamed into place, so an engine never
+    reads half of it.
+
+    Raises:
+        ValueError: no tensors, or a name given twice.
+        OSError: the directory cannot be written.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, t in named_tensors:
+        if name in out:
+            raise ValueError(f"tensor {name!r} is given twice")
+        key = (t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(), t.numel(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue  # a tied tensor, already written under its first name
+        seen.add(key)
+        out[name] = t.detach().to("cpu").contiguous()
+    if not out:
+        raise ValueError("nothing to save: no tensors given")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".wsync-", suffix=".safetensors.tmp", dir=d)
+    os.close(fd)
+    try:
+        save_file(out, tmp)
+        os.replace(tmp, d / CHECKPOINT_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return d / CHECKPOINT_FILE
+
+
+class DiskSyncRunner(SyncRunner):
+    """Runs one disk update at a time over the client's engines (the caller holds the client's op lock).
+
+    Same arguments as :class:`~wsync_grpc.trainer.sync.SyncRunner`;
+    ``request.checkpoint_path`` names the checkpoint as the engines see it.
+    """
+
+    def _run(self, named_tensors: Iterable[tuple[str, torch.Tensor]], request: UpdateRequest) -> SyncResult:
+        if self._membership.closed:
+            raise ClientError("the client is closed")
+        self._cancel_event.clear()
+        prepared, t0, prepare_s = self._prepare_disk(request)
+        report(request, "prepared")
+        self._holds = Holds(
+            self._fleet.engines, request.update_id, self._fleet.metadata, self._fleet.owner, self._cancel_event
+        )
+        try:
+            t_complete = time.monotonic()
+            verify_s = 0.0
+            if request.apply_mode == "staged":
+                self._trace.begin("verify")
+                self._verify(request)
+                verify_s = time.monotonic() - t_complete
+                report(request, "verified")
+            results, done = self._complete(request, prepared)
+        finally:
+            holds, self._holds = self._holds, None
+            holds.close()
+        first = next(iter(prepared.values()))
+        result = SyncResult(
+            update_id=request.update_id,
+            weight_version=request.weight_version,
+            layout="individual",
+            apply_mode=request.apply_mode,
+            bucket_count=first.bucket_count,
+            tensor_count=first.tensor_count,
+            payload_bytes=first.total_bytes,
+            wire_bytes=0,
+            init_seconds=0.0,
+            plan_seconds=0.0,
+            prepare_seconds=prepare_s,
+            broadcast_seconds=0.0,
+            pack_seconds=0.0,
+            complete_seconds=done - t_complete,
+            verify_seconds=verify_s,
+            total_seconds=done - t0,
+            engines={e.target: results[e.target] for e in self._fleet.engines},
+        )
+        self._metrics.sync_applied(result)
+        report(request, "applied")
+        return result
+
+    def _prepare_disk(self, request: UpdateRequest) -> tuple[dict[str, pb.PrepareResponse], float, float]:
+        """A header-only Prepare everywhere; every engine replies once it validated the checkpoint.
+
+        Raises:
+            SyncError: some engine refused (stage ``"prepare"``).
+        """
+        header = pb.PrepareHeader(
+            update_id=request.update_id,
+            weight_version=request.weight_version,
+            transport=pb.TRANSPORT_DISK,
+            owner=self._fleet.owner,
+            apply_mode=APPLY_MODES[core_layout.ApplyMode(request.apply_mode)],
+            checkpoint_path=request.checkpoint_path,
+        )
+        t0 = time.monotonic()
+        self._trace.begin("prepare")
+        metadata = self._trace.metadata(self._fleet.metadata)
+        prepared, failures = self._fleet.gather(
+            "Prepare",
+            lambda e: e.stub.Prepare.future(
+                iter([pb.PrepareRequest(header=header)]), timeout=self._settings.rpc_timeout_s, metadata=metadata
+            ),
+        )
+        prepare_s = time.monotonic() - t0
+        if not failures and self._cancel_event.is_set():
+            failures[TRAINER] = EngineFailure(TRAINER, "Prepare", None, "CANCELLED", "cancel() was called")
+        if failures:
+            raise self._abandon(request, "prepare", failures)
+        return prepared, t0, prepare_s
+
+
+def checkpoint_path_of(path: str | os.PathLike[str], engine_path: str | None) -> str:
+    """The checkpoint's path as the engines see it: ``engine_path`` if given, else ``path`` itself.
+
+    Raises:
+        ValueError: an empty path.
+    """
+    p = engine_path if engine_path is not None else os.fspath(path)
+    if not p:
+        raise ValueError("checkpoint path is required")
+    return p
+
+
+__all__: Sequence[str] = ["CHECKPOINT_FILE", "DiskSyncRunner", "checkpoint_path_of", "save_checkpoint"]
