@@ -91,6 +91,7 @@ class DiskSyncRunner(SyncRunner):
         if self._membership.closed:
             raise ClientError("the client is closed")
         self._cancel_event.clear()
+        self._membership.hold_leases()  # released at once when the client closes, as after init
         prepared, t0, prepare_s = self._prepare_disk(request)
         report(request, "prepared")
         self._holds = Holds(

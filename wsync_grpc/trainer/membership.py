@@ -334,6 +334,10 @@ class Membership:
                 log.warning("leaving the weight-sync group on close: %s", err)
         self.drop()
 
+    def hold_leases(self) -> None:
+        """Hold the client's lease on every engine (one ``KeepAlive`` each) until :meth:`close`; no group needed."""
+        self._leases.start()
+
     def drop(self) -> None:
         """Destroy the trainer's side of the group and mark the client for re-init."""
         self._needs_init = True
