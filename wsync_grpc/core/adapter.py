@@ -13,12 +13,15 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
 from wsync_grpc.core.membership import GroupParams
+
+if TYPE_CHECKING:
+    from wsync_grpc.core.lora import LinearShape, LoraSpec
 
 
 class PauseMode(enum.Enum):
@@ -377,4 +380,60 @@ class RemoteWorkers(Protocol):
         Raises:
             Exception: a worker's apply failed (its weights may be half applied).
         """
+        ...
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """One LoRA adapter an engine serves (``wsync.v1.AdapterInfo``).
+
+    Attributes:
+        name, rank, alpha, target_modules: its :class:`~wsync_grpc.core.lora.LoraSpec` fields
+            (``target_modules`` holds the regex when the adapter was configured with one).
+        version: the version it was loaded as.
+        tensor_count: its lora_A/lora_B tensors.
+    """
+
+    name: str
+    version: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    tensor_count: int
+
+
+@runtime_checkable
+class LoraAdapters(Protocol):
+    """Optional: an engine that serves LoRA adapters beside its base weights, named by generation requests.
+
+    Loading or replacing an adapter is an update (``PrepareHeader.adapter``):
+    its tensors are validated against :meth:`lora_linears` before anything
+    changes and handed to :meth:`load_adapter` at Complete.
+    """
+
+    def lora_linears(self) -> Mapping[str, LinearShape]:
+        """Module name -> shape of every linear module of the base model an adapter may target."""
+        ...
+
+    def load_adapter(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Serve ``tensors`` (PEFT names, see :func:`~wsync_grpc.core.lora.adapter_param_specs`) as adapter ``spec``.
+
+        Replaces an adapter of the same name: from this call on no token is
+        computed with the old one (requests running with it recompute their
+        context with the new one). The caller holds :meth:`EngineAdapter.weights_lock`.
+
+        Returns:
+            The number of tensors loaded.
+
+        Raises:
+            ValueError: tensors that do not fit ``spec`` (the old adapter, if any, keeps serving).
+        """
+        ...
+
+    def unload_adapter(self, name: str) -> tuple[str, int] | None:
+        """Stop serving adapter ``name``; ``(its version, requests aborted)``, or ``None`` if not served."""
+        ...
+
+    def adapters(self) -> list[AdapterState]:
+        """The adapters served, by name."""
         ...

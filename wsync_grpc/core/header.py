@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from wsync_grpc.core.errors import InvalidArgument, Unimplemented
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
+from wsync_grpc.core.lora import LoraSpec, check_name, check_spec
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class UpdateHeader:
         incremental: whether Update may declare further buckets.
         transport: how the bytes travel.
         checkpoint_path: the safetensors checkpoint a disk update reads (as sent; resolved by the engine).
+        adapter: the LoRA adapter the update loads instead of base weights; ``None`` for base weights.
+            From a disk update's header only its name is known until the engine read ``adapter_config.json``.
     """
 
     update_id: str
@@ -37,6 +40,7 @@ class UpdateHeader:
     incremental: bool
     transport: Transport = Transport.BROADCAST
     checkpoint_path: str = ""
+    adapter: LoraSpec | None = None
 
     @property
     def disk(self) -> bool:
@@ -68,6 +72,25 @@ def validate_transport(transport: Transport, allow_disk: bool = False) -> None:
         f"transport {name} is not implemented by this engine yet; use TRANSPORT_BROADCAST",
         transport=name,
     )
+
+
+def check_adapter_header(h: UpdateHeader, allow: bool) -> None:
+    """An adapter update names a valid adapter, applies staged and, sent as buckets, gives its whole spec.
+
+    Raises:
+        Unimplemented: ADAPTERS_UNIMPLEMENTED (``allow`` is false: the engine serves no adapters).
+        InvalidArgument: BAD_ADAPTER_NAME, BAD_ADAPTER_CONFIG, ADAPTER_NOT_STAGED, NOT_INCREMENTAL_ADAPTER.
+    """
+    assert h.adapter is not None
+    if not allow:
+        raise Unimplemented("ADAPTERS_UNIMPLEMENTED", "this engine serves no LoRA adapters")
+    check_name(h.adapter.name)
+    if h.streaming:
+        raise InvalidArgument("ADAPTER_NOT_STAGED", "an adapter update applies staged: leave apply_mode unset")
+    if h.incremental:
+        raise InvalidArgument("NOT_INCREMENTAL_ADAPTER", "an adapter update cannot be incremental")
+    if not h.disk:
+        check_spec(h.adapter)
 
 
 def check_disk_header(h: UpdateHeader) -> None:

@@ -48,6 +48,8 @@ class Rpc(enum.Enum):
     GET_WEIGHT_CHECKSUMS = "GetWeightChecksums"
     WATCH = "Watch"
     KEEP_ALIVE = "KeepAlive"
+    LIST_ADAPTERS = "ListAdapters"
+    UNLOAD_ADAPTER = "UnloadAdapter"
 
 
 class Event(enum.Enum):
@@ -85,6 +87,8 @@ ALLOWED: dict[Rpc, frozenset[State]] = {
     Rpc.GET_WEIGHT_CHECKSUMS: ALL_STATES,
     Rpc.WATCH: frozenset({S.RECEIVING, S.RECEIVED, S.APPLYING}),  # after Prepare replied, until the update ends
     Rpc.KEEP_ALIVE: ALL_STATES,
+    Rpc.LIST_ADAPTERS: ALL_STATES,
+    Rpc.UNLOAD_ADAPTER: ALL_STATES,  # not the adapter an update in flight loads (ADAPTER_UPDATE_IN_FLIGHT)
 }
 """RPC -> the states it is allowed in."""
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,9 +28,10 @@ import torch
 
 from wsync_grpc.core.adapter import ParamSpec
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
-from wsync_grpc.core.errors import InvalidArgument
-from wsync_grpc.core.header import UpdateHeader, check_disk_header, validate_transport
+from wsync_grpc.core.errors import InvalidArgument, Unimplemented
+from wsync_grpc.core.header import UpdateHeader, check_adapter_header, check_disk_header, validate_transport
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
+from wsync_grpc.core.lora import LoraSpec
 
 PADDING_PER_TENSOR = 4096
 """Largest padding accepted per tensor in a flattened bucket, in bytes (alignment slack)."""
@@ -87,6 +88,9 @@ class UpdateValidator:
             (:class:`~wsync_grpc.core.adapter.FusedGroups`, e.g. vLLM's
             ``qkv_proj`` = ``q_proj`` + ``k_proj`` + ``v_proj``).
         allow_disk: the engine reads checkpoints from disk (``TRANSPORT_DISK``); else UNIMPLEMENTED.
+        adapter_specs: for an engine that serves LoRA adapters, the tensors an adapter of a given spec
+            carries (:func:`~wsync_grpc.core.lora.adapter_param_specs`); ``None``: adapter updates are
+            UNIMPLEMENTED. An adapter update is validated against these instead of ``specs``.
     """
 
     def __init__(
@@ -95,19 +99,38 @@ class UpdateValidator:
         aliases: Mapping[str, str],
         fused: Sequence[Sequence[str]] = (),
         allow_disk: bool = False,
+        adapter_specs: Callable[[LoraSpec], Mapping[str, ParamSpec]] | None = None,
     ) -> None:
-        self._specs = specs
         self._allow_disk = allow_disk
-        self._aliases = aliases
-        self._fused = [tuple(g) for g in fused]
+        self._adapter_specs = adapter_specs
         self._declared = _Declared()
         self.header: UpdateHeader | None = None
         self.buckets_declared = 0
         self.bytes_declared = 0
         self.tensors_declared = 0
+        self.use_specs(specs, aliases, fused)
+
+    def use_specs(
+        self, specs: Mapping[str, ParamSpec], aliases: Mapping[str, str], fused: Sequence[Sequence[str]] = ()
+    ) -> None:
+        """Validate every bucket from now on against ``specs`` (an adapter's tensors, once its spec is known)."""
+        self._specs = specs
+        self._aliases = aliases
+        self._fused = [tuple(g) for g in fused]
         # Bound on what one update may claim: every tensor at 8 bytes per element plus padding.
         self._max_bytes = sum(s.numel * 8 + PADDING_PER_TENSOR for s in specs.values())
         self._max_tensors = len(specs) + len(aliases)
+
+    def adapter_specs(self, spec: LoraSpec) -> Mapping[str, ParamSpec]:
+        """The tensors an adapter of ``spec`` carries on this engine (see the constructor).
+
+        Raises:
+            Unimplemented: ADAPTERS_UNIMPLEMENTED.
+            InvalidArgument: see :func:`~wsync_grpc.core.lora.adapter_param_specs`.
+        """
+        if self._adapter_specs is None:
+            raise Unimplemented("ADAPTERS_UNIMPLEMENTED", "this engine serves no LoRA adapters")
+        return self._adapter_specs(spec)
 
     def header_message(self, h: UpdateHeader) -> UpdateHeader:
         """Validate the header; return it with an update id (a fresh UUID when ``h.update_id`` is empty).
@@ -123,6 +146,10 @@ class UpdateValidator:
         if not h.weight_version:
             raise InvalidArgument("MISSING_WEIGHT_VERSION", "header.weight_version is required")
         validate_transport(h.transport, self._allow_disk)
+        if h.adapter is not None:
+            check_adapter_header(h, self._adapter_specs is not None)
+            if not h.disk:  # a disk adapter's spec is read from its directory first
+                self.use_specs(self.adapter_specs(h.adapter), {})
         if h.disk:
             check_disk_header(h)
             self.header = dataclasses.replace(h, update_id=h.update_id or uuid.uuid4().hex, layout=Layout.INDIVIDUAL)

@@ -5,7 +5,7 @@ engines keep their own generation APIs. Status codes: empty prompt or a
 request beyond the model's context -> INVALID_ARGUMENT; not finished within
 the request's timeout (admission wait included, e.g. while the engine is
 paused) -> DEADLINE_EXCEEDED; engine closed -> UNAVAILABLE; a failed forward
-pass -> INTERNAL.
+pass -> INTERNAL; an adapter the engine does not serve -> NOT_FOUND.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from wsync_grpc.engines.reference import (
     GenerationTimeout,
     ReferenceEngine,
 )
+from wsync_grpc.engines.reference.lora import UnknownAdapter
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if remaining is not None:
             timeout = max(min(timeout, remaining), 1e-3)
         try:
-            handle = self._engine.submit(request.prompt, max_new_tokens, raw=request.raw, timeout=timeout)
+            handle = self._engine.submit(
+                request.prompt, max_new_tokens, raw=request.raw, timeout=timeout, adapter=request.adapter or None
+            )
+        except UnknownAdapter as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineClosed as exc:
@@ -85,6 +90,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             weight_versions=result.weight_versions,
             queued_seconds=result.queued_seconds,
             generate_seconds=result.generate_seconds,
+            adapter=result.adapter,
+            adapter_versions=result.adapter_versions,
         )
 
 

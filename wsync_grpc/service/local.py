@@ -11,9 +11,10 @@ them, run their own (:mod:`wsync_grpc.service.remote`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from wsync_grpc.core.adapter import EngineAdapter, LoraAdapters
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.worker.disk_receiver import DiskReceiver
@@ -65,3 +66,27 @@ def local_receivers(
         )
         for i, g in enumerate(engine.membership.groups)
     ]
+
+
+def apply_local(adapter: EngineAdapter, header: UpdateHeader, receivers: Sequence[LocalReceiver]) -> None:
+    """Apply what ``receivers`` staged: base weights, or the adapter ``header`` names. Weights lock held.
+
+    Base weights: each worker's staged tensors are copied into the served
+    ones (:meth:`~wsync_grpc.core.adapter.EngineAdapter.load_weights`) or swapped in; a streaming
+    update was applied as it arrived. An adapter: worker 0's tensors are handed
+    to :meth:`~wsync_grpc.core.adapter.LoraAdapters.load_adapter` all at once.
+
+    Raises:
+        ValueError, KeyError: from the engine (see those methods).
+    """
+    if header.adapter is not None:
+        assert isinstance(adapter, LoraAdapters), "validated at Prepare"
+        tensors = [pair for named in receivers[0].staged for pair in named]
+        receivers[0].tensors_applied = adapter.load_adapter(header.adapter, header.weight_version, tensors)
+        return
+    if header.streaming:
+        return
+    for r in receivers:
+        for named in r.staged:
+            r.tensors_applied += adapter.load_weights(r.worker, named)
+        r.tensors_applied += r.apply_swaps()

@@ -23,11 +23,19 @@ from opentelemetry.context import Context
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.adapter import EngineAdapter, FusedGroups, PauseMode, RemoteWorkers, ServedChecksums
+from wsync_grpc.core.adapter import (
+    EngineAdapter,
+    FusedGroups,
+    LoraAdapters,
+    PauseMode,
+    RemoteWorkers,
+    ServedChecksums,
+)
 from wsync_grpc.core.checksums import tensor_sha256
-from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
+from wsync_grpc.core.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, Phase, domain_error
 from wsync_grpc.core.header import validate_transport
 from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State, WrongState
+from wsync_grpc.core.lora import adapter_param_specs, check_name
 from wsync_grpc.core.ownership import DEFAULT_LEASE_TTL_S, describe
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TIMEOUT_S
 from wsync_grpc.core.validation import UpdateValidator
@@ -199,11 +207,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         try:
             fused = self.adapter.fused_groups() if isinstance(self.adapter, FusedGroups) else ()
             disk = not isinstance(self.adapter, RemoteWorkers)
-            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused, disk)
+            lora = self.adapter.lora_linears() if isinstance(self.adapter, LoraAdapters) else None
+            specs = (lambda spec: adapter_param_specs(lora, spec)) if lora is not None else None
+            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused, disk, specs)
             header, buckets = reader.read(validator, request_iterator, context)
             files: dict[str, Path] = {}
             if header.disk:  # the buckets come from the checkpoint's headers
-                buckets, files = plan_disk_update(self.checkpoint_roots, header, validator)
+                plan = plan_disk_update(self.checkpoint_roots, header, validator)
+                header, buckets, files = plan.header, plan.buckets, plan.files
             elif self.lifecycle.origin is not State.READY:
                 raise WrongState(Rpc.PREPARE, self.lifecycle.origin, "a broadcast needs the group: call Init first")
             with self._lock:
@@ -343,6 +354,45 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         interval_s = seconds(request.interval, DEFAULT_KEEPALIVE_INTERVAL_S)
         generation = open_keepalive(self.engine, request.owner, context)
         return keepalive_stream(self.engine, request.owner, generation, interval_s, context)
+
+    @grpc_errors
+    def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
+        """The LoRA adapters served, with their versions."""
+        if not isinstance(self.adapter, LoraAdapters):
+            return pb.ListAdaptersResponse(supported=False)
+        out = pb.ListAdaptersResponse(supported=True)
+        for a in self.adapter.adapters():
+            out.adapters.add(
+                name=a.name,
+                version=a.version,
+                rank=a.rank,
+                alpha=a.alpha,
+                target_modules=list(a.target_modules),
+                tensor_count=a.tensor_count,
+            )
+        return out
+
+    @grpc_errors
+    def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
+        """Stop serving a LoRA adapter (idempotent); the owner's call."""
+        name = check_name(request.name)
+        with self._lock:
+            self.engine.check_owner(request.owner, "UnloadAdapter")
+            self.lifecycle.check(Rpc.UNLOAD_ADAPTER)
+            upd = self.engine.update
+            if upd is not None and upd.header.adapter is not None and upd.header.adapter.name == name:
+                raise FailedPrecondition(
+                    "ADAPTER_UPDATE_IN_FLIGHT", f"an update of adapter {name!r} is in flight; cancel it first"
+                )
+            if not isinstance(self.adapter, LoraAdapters):
+                return pb.UnloadAdapterResponse(was_loaded=False)
+            with self.adapter.weights_lock():
+                removed = self.adapter.unload_adapter(name)
+        if removed is None:
+            return pb.UnloadAdapterResponse(was_loaded=False)
+        return pb.UnloadAdapterResponse(was_loaded=True, version=removed[0], aborted_requests=removed[1])
 
     @grpc_errors
     def GetWeightChecksums(

@@ -48,7 +48,7 @@ from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
-from wsync_grpc.service.local import LocalReceiver, local_receivers
+from wsync_grpc.service.local import LocalReceiver, apply_local, local_receivers
 from wsync_grpc.service.outcome import (
     CompleteResult,
     PrepareResult,
@@ -332,19 +332,17 @@ class UpdateSession:
                     applied = self.remote.workers.apply_on_workers(timeout_s, self.header.weight_version)
                     for remote in self.remote.receivers:
                         remote.tensors_applied = applied
-                elif not self.header.streaming:
-                    for lr in self.local:
-                        for named in lr.staged:
-                            lr.tensors_applied += eng.adapter.load_weights(lr.worker, named)
-                        lr.tensors_applied += lr.apply_swaps()
+                else:
+                    apply_local(eng.adapter, self.header, self.local)
                 if flush_cache:
                     eng.adapter.flush_cache()
-                eng.adapter.set_weight_version(self.header.weight_version)
+                if self.header.adapter is None:  # an adapter has its own version; the base one stays
+                    eng.adapter.set_weight_version(self.header.weight_version)
         except BaseException as e:
             err = domain_error(e)
             with eng.lock:
                 self.fail(err)
-                if not self.header.streaming:
+                if not self.header.streaming and self.header.adapter is None:
                     # A staged apply that broke half-way is as dirty as a streaming one.
                     self._mark_dirty()
             raise err from e
@@ -352,14 +350,16 @@ class UpdateSession:
         with eng.lock:
             for r in self.receivers:
                 r.release(reuse=True)
-            eng.weight_version = self.header.weight_version
-            eng.dirty = False
+            base = self.header.adapter is None  # an adapter neither changes nor cleans the base weights
+            if base:
+                eng.weight_version = self.header.weight_version
+                eng.dirty = False
             eng.updates_completed += 1
             eng.update = None
             eng.lifecycle.fire(Event.APPLIED)
-            if self.auto_paused or eng.dirty_paused:
+            if self.auto_paused or (base and eng.dirty_paused):
                 eng.adapter.resume()
-            eng.dirty_paused = False
+            eng.dirty_paused = eng.dirty_paused and not base
             self.ended.set()
         return record_applied(self, applied_result(self, t0, done, flush_cache))
 

@@ -25,7 +25,8 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core.planning import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME
 from wsync_grpc.trainer.broadcast import PackBuffers
-from wsync_grpc.trainer.disk import DiskSyncRunner, checkpoint_path_of, save_checkpoint
+from wsync_grpc.trainer.checkpoints import CheckpointUpdates
+from wsync_grpc.trainer.disk import DiskSyncRunner
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -36,19 +37,20 @@ from wsync_grpc.trainer.options import (
     ApplyMode,
     BackendName,
     Layout,
+    check_request,
 )
 from wsync_grpc.trainer.results import (
     SyncProgress,
     SyncResult,
 )
 from wsync_grpc.trainer.settings import Setting, client_settings
-from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest, check_request
+from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest
 from wsync_grpc.trainer.views import ClientViews
 
 __all__ = ["TrainerClient"]
 
 
-class TrainerClient(ClientViews):
+class TrainerClient(ClientViews, CheckpointUpdates):
     """Drives one or more engines from the trainer, which is rank 0 of the weight-sync group.
 
     Nothing touches the network in the constructor; the group is formed by
@@ -349,85 +351,6 @@ class TrainerClient(ClientViews):
         )
         with self._exclusive():
             return self._sync.run(named_tensors, request)
-
-    def sync_from_disk(
-        self,
-        checkpoint_path: str | os.PathLike[str],
-        weight_version: str,
-        *,
-        apply_mode: ApplyMode = "staged",
-        flush_cache: bool = False,
-        update_id: str | None = None,
-        on_phase: Callable[[str], None] | None = None,
-    ) -> SyncResult:
-        """Have every engine load the safetensors checkpoint at ``checkpoint_path`` as ``weight_version``.
-
-        SGLang's ``update_weights_from_disk`` and vLLM's ``reload_weights``, as
-        one committed update (:mod:`wsync_grpc.trainer.disk`): a header-only
-        ``Prepare`` (``TRANSPORT_DISK``) everywhere, each engine validating
-        every tensor from the files' headers before reading any; then, as for
-        :meth:`sync`, ``Complete(verify_only)`` everywhere and the applying
-        ``Complete`` only once every engine holds the whole checkpoint. No
-        group is formed (no Init): each engine reads the files itself, inside
-        the roots its operator allowed (``wsync serve --checkpoint-root``).
-
-        Args:
-            checkpoint_path: a directory (with ``model.safetensors.index.json``,
-                or ``*.safetensors`` files) or one ``.safetensors`` file, as the
-                engines see it; relative paths are taken under each engine's
-                first checkpoint root.
-            weight_version, apply_mode, flush_cache, update_id, on_phase: as for :meth:`sync`
-                (``on_phase`` gets ``"prepared"``, ``"verified"``, ``"applied"``).
-
-        Returns:
-            A :class:`SyncResult` (``wire_bytes`` 0; ``payload_bytes`` the checkpoint's tensors, in bytes).
-
-        Raises:
-            ValueError: empty ``weight_version`` or path, or a bad ``apply_mode``.
-            SyncError: some engine refused or failed (PERMISSION_DENIED for a path outside its
-                roots, NOT_FOUND, INVALID_ARGUMENT for a pickle file or tensors that do not fit
-                its model...); the update was cancelled everywhere.
-            RuntimeError: another sync is running in this client.
-        """
-        check_request(weight_version, "individual", apply_mode)
-        request = UpdateRequest(
-            weight_version=weight_version,
-            layout="individual",
-            apply_mode=apply_mode,
-            bucket_bytes=0,
-            dtype=None,
-            flush_cache=flush_cache,
-            progress=None,
-            update_id=update_id or uuid.uuid4().hex,
-            on_phase=on_phase,
-            checkpoint_path=checkpoint_path_of(checkpoint_path, None),
-        )
-        with self._exclusive():
-            return self._disk.run((), request)
-
-    def save_and_sync(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        directory: str | os.PathLike[str],
-        weight_version: str,
-        *,
-        engine_path: str | None = None,
-        **kwargs: Any,
-    ) -> SyncResult:
-        """Save ``named_tensors`` as ``directory/model.safetensors``, then :meth:`sync_from_disk` it.
-
-        Args:
-            named_tensors: as for :meth:`sync` (tied tensors are written once).
-            directory: where to write, on a disk the engines see too.
-            weight_version: as for :meth:`sync`.
-            engine_path: the directory as the engines see it; ``None`` = ``directory``.
-            kwargs: further arguments of :meth:`sync_from_disk`.
-
-        Raises:
-            as :func:`~wsync_grpc.trainer.disk.save_checkpoint` and :meth:`sync_from_disk`.
-        """
-        save_checkpoint(named_tensors, directory)
-        return self.sync_from_disk(checkpoint_path_of(directory, engine_path), weight_version, **kwargs)
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:

@@ -36,7 +36,7 @@ from wsync_grpc.core import layout as core_layout
 from wsync_grpc.trainer.liveness import Holds
 from wsync_grpc.trainer.results import TRAINER, ClientError, EngineFailure, SyncResult
 from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest, report
-from wsync_grpc.wire.convert import APPLY_MODES
+from wsync_grpc.wire.convert import APPLY_MODES, adapter_to_proto
 
 CHECKPOINT_FILE = "model.safetensors"
 """The file :func:`save_checkpoint` writes (a Hugging Face single-file checkpoint's name)."""
@@ -146,6 +146,7 @@ class DiskSyncRunner(SyncRunner):
             owner=self._fleet.owner,
             apply_mode=APPLY_MODES[core_layout.ApplyMode(request.apply_mode)],
             checkpoint_path=request.checkpoint_path,
+            adapter=adapter_to_proto(request.adapter) if request.adapter else None,
         )
         t0 = time.monotonic()
         self._trace.begin("prepare")

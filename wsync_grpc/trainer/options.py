@@ -1,4 +1,4 @@
-"""The trainer's string options and its default timeouts.
+"""The trainer's string options, their check, and its default timeouts.
 
 :class:`~wsync_grpc.trainer.client.TrainerClient` takes layouts, apply modes,
 pause modes and backends as strings (the :data:`Layout`, :data:`ApplyMode`,
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from wsync_grpc.core import layout as core_layout
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S
 
 __all__ = ["DEFAULT_GROUP_TIMEOUT_S", "DEFAULT_RPC_TIMEOUT_S", "ApplyMode", "BackendName", "Layout", "PauseModeName"]
@@ -28,3 +29,17 @@ PauseModeName = Literal["abort", "wait", "keep"]
 
 BackendName = Literal["gloo", "nccl", ""]
 """Collective backend; ``""`` lets each side choose by device (NCCL on CUDA, gloo on CPU)."""
+
+
+def check_request(weight_version: str, layout: str, apply_mode: str) -> None:
+    """Reject a sync's arguments before anything runs.
+
+    Raises:
+        ValueError: empty ``weight_version``, unknown ``layout`` or ``apply_mode``.
+    """
+    if not weight_version:
+        raise ValueError("weight_version is required")
+    if layout not in {m.value for m in core_layout.Layout}:
+        raise ValueError(f"unknown layout {layout!r}; use 'flattened' or 'individual'")
+    if apply_mode not in {m.value for m in core_layout.ApplyMode}:
+        raise ValueError(f"unknown apply_mode {apply_mode!r}; use 'staged' or 'streaming'")

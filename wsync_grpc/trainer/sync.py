@@ -38,6 +38,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core import layout as core_layout
 from wsync_grpc.core.layout import Bucket, total_wire_bytes
+from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.broadcast import Broadcast, PackBuffers
 from wsync_grpc.trainer.fleet import Fleet
@@ -59,7 +60,7 @@ from wsync_grpc.trainer.results import (
 )
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.tracing import SyncTrace
-from wsync_grpc.wire.convert import APPLY_MODES, LAYOUTS, duration
+from wsync_grpc.wire.convert import APPLY_MODES, LAYOUTS, adapter_to_proto, duration
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class UpdateRequest:
         update_id: the update's id.
         on_phase: called with each phase's name as it ends (:data:`PHASES`), or ``None``.
         checkpoint_path: a disk update's checkpoint, as the engines see it; empty for a broadcast.
+        adapter: the LoRA adapter the update loads; ``None`` for base weights.
     """
 
     weight_version: str
@@ -91,24 +93,11 @@ class UpdateRequest:
     update_id: str
     on_phase: Callable[[str], None] | None = None
     checkpoint_path: str = ""
+    adapter: LoraSpec | None = None
 
 
 PHASES = ("planned", "prepared", "broadcast", "verified", "applied")
 """The phases ``TrainerClient.sync`` reports to ``on_phase`` as each ends (``"verified"``: staged only)."""
-
-
-def check_request(weight_version: str, layout: str, apply_mode: str) -> None:
-    """Reject a sync's arguments before anything runs.
-
-    Raises:
-        ValueError: empty ``weight_version``, unknown ``layout`` or ``apply_mode``.
-    """
-    if not weight_version:
-        raise ValueError("weight_version is required")
-    if layout not in {m.value for m in core_layout.Layout}:
-        raise ValueError(f"unknown layout {layout!r}; use 'flattened' or 'individual'")
-    if apply_mode not in {m.value for m in core_layout.ApplyMode}:
-        raise ValueError(f"unknown apply_mode {apply_mode!r}; use 'staged' or 'streaming'")
 
 
 class SyncRunner:
@@ -254,6 +243,7 @@ class SyncRunner:
             apply_mode=APPLY_MODES[core_layout.ApplyMode(request.apply_mode)],
             bucket_count=len(buckets),
             total_bytes=wire_bytes,
+            adapter=adapter_to_proto(request.adapter) if request.adapter else None,
         )
 
         def stream() -> Iterator[pb.PrepareRequest]:

@@ -25,6 +25,7 @@ from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport
 from wsync_grpc.core.lifecycle import State
+from wsync_grpc.core.lora import LoraSpec
 
 E = TypeVar("E")
 
@@ -137,7 +138,19 @@ def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
         total_bytes=h.total_bytes,
         incremental=h.incremental,
         checkpoint_path=h.checkpoint_path,
+        adapter=adapter_from_proto(h.adapter) if h.HasField("adapter") else None,
     )
+
+
+def adapter_from_proto(a: pb.AdapterSpec) -> LoraSpec:
+    """The :class:`~wsync_grpc.core.lora.LoraSpec` of a ``wsync.v1.AdapterSpec`` (not validated yet)."""
+    return LoraSpec(a.name, a.rank, a.alpha, tuple(a.target_modules))
+
+
+def adapter_to_proto(spec: LoraSpec) -> pb.AdapterSpec:
+    """The ``wsync.v1.AdapterSpec`` of ``spec`` (a regex target travels as the one target module)."""
+    targets = [spec.target_regex] if spec.target_regex else list(spec.target_modules)
+    return pb.AdapterSpec(name=spec.name, rank=spec.rank, alpha=spec.alpha, target_modules=targets)
 
 
 def bucket_spec(bucket: Bucket, layout: Layout = Layout.FLATTENED) -> pb.BucketSpec:

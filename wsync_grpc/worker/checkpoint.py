@@ -15,6 +15,7 @@ opened, since loading one runs whatever code it carries.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from wsync_grpc.core.errors import InvalidArgument, NotFound, PermissionDenied
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.lora import LoraSpec, lora_spec_from_config
 from wsync_grpc.core.validation import UpdateValidator
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -272,21 +274,76 @@ def files_of(buckets: Sequence[Bucket], tensors: Sequence[CheckpointTensor]) -> 
     return {s.name: where[s.name] for b in buckets for s in b.tensors}
 
 
-def plan_disk_update(
-    roots: CheckpointRoots, header: UpdateHeader, validator: UpdateValidator
-) -> tuple[list[Bucket], dict[str, Path]]:
+ADAPTER_CONFIG = "adapter_config.json"
+"""A PEFT adapter directory's configuration (JSON)."""
+
+ADAPTER_FILE = "adapter_model.safetensors"
+"""A PEFT adapter directory's tensors."""
+
+
+def adapter_checkpoint(path: Path, name: str, roots: CheckpointRoots | None = None) -> tuple[LoraSpec, list[Path]]:
+    """The spec and file of the PEFT adapter directory ``path`` (``save_pretrained``'s output), named ``name``.
+
+    Raises:
+        InvalidArgument: NOT_A_PEFT_DIRECTORY, BAD_ADAPTER_CONFIG (not JSON), PICKLE_CHECKPOINT
+            (``adapter_model.bin`` only), and the reasons of :func:`~wsync_grpc.core.lora.lora_spec_from_config`.
+        NotFound: CHECKPOINT_NOT_FOUND (no ``adapter_model.safetensors``).
+    """
+    config = path / ADAPTER_CONFIG
+    if not path.is_dir() or not config.is_file():
+        raise InvalidArgument(
+            "NOT_A_PEFT_DIRECTORY", f"{path.name} is not a PEFT adapter directory (no {ADAPTER_CONFIG})"
+        )
+    try:
+        parsed = json.loads(config.read_text())
+    except (ValueError, OSError) as e:
+        raise InvalidArgument("BAD_ADAPTER_CONFIG", f"{ADAPTER_CONFIG} is not JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidArgument("BAD_ADAPTER_CONFIG", f"{ADAPTER_CONFIG} is not a JSON object")
+    spec = lora_spec_from_config(name, parsed)
+    if not (path / ADAPTER_FILE).exists() and (path / "adapter_model.bin").exists():
+        raise _pickle_refused("adapter_model.bin")
+    if not (path / ADAPTER_FILE).exists():
+        raise NotFound("CHECKPOINT_NOT_FOUND", f"no {ADAPTER_FILE} in {path.name}", path=path.name[:200])
+    return spec, checkpoint_files(path / ADAPTER_FILE, roots)
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    """What a disk update's Prepare found: its header (an adapter's spec completed), buckets and files.
+
+    Attributes:
+        header: the header, with ``adapter`` read from ``adapter_config.json`` for an adapter.
+        buckets: the validated buckets.
+        files: tensor name -> the file holding it.
+    """
+
+    header: UpdateHeader
+    buckets: list[Bucket]
+    files: dict[str, Path]
+
+
+def plan_disk_update(roots: CheckpointRoots, header: UpdateHeader, validator: UpdateValidator) -> DiskPlan:
     """A disk update's buckets, validated, and where each tensor is: everything Prepare does before loading.
 
-    Resolves ``header.checkpoint_path`` inside ``roots``, lists its files, reads
-    their headers and validates every tensor with ``validator`` (which then
-    holds the update's declarations, as after a broadcast's Prepare stream).
+    Resolves ``header.checkpoint_path`` inside ``roots``, lists its files (an
+    adapter's: its PEFT directory's, its spec from ``adapter_config.json``),
+    reads their headers and validates every tensor with ``validator`` (which
+    then holds the update's declarations, as after a broadcast's Prepare stream).
 
     Raises:
         PermissionDenied, NotFound, InvalidArgument: see :meth:`CheckpointRoots.resolve`,
-            :func:`checkpoint_files`, :func:`read_checkpoint` and
+            :func:`checkpoint_files`, :func:`adapter_checkpoint`, :func:`read_checkpoint` and
             :meth:`~wsync_grpc.core.validation.UpdateValidator.disk_buckets`.
+        Unimplemented: an adapter on an engine that serves none.
     """
-    files = checkpoint_files(roots.resolve(header.checkpoint_path), roots)
+    path = roots.resolve(header.checkpoint_path)
+    if header.adapter is not None:
+        spec, files = adapter_checkpoint(path, header.adapter.name, roots)
+        validator.use_specs(validator.adapter_specs(spec), {})
+        header = dataclasses.replace(header, adapter=spec)
+    else:
+        files = checkpoint_files(path, roots)
     tensors = read_checkpoint(files)
     buckets = validator.disk_buckets(bucket_specs(tensors))
-    return buckets, files_of(buckets, tensors)
+    return DiskPlan(header, buckets, files_of(buckets, tensors))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19wsync/v1/generation.proto\x12\x08wsync.v1\x1a\x1egoogle/protobuf/duration.proto\"r\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0b\n\x03raw\x18\x04 \x01(\x08\"\xad\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.wsync.v1.FinishReason\x12\x17\n\x0fweight_versions\x18\x04 \x03(\t\x12\x16\n\x0equeued_seconds\x18\x05 \x01(\x01\x12\x18\n\x10generate_seconds\x18\x06 \x01(\x01*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32V\n\x11GenerationService\x12\x41\n\x08Generate\x12\x19.wsync.v1.GenerateRequest\x1a\x1a.wsync.v1.GenerateResponseBP\n\x0bio.wsync.v1B\x0fGenerationProtoP\x01Z.github.com/wsync/wsync/gen/go/wsync/v1;wsyncv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19wsync/v1/generation.proto\x12\x08wsync.v1\x1a\x1egoogle/protobuf/duration.proto\"\x83\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\"\xd8\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.wsync.v1.FinishReason\x12\x17\n\x0fweight_versions\x18\x04 \x03(\t\x12\x16\n\x0equeued_seconds\x18\x05 \x01(\x01\x12\x18\n\x10generate_seconds\x18\x06 \x01(\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x07 \x01(\t\x12\x18\n\x10\x61\x64\x61pter_versions\x18\x08 \x03(\t*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32V\n\x11GenerationService\x12\x41\n\x08Generate\x12\x19.wsync.v1.GenerateRequest\x1a\x1a.wsync.v1.GenerateResponseBP\n\x0bio.wsync.v1B\x0fGenerationProtoP\x01Z.github.com/wsync/wsync/gen/go/wsync/v1;wsyncv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'wsync.v1.generation_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013io.wsync.v1B\017GenerationProtoP\001Z.github.com/wsync/wsync/gen/go/wsync/v1;wsyncv1'
-  _globals['_FINISHREASON']._serialized_start=363
-  _globals['_FINISHREASON']._serialized_end=485
-  _globals['_GENERATEREQUEST']._serialized_start=71
-  _globals['_GENERATEREQUEST']._serialized_end=185
-  _globals['_GENERATERESPONSE']._serialized_start=188
-  _globals['_GENERATERESPONSE']._serialized_end=361
-  _globals['_GENERATIONSERVICE']._serialized_start=487
-  _globals['_GENERATIONSERVICE']._serialized_end=573
+  _globals['_FINISHREASON']._serialized_start=424
+  _globals['_FINISHREASON']._serialized_end=546
+  _globals['_GENERATEREQUEST']._serialized_start=72
+  _globals['_GENERATEREQUEST']._serialized_end=203
+  _globals['_GENERATERESPONSE']._serialized_start=206
+  _globals['_GENERATERESPONSE']._serialized_end=422
+  _globals['_GENERATIONSERVICE']._serialized_start=548
+  _globals['_GENERATIONSERVICE']._serialized_end=634
 # @@protoc_insertion_point(module_scope)

@@ -62,6 +62,7 @@ class GenerateRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     RAW_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """prompt is the user message; the engine applies its chat template when it
     has one. Required.
@@ -70,6 +71,11 @@ class GenerateRequest(_message.Message):
     """max_new_tokens bounds the number of generated tokens. 0 means 32."""
     raw: _builtins.bool
     """raw, when true, feeds the prompt as-is without the chat template."""
+    adapter: _builtins.str
+    """adapter names the LoRA adapter to generate with (see
+    WeightSyncService.ListAdapters); NOT_FOUND when the engine serves none by
+    that name. Empty means the base model.
+    """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """timeout bounds the whole request, admission wait included. Unset or zero
@@ -83,10 +89,11 @@ class GenerateRequest(_message.Message):
         max_new_tokens: _builtins.int = ...,
         timeout: _duration_pb2.Duration | None = ...,
         raw: _builtins.bool = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "raw", b"raw", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "raw", b"raw", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -104,6 +111,8 @@ class GenerateResponse(_message.Message):
     WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
     QUEUED_SECONDS_FIELD_NUMBER: _builtins.int
     GENERATE_SECONDS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    ADAPTER_VERSIONS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """text is the decoded generated text (the prompt excluded)."""
     finish_reason: Global___FinishReason.ValueType
@@ -112,6 +121,8 @@ class GenerateResponse(_message.Message):
     """queued_seconds is the time spent waiting for admission, in seconds."""
     generate_seconds: _builtins.float
     """generate_seconds is the time from admission to the end, in seconds."""
+    adapter: _builtins.str
+    """adapter is the adapter the request named; empty for the base model."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """token_ids are the generated token ids."""
@@ -124,6 +135,15 @@ class GenerateResponse(_message.Message):
         engine started with.
         """
 
+    @_builtins.property
+    def adapter_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """adapter_versions are the distinct versions of that adapter the tokens
+        were produced with, in order: more than one only when the adapter was
+        replaced while the request ran (its context is then recomputed with the
+        new version: no token after the replacement comes from the old one).
+        Empty for the base model.
+        """
+
     def __init__(
         self,
         *,
@@ -133,10 +153,12 @@ class GenerateResponse(_message.Message):
         weight_versions: _abc.Iterable[_builtins.str] | None = ...,
         queued_seconds: _builtins.float = ...,
         generate_seconds: _builtins.float = ...,
+        adapter: _builtins.str = ...,
+        adapter_versions: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "generate_seconds", b"generate_seconds", "queued_seconds", b"queued_seconds", "text", b"text", "token_ids", b"token_ids", "weight_versions", b"weight_versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_versions", b"adapter_versions", "finish_reason", b"finish_reason", "generate_seconds", b"generate_seconds", "queued_seconds", b"queued_seconds", "text", b"text", "token_ids", b"token_ids", "weight_versions", b"weight_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

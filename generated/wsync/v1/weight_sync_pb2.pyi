@@ -620,6 +620,7 @@ class PrepareHeader(_message.Message):
     INCREMENTAL_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id identifies the update in Update, Complete, Cancel and the
     status. Empty means the engine assigns one and returns it.
@@ -664,10 +665,21 @@ class PrepareHeader(_message.Message):
     .safetensors file, as a path on the engine's host inside one of its
     checkpoint roots; a relative path is taken under the first root (same
     field as SGLang's UpdateWeightFromDiskReqInput.model_path). The engine
-    builds the buckets from the files' headers: layout, bucket_count,
-    total_bytes and incremental must be left unset and the stream carries no
-    bucket. Empty for a broadcast; required for a disk update.
+    builds the buckets from the files' headers: bucket_count, total_bytes
+    and incremental must be 0/false, the stream carries no bucket and layout
+    is ignored. Empty for a broadcast; required for a disk update.
     """
+    @_builtins.property
+    def adapter(self) -> Global___AdapterSpec:
+        """adapter, when set, makes this update load (or replace) a LoRA adapter
+        instead of the base weights: the buckets carry its lora_A/lora_B tensors
+        in PEFT's naming, validated against the base model, or checkpoint_path
+        names a PEFT directory (adapter_config.json and
+        adapter_model.safetensors). weight_version is the adapter's version; the
+        base weight version is unchanged. Adapter updates apply staged. Unset for
+        a base-weight update.
+        """
+
     def __init__(
         self,
         *,
@@ -681,14 +693,64 @@ class PrepareHeader(_message.Message):
         incremental: _builtins.bool = ...,
         owner: _builtins.str = ...,
         checkpoint_path: _builtins.str = ...,
+        adapter: Global___AdapterSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrepareHeader: _TypeAlias = PrepareHeader  # noqa: Y015
+
+@_typing.final
+class AdapterSpec(_message.Message):
+    """AdapterSpec names a LoRA adapter and, for one sent as buckets, its shape
+    (the fields of PEFT's LoraConfig).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """name is what generation requests name the adapter by (GenerateRequest.
+    adapter; on vLLM the OpenAI API's model field). Required; letters,
+    digits, "-", "_" and "." only, at most 64 characters.
+    """
+    rank: _builtins.int
+    """rank is LoraConfig.r. 0 means: read it from the PEFT directory's
+    adapter_config.json (required for an adapter sent as buckets).
+    """
+    alpha: _builtins.float
+    """alpha is LoraConfig.lora_alpha; the update is scaled by alpha / rank.
+    0 means: from adapter_config.json (required for one sent as buckets).
+    """
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """target_modules are LoraConfig.target_modules: names of the base model's
+        linear modules (e.g. "q_proj", "v_proj"), matched as the last parts of
+        module names. Empty means: from adapter_config.json (required for one
+        sent as buckets).
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "name", b"name", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterSpec: _TypeAlias = AdapterSpec  # noqa: Y015
 
 @_typing.final
 class BucketSpec(_message.Message):
@@ -1702,6 +1764,151 @@ class KeepAliveRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KeepAliveRequest: _TypeAlias = KeepAliveRequest  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    """ListAdaptersRequest asks for the adapters an engine serves."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """AdapterInfo describes one LoRA adapter an engine serves."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    TENSOR_COUNT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """name is the adapter's name."""
+    version: _builtins.str
+    """version is its version (the weight_version of the update that loaded it)."""
+    rank: _builtins.int
+    """rank is its LoRA rank."""
+    alpha: _builtins.float
+    """alpha is its lora_alpha."""
+    tensor_count: _builtins.int
+    """tensor_count is the number of lora_A/lora_B tensors it holds."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """target_modules are the module names it adapts."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+        tensor_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "name", b"name", "rank", b"rank", "target_modules", b"target_modules", "tensor_count", b"tensor_count", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    """ListAdaptersResponse lists the adapters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUPPORTED_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    supported: _builtins.bool
+    """supported is false on an engine that serves no LoRA adapters at all."""
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """adapters are the adapters served, by name."""
+
+    def __init__(
+        self,
+        *,
+        supported: _builtins.bool = ...,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "supported", b"supported"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    """UnloadAdapterRequest names the adapter to remove."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """name is the adapter's name. Required."""
+    owner: _builtins.str
+    """owner names the caller (as InitRequest.owner); it must own the engine."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        owner: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterResponse(_message.Message):
+    """UnloadAdapterResponse says what was removed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAS_LOADED_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    ABORTED_REQUESTS_FIELD_NUMBER: _builtins.int
+    was_loaded: _builtins.bool
+    """was_loaded is false when the engine did not serve that adapter."""
+    version: _builtins.str
+    """version is the version that was removed; empty when none."""
+    aborted_requests: _builtins.int
+    """aborted_requests counts the generation requests it ended."""
+    def __init__(
+        self,
+        *,
+        was_loaded: _builtins.bool = ...,
+        version: _builtins.str = ...,
+        aborted_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_requests", b"aborted_requests", "version", b"version", "was_loaded", b"was_loaded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015
 
 @_typing.final
 class KeepAliveResponse(_message.Message):

@@ -105,6 +105,16 @@ class WeightSyncServiceStub:
                 request_serializer=wsync_dot_v1_dot_weight__sync__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=wsync_dot_v1_dot_weight__sync__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/wsync.v1.WeightSyncService/ListAdapters',
+                request_serializer=wsync_dot_v1_dot_weight__sync__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=wsync_dot_v1_dot_weight__sync__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/wsync.v1.WeightSyncService/UnloadAdapter',
+                request_serializer=wsync_dot_v1_dot_weight__sync__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=wsync_dot_v1_dot_weight__sync__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServiceServicer:
@@ -340,6 +350,32 @@ class WeightSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAdapters(self, request, context):
+        """ListAdapters reports the LoRA adapters the engine serves, each with its
+        version. Loading or replacing one is an update: a Prepare whose header
+        names it (PrepareHeader.adapter), its tensors broadcast as buckets or
+        read from a PEFT directory on disk (TRANSPORT_DISK), then Complete.
+
+        Precondition: none (any state). Idempotent, read-only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """UnloadAdapter removes a LoRA adapter: generation requests naming it are
+        refused from then on, and requests running with it end with finish
+        reason aborted.
+
+        Precondition: the caller owns the engine (NOT_OWNER otherwise); not while
+        an update of that adapter is in flight (FAILED_PRECONDITION
+        ADAPTER_UPDATE_IN_FLIGHT). Idempotent: unloading an adapter the engine
+        does not serve answers was_loaded = false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -402,6 +438,16 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=wsync_dot_v1_dot_weight__sync__pb2.KeepAliveRequest.FromString,
                     response_serializer=wsync_dot_v1_dot_weight__sync__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=wsync_dot_v1_dot_weight__sync__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=wsync_dot_v1_dot_weight__sync__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=wsync_dot_v1_dot_weight__sync__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=wsync_dot_v1_dot_weight__sync__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -739,6 +785,60 @@ class WeightSyncService:
             '/wsync.v1.WeightSyncService/KeepAlive',
             wsync_dot_v1_dot_weight__sync__pb2.KeepAliveRequest.SerializeToString,
             wsync_dot_v1_dot_weight__sync__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wsync.v1.WeightSyncService/ListAdapters',
+            wsync_dot_v1_dot_weight__sync__pb2.ListAdaptersRequest.SerializeToString,
+            wsync_dot_v1_dot_weight__sync__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wsync.v1.WeightSyncService/UnloadAdapter',
+            wsync_dot_v1_dot_weight__sync__pb2.UnloadAdapterRequest.SerializeToString,
+            wsync_dot_v1_dot_weight__sync__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

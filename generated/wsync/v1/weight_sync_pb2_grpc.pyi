@@ -238,6 +238,24 @@ class WeightSyncServiceStub:
     stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
     the ownership away. Several calls of one owner may be open. Safe to retry.
     """
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.ListAdaptersRequest, _weight_sync_pb2.ListAdaptersResponse]
+    """ListAdapters reports the LoRA adapters the engine serves, each with its
+    version. Loading or replacing one is an update: a Prepare whose header
+    names it (PrepareHeader.adapter), its tensors broadcast as buckets or
+    read from a PEFT directory on disk (TRANSPORT_DISK), then Complete.
+
+    Precondition: none (any state). Idempotent, read-only.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.UnloadAdapterRequest, _weight_sync_pb2.UnloadAdapterResponse]
+    """UnloadAdapter removes a LoRA adapter: generation requests naming it are
+    refused from then on, and requests running with it end with finish
+    reason aborted.
+
+    Precondition: the caller owns the engine (NOT_OWNER otherwise); not while
+    an update of that adapter is in flight (FAILED_PRECONDITION
+    ADAPTER_UPDATE_IN_FLIGHT). Idempotent: unloading an adapter the engine
+    does not serve answers was_loaded = false.
+    """
 
 @_typing.type_check_only
 class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
@@ -425,6 +443,24 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     no live owner (the caller then becomes it): NOT_OWNER otherwise. The
     stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
     the ownership away. Several calls of one owner may be open. Safe to retry.
+    """
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.ListAdaptersRequest, _weight_sync_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """ListAdapters reports the LoRA adapters the engine serves, each with its
+    version. Loading or replacing one is an update: a Prepare whose header
+    names it (PrepareHeader.adapter), its tensors broadcast as buckets or
+    read from a PEFT directory on disk (TRANSPORT_DISK), then Complete.
+
+    Precondition: none (any state). Idempotent, read-only.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.UnloadAdapterRequest, _weight_sync_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """UnloadAdapter removes a LoRA adapter: generation requests naming it are
+    refused from then on, and requests running with it end with finish
+    reason aborted.
+
+    Precondition: the caller owns the engine (NOT_OWNER otherwise); not while
+    an update of that adapter is in flight (FAILED_PRECONDITION
+    ADAPTER_UPDATE_IN_FLIGHT). Idempotent: unloading an adapter the engine
+    does not serve answers was_loaded = false.
     """
 
 class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -682,6 +718,36 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         no live owner (the caller then becomes it): NOT_OWNER otherwise. The
         stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
         the ownership away. Several calls of one owner may be open. Safe to retry.
+        """
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _weight_sync_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_sync_pb2.ListAdaptersResponse, _abc.Awaitable[_weight_sync_pb2.ListAdaptersResponse]]:
+        """ListAdapters reports the LoRA adapters the engine serves, each with its
+        version. Loading or replacing one is an update: a Prepare whose header
+        names it (PrepareHeader.adapter), its tensors broadcast as buckets or
+        read from a PEFT directory on disk (TRANSPORT_DISK), then Complete.
+
+        Precondition: none (any state). Idempotent, read-only.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _weight_sync_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weight_sync_pb2.UnloadAdapterResponse, _abc.Awaitable[_weight_sync_pb2.UnloadAdapterResponse]]:
+        """UnloadAdapter removes a LoRA adapter: generation requests naming it are
+        refused from then on, and requests running with it end with finish
+        reason aborted.
+
+        Precondition: the caller owns the engine (NOT_OWNER otherwise); not while
+        an update of that adapter is in flight (FAILED_PRECONDITION
+        ADAPTER_UPDATE_IN_FLIGHT). Idempotent: unloading an adapter the engine
+        does not serve answers was_loaded = false.
         """
 
 def add_WeightSyncServiceServicer_to_server(servicer: WeightSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

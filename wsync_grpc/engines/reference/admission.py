@@ -66,8 +66,12 @@ class Admission:
         self.closed = False
         self._next_id = 0
 
-    def submit(self, ids: list[int], max_new_tokens: int, timeout: float) -> GenerationHandle:
+    def submit(
+        self, ids: list[int], max_new_tokens: int, timeout: float, adapter: str | None = None
+    ) -> GenerationHandle:
         """Queue a request for the prompt token ids ``ids``, bounded by ``timeout`` seconds from now.
+
+        ``adapter`` names the LoRA adapter it runs with (``None``: the base model).
 
         Raises:
             EngineClosed: the engine is closed.
@@ -83,6 +87,7 @@ class Admission:
                 submitted=now,
                 deadline=now + timeout,
                 timeout=timeout,
+                adapter=adapter,
             )
             self._next_id += 1
             self.waiting.append(req)
@@ -230,6 +235,8 @@ class Admission:
             token_ids=tuple(req.generated),
             finish_reason=reason,
             weight_versions=tuple(req.versions),
+            adapter=req.adapter or "",
+            adapter_versions=tuple(req.adapter_versions),
             queued_seconds=admitted - req.submitted,
             generate_seconds=now - admitted,
             prompt_tokens=len(req.prompt_ids),

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from wsync_grpc.core.adapter import ParamSpec, PauseMode, PauseOutcome
+from wsync_grpc.core.adapter import AdapterState, ParamSpec, PauseMode, PauseOutcome
+from wsync_grpc.core.lora import LinearShape, LoraSpec
 from wsync_grpc.engines.reference.admission import Admission
+from wsync_grpc.engines.reference.lora import LoraSlots
 from wsync_grpc.engines.reference.prompts import PromptCodec, _eos_token_ids
 from wsync_grpc.engines.reference.requests import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -66,6 +68,7 @@ class ReferenceEngine:
         self._model = model
         self._name = name or type(model).__name__
         self._tensors, self._specs, self._aliases = _collect_weights(model)
+        self._lora = LoraSlots(model)
         first = next(iter(self._tensors.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
         config = getattr(model, "config", None)
@@ -189,6 +192,46 @@ class ReferenceEngine:
         """Number of canonical tensors, elements and bytes of the served weights."""
         return ParameterSummary.of(self._specs)
 
+    # -- LoraAdapters ---------------------------------------------------------------------
+
+    def lora_linears(self) -> Mapping[str, LinearShape]:
+        """Module name -> shape of every linear module of the model (what an adapter may target)."""
+        return self._lora.linears
+
+    def load_adapter(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Serve ``tensors`` as LoRA adapter ``spec`` with PEFT (:class:`LoraSlots`), replacing one of that name.
+
+        Requests running with the replaced adapter recompute their context with
+        the new one at their next step. The caller holds :meth:`weights_lock`.
+
+        Raises:
+            ValueError: tensors PEFT does not take; the old adapter keeps serving.
+        """
+        n = self._lora.load(spec, version, tensors)
+        self._scheduler.flush_adapter(spec.name)
+        return n
+
+    def unload_adapter(self, name: str) -> tuple[str, int] | None:
+        """Stop serving adapter ``name``; ``(its version, requests aborted)``, ``None`` if not served.
+
+        The caller holds :meth:`weights_lock`.
+        """
+        version = self._lora.unload(name)
+        return None if version is None else (version, self._scheduler.abort_adapter(name))
+
+    def adapters(self) -> list[AdapterState]:
+        """The adapters served, by name."""
+        return self._lora.adapters()
+
+    def adapter_tensors(self, name: str) -> Mapping[str, torch.Tensor]:
+        """Adapter ``name``'s served tensors in PEFT's naming.
+
+        Raises:
+            UnknownAdapter: not served.
+        """
+        with self.weights_lock():
+            return {n: t.detach().clone() for n, t in self._lora.tensors(name).items()}
+
     # -- EngineAdapter: admission -------------------------------------------------------
 
     def pause(self, mode: PauseMode, timeout: float) -> PauseOutcome:
@@ -239,6 +282,7 @@ class ReferenceEngine:
         *,
         raw: bool = False,
         timeout: float = DEFAULT_TIMEOUT_S,
+        adapter: str | None = None,
     ) -> GenerationHandle:
         """Queue a greedy generation request and return at once.
 
@@ -249,8 +293,11 @@ class ReferenceEngine:
             timeout: bound of the whole request, admission wait included, in
                 seconds; past it the request is cancelled and
                 :meth:`GenerationHandle.result` raises :class:`GenerationTimeout`.
+            adapter: the LoRA adapter to generate with (``None``: the base model);
+                unloaded while the request runs, it ends the request (ABORTED).
 
         Raises:
+            UnknownAdapter: ``adapter`` is not served.
             ValueError: empty prompt, ``max_new_tokens`` < 1, ``timeout`` <= 0,
                 or prompt plus ``max_new_tokens`` beyond the model's context.
             EngineClosed: the engine is closed.
@@ -269,7 +316,9 @@ class ReferenceEngine:
                 f"prompt ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
                 f"the model's context of {self._max_positions} tokens"
             )
-        return self._admission.submit(ids, max_new_tokens, timeout)
+        if adapter is not None:
+            self._lora.version(adapter)  # refuse an unknown adapter now; each step checks again
+        return self._admission.submit(ids, max_new_tokens, timeout, adapter)
 
     def generate(
         self,
@@ -278,10 +327,11 @@ class ReferenceEngine:
         *,
         raw: bool = False,
         timeout: float = DEFAULT_TIMEOUT_S,
+        adapter: str | None = None,
     ) -> GenerationResult:
         """:meth:`submit` and wait for the result (same arguments and errors, plus those of
         :meth:`GenerationHandle.result`)."""
-        return self.submit(prompt, max_new_tokens, raw=raw, timeout=timeout).result()
+        return self.submit(prompt, max_new_tokens, raw=raw, timeout=timeout, adapter=adapter).result()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the generation thread: queued requests fail with :class:`EngineClosed`,
@@ -304,14 +354,20 @@ class ReferenceEngine:
         if worker != 0:
             raise IndexError(f"worker {worker} out of range: the reference engine has one worker")
 
-    def _forward(self, new_ids: list[int], cache: Any) -> tuple[int, Any]:
-        """Feed ``new_ids`` after ``cache`` (``None``: from scratch); runs under :meth:`weights_lock`.
+    def _forward(self, new_ids: list[int], cache: Any, adapter: str | None) -> tuple[int, Any, str]:
+        """Feed ``new_ids`` after ``cache`` (``None``: from scratch) with ``adapter``; runs under :meth:`weights_lock`.
 
         Returns:
-            The greedy next token and the updated cache.
+            The greedy next token, the updated cache and the adapter's version (``""`` for the base model).
+
+        Raises:
+            UnknownAdapter: the adapter is not served any more.
         """
+        kwargs, version = self._lora.step_kwargs(adapter)
         input_ids = torch.tensor([new_ids], dtype=torch.long, device=self._device)
         with torch.no_grad():
-            out = self._model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self._lora.model()(
+                input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs
+            )
         token = int(torch.argmax(out.logits[0, -1]).item())
-        return token, out.past_key_values
+        return token, out.past_key_values, version

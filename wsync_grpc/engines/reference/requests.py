@@ -68,6 +68,9 @@ class GenerationResult:
         queued_seconds: time from submission to admission, in seconds.
         generate_seconds: time from admission to the end, in seconds.
         prompt_tokens: length of the prompt after the chat template, in tokens.
+        adapter: the LoRA adapter the request named; ``""`` for the base model.
+        adapter_versions: the distinct versions of that adapter the tokens were produced with, in
+            order (more than one when it was replaced mid-request); empty for the base model.
     """
 
     text: str
@@ -77,6 +80,8 @@ class GenerationResult:
     queued_seconds: float
     generate_seconds: float
     prompt_tokens: int
+    adapter: str = ""
+    adapter_versions: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -92,6 +97,8 @@ class _Request:
     admitted_at: float | None = None
     generated: list[int] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
+    adapter: str | None = None
+    adapter_versions: list[str] = field(default_factory=list)
     cache: Any = None
     cached_len: int = 0
     cache_epoch: int = -1

@@ -20,8 +20,9 @@ from wsync_grpc.engines.reference.requests import EngineClosed, FinishReason, _b
 
 log = logging.getLogger(__name__)
 
-Forward = Callable[[list[int], Any], tuple[int, Any]]
-"""One decode step: ``(new token ids, KV cache or None) -> (greedy next token, updated cache)``."""
+Forward = Callable[[list[int], Any, str | None], tuple[int, Any, str]]
+"""One decode step: ``(new token ids, KV cache or None, adapter or None) -> (greedy next token, updated cache,
+the adapter's version)``; raises ``LookupError`` when the adapter is not served (the request is aborted)."""
 
 
 class Scheduler:
@@ -100,6 +101,26 @@ class Scheduler:
                 req.cache = None
                 req.cached_len = 0
 
+    def flush_adapter(self, name: str) -> None:
+        """Drop the KV cache of every admitted request running with adapter ``name`` (it was replaced).
+
+        Called under :meth:`weights_lock`: no step is in progress, and each such
+        request recomputes its whole context with the new adapter at its next step.
+        """
+        with self._cond:
+            for req in self._admission.running:
+                if req.adapter == name:
+                    req.cache, req.cached_len = None, 0
+
+    def abort_adapter(self, name: str) -> int:
+        """End every request (admitted or queued) naming adapter ``name`` with finish reason ABORTED; how many."""
+        with self._cond:
+            doomed = [r for r in (*self._admission.running, *self._admission.waiting) if r.adapter == name]
+            for req in doomed:
+                self._admission.finish_locked(req, FinishReason.ABORTED)
+            self._cond.notify_all()
+            return len(doomed)
+
     def close(self, timeout: float) -> None:
         """Stop the generation thread: queued requests fail with :class:`EngineClosed`,
         admitted ones end with finish reason ABORTED. Idempotent.
@@ -163,14 +184,18 @@ class Scheduler:
             error: Exception | None = None
             token = -1
             new_cache: Any = None
+            adapter_version = ""
             try:
-                token, new_cache = self._forward(context[start:], cache)
+                token, new_cache, adapter_version = self._forward(context[start:], cache, req.adapter)
             except Exception as exc:
                 error = exc
             with self._cond:
                 adm.stepping = None
                 self._cond.notify_all()
                 if req.finished:  # aborted, cancelled or expired during the step
+                    return
+                if isinstance(error, LookupError):  # its adapter was unloaded
+                    adm.finish_locked(req, FinishReason.ABORTED)
                     return
                 if error is not None:
                     log.exception("decode step of request %d failed", req.id, exc_info=error)
@@ -183,6 +208,8 @@ class Scheduler:
                 req.generated.append(token)
                 if not req.versions or req.versions[-1] != version:
                     req.versions.append(version)
+                if req.adapter and (not req.adapter_versions or req.adapter_versions[-1] != adapter_version):
+                    req.adapter_versions.append(adapter_version)
                 if token in self._eos_ids:
                     adm.finish_locked(req, FinishReason.STOP)
                 elif len(req.generated) >= req.max_new_tokens:

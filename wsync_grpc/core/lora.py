@@ -1,0 +1,177 @@
+"""LoRA adapters in domain terms: their spec, their tensors' names and shapes, and the checks before a load.
+
+An adapter update (``PrepareHeader.adapter``) carries a LoRA adapter's
+tensors in PEFT's naming (``base_model.model.<module>.lora_A.weight``, shape
+``(rank, in_features)``; ``...lora_B.weight``, shape ``(out_features, rank)``),
+as ``peft.get_peft_model_state_dict`` returns them and
+``adapter_model.safetensors`` stores them. :func:`adapter_param_specs` derives
+every tensor an adapter of a given :class:`LoraSpec` must carry from the base
+model's linear modules, so that the same
+:class:`~wsync_grpc.core.validation.UpdateValidator` checks an adapter's
+buckets (or its file's headers) before anything is loaded, and
+:func:`lora_spec_from_config` reads a PEFT ``adapter_config.json`` (already
+parsed as JSON: never a pickle) and refuses what the engines do not serve.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wsync_grpc.core.adapter import ParamSpec
+from wsync_grpc.core.errors import InvalidArgument
+
+PEFT_PREFIX = "base_model.model."
+"""The prefix of every tensor name in a PEFT LoRA state dict (``PeftModel`` wraps the base model)."""
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+"""What an adapter name may be (``AdapterSpec.name``)."""
+
+LORA_DTYPE = torch.float32
+"""The dtype engines keep adapters in (PEFT's default, whatever the base model's dtype)."""
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear module of the base model an adapter may target.
+
+    Attributes:
+        in_features: its input size.
+        out_features: its output size.
+    """
+
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter's name and shape (the fields of PEFT's ``LoraConfig`` that engines serve).
+
+    Attributes:
+        name: what generation requests call it by.
+        rank: ``LoraConfig.r``.
+        alpha: ``LoraConfig.lora_alpha``; the update is scaled by ``alpha / rank``.
+        target_modules: ``LoraConfig.target_modules`` as a list (names matched as the last parts of module names).
+        target_regex: ``LoraConfig.target_modules`` when it is one string: a regular expression that must
+            match whole module names; then ``target_modules`` is empty.
+    """
+
+    name: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ()
+    target_regex: str = ""
+
+    def targets(self, module: str) -> bool:
+        """Whether this adapter adapts the module named ``module`` (PEFT's matching rule)."""
+        if self.target_regex:
+            return re.fullmatch(self.target_regex, module) is not None
+        return any(module == t or module.endswith("." + t) for t in self.target_modules)
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a valid adapter name.
+
+    Raises:
+        InvalidArgument: BAD_ADAPTER_NAME.
+    """
+    if not NAME_PATTERN.fullmatch(name):
+        raise InvalidArgument(
+            "BAD_ADAPTER_NAME",
+            f"adapter name {name[:80]!r} must be 1-64 letters, digits, '.', '-' or '_'",
+        )
+    return name
+
+
+def check_spec(spec: LoraSpec) -> LoraSpec:
+    """Return ``spec`` if its fields are complete and sane.
+
+    Raises:
+        InvalidArgument: BAD_ADAPTER_NAME, BAD_ADAPTER_CONFIG (rank 0, alpha not positive, no target).
+    """
+    check_name(spec.name)
+    if spec.rank < 1 or not spec.alpha > 0 or not (spec.target_modules or spec.target_regex):
+        raise InvalidArgument(
+            "BAD_ADAPTER_CONFIG",
+            f"adapter {spec.name!r}: rank ({spec.rank}) and alpha ({spec.alpha}) must be positive and "
+            "target_modules non-empty",
+            adapter=spec.name,
+        )
+    return spec
+
+
+def adapter_param_specs(linears: Mapping[str, LinearShape], spec: LoraSpec) -> dict[str, ParamSpec]:
+    """Every tensor an adapter of ``spec`` carries for the base model whose linear modules are ``linears``.
+
+    Args:
+        linears: module name (e.g. ``"model.layers.0.self_attn.q_proj"``) -> its shape, for every
+            linear module of the base model.
+
+    Returns:
+        PEFT name -> spec (served in :data:`LORA_DTYPE`), ``lora_A`` then ``lora_B`` per targeted module.
+
+    Raises:
+        InvalidArgument: BAD_ADAPTER_CONFIG, or NO_TARGET_MODULES when no linear module matches.
+    """
+    check_spec(spec)
+    out: dict[str, ParamSpec] = {}
+    for module, shape in linears.items():
+        if spec.targets(module):
+            a, b = f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight"
+            out[a] = ParamSpec(a, LORA_DTYPE, (spec.rank, shape.in_features))
+            out[b] = ParamSpec(b, LORA_DTYPE, (shape.out_features, spec.rank))
+    if not out:
+        targets = spec.target_regex or ", ".join(spec.target_modules)
+        raise InvalidArgument(
+            "NO_TARGET_MODULES",
+            f"adapter {spec.name!r}: no linear module of the base model matches target_modules ({targets[:200]})",
+            adapter=spec.name,
+        )
+    return out
+
+
+_UNSUPPORTED: Mapping[str, Any] = {
+    "use_dora": False,
+    "use_rslora": False,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+    "bias": "none",
+}
+"""PEFT ``LoraConfig`` fields engines serve only at their default value (other values change the math)."""
+
+
+def lora_spec_from_config(name: str, config: Mapping[str, Any]) -> LoraSpec:
+    """The :class:`LoraSpec` of a PEFT ``adapter_config.json`` (parsed), named ``name``.
+
+    Raises:
+        InvalidArgument: NOT_A_LORA_ADAPTER (another PEFT method), UNSUPPORTED_ADAPTER (DoRA,
+            rsLoRA, bias, modules_to_save, per-layer ranks...), BAD_ADAPTER_CONFIG.
+    """
+    if config.get("peft_type", "LORA") != "LORA":
+        raise InvalidArgument(
+            "NOT_A_LORA_ADAPTER", f"adapter {name!r} is a {str(config.get('peft_type'))[:40]} adapter, not LoRA"
+        )
+    for key, default in _UNSUPPORTED.items():
+        value = config.get(key, default)
+        if value not in (default, None, {}, []) and not (key == "bias" and value == "none"):
+            raise InvalidArgument(
+                "UNSUPPORTED_ADAPTER", f"adapter {name!r} sets {key} = {str(value)[:80]}, which engines do not serve"
+            )
+    targets = config.get("target_modules")
+    try:
+        rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", 0))
+    except (TypeError, ValueError):
+        raise InvalidArgument("BAD_ADAPTER_CONFIG", f"adapter {name!r}: r and lora_alpha must be numbers") from None
+    if isinstance(targets, str):
+        return check_spec(LoraSpec(name, rank, alpha, target_regex=targets))
+    if not isinstance(targets, Sequence) or not all(isinstance(t, str) for t in targets):
+        raise InvalidArgument("BAD_ADAPTER_CONFIG", f"adapter {name!r}: target_modules must be names or a regex")
+    return check_spec(LoraSpec(name, rank, alpha, tuple(sorted(targets))))
