@@ -44,6 +44,8 @@ DOCUMENTED = {
     Code.UNIMPLEMENTED,
     Code.CANCELLED,
     Code.RESOURCE_EXHAUSTED,
+    Code.PERMISSION_DENIED,
+    Code.NOT_FOUND,
 }
 """The codes the contract documents; UNKNOWN and INTERNAL are never acceptable."""
 WITH_REASON = {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.ABORTED, Code.ALREADY_EXISTS, Code.UNIMPLEMENTED}
@@ -194,6 +196,12 @@ def rpc_calls(stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> st.SearchStra
             st.integers(min_value=0, max_value=5),
         ),
         st.builds(lambda f: lambda: stub.Resume(pb.ResumeRequest(force=f), timeout=10), st.booleans()),
+        st.just(lambda: stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10)),
+        st.builds(
+            lambda n, ow: lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name=n, owner=ow), timeout=10),
+            text,
+            owners,
+        ),
         st.builds(
             lambda ns: lambda: stub.GetWeightChecksums(pb.GetWeightChecksumsRequest(names=ns), timeout=10),
             st.lists(st.one_of(st.sampled_from(NAMES), text), max_size=2),

@@ -216,6 +216,12 @@ class Harness:
             assert first.update.update_id == self.update_id and first.update.buckets_expected >= 1
             stream.cancel()
             assert status(s).state == state.value, "a Watch without hold changes nothing when it ends"  # type: ignore[arg-type]
+        elif rpc == Rpc.LIST_ADAPTERS:
+            r = s.ListAdapters(pb.ListAdaptersRequest(), timeout=10)  # type: ignore[attr-defined]
+            assert not r.supported and not r.adapters  # the tensor engine serves no adapters
+        elif rpc == Rpc.UNLOAD_ADAPTER:
+            r = s.UnloadAdapter(pb.UnloadAdapterRequest(name="none"), timeout=10)  # type: ignore[attr-defined]
+            assert not r.was_loaded and status(s).state == state.value  # type: ignore[arg-type]
         elif rpc == Rpc.GET_WEIGHT_CHECKSUMS:
             r = s.GetWeightChecksums(pb.GetWeightChecksumsRequest(names=[NAMES[0]]), timeout=30)  # type: ignore[attr-defined]
             assert len(r.checksums) == 1 and len(r.checksums[0].sha256) == 64

@@ -1,0 +1,259 @@
+"""LoRA adapters: loaded, replaced and unloaded by name on a live engine, from a live PEFT model or a PEFT directory.
+
+Real parts only: PEFT LoRA adapters trained for a few steps on SmolLM2-135M (and on tiny Llamas),
+written with PEFT's own ``save_pretrained``; the reference engine behind a real gRPC server; the
+trainer's real ``TrainerClient`` (its broadcast over a real gloo group, or the engine's disk read).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from support import code_of, status
+from wsync.v1 import generation_pb2, generation_pb2_grpc
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc.core.adapter import PauseMode
+from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.engines import synthetic
+from wsync_grpc.engines.generation_service import add_generation_service
+from wsync_grpc.engines.reference import FinishReason, ReferenceEngine
+from wsync_grpc.engines.tensor import TensorEngine
+from wsync_grpc.testing import in_process_server
+from wsync_grpc.trainer import SyncError, TrainerClient
+from wsync_grpc.wire.status import error_reason
+
+PROMPT = "What is the capital of France?"
+
+peft = pytest.importorskip("peft")
+
+
+def lora(model: Any, r: int = 4, alpha: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj"), **kw: Any) -> Any:
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **kw)
+    return peft.get_peft_model(model, config).eval()
+
+
+def randomize(model: Any, seed: int, std: float = 0.3) -> Any:
+    """Seeded lora_B values (PEFT starts them at zero: an untrained adapter changes nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model
+
+
+def train(model: Any, tokenizer: Any, steps: int, lr: float = 2e-3) -> None:
+    """Real AdamW steps of next-token loss on one sentence, only the adapter trainable (PEFT's default)."""
+    batch = tokenizer(["The capital of France is Lyon. The capital of France is Lyon."], return_tensors="pt")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for _ in range(steps):
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n, do_sample=False, pad_token_id=2,
+        )  # fmt: skip
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+def answer(engine: ReferenceEngine, adapter: str | None = None, n: int = 12) -> Any:
+    return engine.generate(PROMPT, n, adapter=adapter)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_trained_smollm2_adapter_is_served_by_name_and_replaced_from_disk(smollm2_dir: Path, tmp_path: Path) -> None:
+    """A LoRA adapter trained on SmolLM2 is broadcast, then retrained and reloaded from its PEFT directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32)
+    trainer = lora(base, r=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    with (
+        ReferenceEngine.from_pretrained(None) as engine,
+        in_process_server(engine, checkpoint_roots=[str(tmp_path)]) as (srv, stub),
+        TrainerClient([srv.address], rpc_timeout_s=60) as client,
+    ):
+        ids = engine.encode_prompt(PROMPT)
+        before = answer(engine)
+        train(trainer, tokenizer, steps=3)
+        r = client.sync_adapter(trainer, "lyon", "step-3")
+        assert (r.weight_version, r.tensor_count) == ("step-3", 4 * 2 * 30)
+        tuned = answer(engine, "lyon")
+        assert (tuned.adapter, tuned.adapter_versions) == ("lyon", ("step-3",))
+        assert list(tuned.token_ids) == greedy(trainer, ids, 12)[: len(tuned.token_ids)]
+        assert list(tuned.token_ids) != list(before.token_ids), "three training steps changed nothing"
+        base_now = answer(engine)  # the base model is untouched and still answers without the adapter
+        assert base_now.token_ids == before.token_ids and base_now.adapter == "" and not base_now.adapter_versions
+        assert status(stub).weight_version == ""  # type: ignore[attr-defined]
+        train(trainer, tokenizer, steps=3)
+        trainer.save_pretrained(tmp_path / "lyon-6")
+        client.sync_adapter(tmp_path / "lyon-6", "lyon", "step-6")
+        retuned = answer(engine, "lyon")
+        assert retuned.adapter_versions == ("step-6",)
+        assert list(retuned.token_ids) == greedy(trainer, ids, 12)[: len(retuned.token_ids)]
+        listed = stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10)
+        assert [(a.name, a.version, a.rank, a.tensor_count) for a in listed.adapters] == [("lyon", "step-6", 8, 240)]
+
+
+class Tiny:
+    """A reference engine serving a tiny Llama (seed 0) with its GenerationService, behind a real server."""
+
+    def __init__(self, engine: ReferenceEngine, stub: Any, gen: Any, target: str, root: Path) -> None:
+        self.engine, self.stub, self.gen, self.target, self.root = engine, stub, gen, target, root
+
+    def listed(self) -> list[tuple[str, str]]:
+        return [(a.name, a.version) for a in self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10).adapters]
+
+
+def with_generation(server: grpc.Server, engine: ReferenceEngine) -> list[str]:
+    add_generation_service(server, engine)
+    return [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name]
+
+
+@pytest.fixture
+def tiny(make_tiny_llama: Any, smollm2_tokenizer: Any, tmp_path: Path) -> Iterator[Tiny]:
+    engine = ReferenceEngine(make_tiny_llama(seed=0), smollm2_tokenizer, name="tiny")
+    with (
+        engine,
+        in_process_server(
+            engine,
+            checkpoint_roots=[str(tmp_path)],
+            extra=lambda server: with_generation(server, engine),
+        ) as (srv, stub),
+        grpc.insecure_channel(srv.address) as channel,
+    ):
+        yield Tiny(engine, stub, generation_pb2_grpc.GenerationServiceStub(channel), srv.address, tmp_path)
+
+
+def test_a_replaced_adapter_never_computes_another_token(tiny: Tiny, make_tiny_llama: Any) -> None:
+    """A request running with v1 when v2 replaces it continues on v2 alone, its context recomputed."""
+    v1 = randomize(lora(make_tiny_llama(seed=0)), seed=1)
+    v2 = randomize(lora(make_tiny_llama(seed=0)), seed=2)
+    ids = tiny.engine.encode_prompt(PROMPT)
+    with TrainerClient([tiny.target], rpc_timeout_s=30) as c:
+        c.sync_adapter(v1, "a", "v1")
+        first = answer(tiny.engine, "a", 40)
+        assert list(first.token_ids) == greedy(v1, ids, 40)[: len(first.token_ids)]
+        handle = tiny.engine.submit(PROMPT, 40, adapter="a")
+        assert handle.wait_for_tokens(5, 60)
+        tiny.engine.pause(PauseMode.KEEP, 30)  # hold it between two steps while v2 replaces v1
+        n = handle.tokens_generated
+        c.sync_adapter(v2, "a", "v2")
+        tiny.engine.resume()
+        mixed = handle.result()
+        fresh = answer(tiny.engine, "a", 40)
+    assert mixed.adapter_versions == ("v1", "v2") and 5 <= n < 40
+    before, after = list(mixed.token_ids[:n]), list(mixed.token_ids[n:])
+    assert before == greedy(v1, ids, n)  # up to the replacement: v1
+    assert after == greedy(v2, ids + before, len(after))  # from it on: v2 alone, on a context it recomputed
+    assert fresh.adapter_versions == ("v2",)
+    assert list(fresh.token_ids) == greedy(v2, ids, 40)[: len(fresh.token_ids)]
+    assert list(fresh.token_ids) != list(first.token_ids)
+    assert tiny.listed() == [("a", "v2")]
+
+
+def test_bad_adapters_are_refused_and_the_old_one_keeps_serving(tiny: Tiny, make_tiny_llama: Any) -> None:
+    good = randomize(lora(make_tiny_llama(seed=0)), seed=1)
+    with TrainerClient([tiny.target], rpc_timeout_s=30) as c:
+        c.sync_adapter(good, "a", "v1")
+        served = {n: tensor_sha256(t) for n, t in tiny.engine.adapter_tensors("a").items()}
+        before = answer(tiny.engine, "a")
+        bad_dirs = _bad_adapter_dirs(tiny.root, good, make_tiny_llama)
+        for name, (reason, code) in bad_dirs.items():
+            with pytest.raises(SyncError) as e:
+                c.sync_adapter(tiny.root / name, "a", f"bad-{name}")
+            failure = e.value.failures[tiny.target]
+            assert (failure.code, failure.reason) == (code, reason), (name, failure)
+            assert e.value.published == "none" and tiny.listed() == [("a", "v1")]
+            assert {n: tensor_sha256(t) for n, t in tiny.engine.adapter_tensors("a").items()} == served
+            assert answer(tiny.engine, "a").token_ids == before.token_ids
+        # Sent as buckets: a rank the tensors do not have, a module that is not a linear one.
+        wrong_rank = randomize(lora(make_tiny_llama(seed=0), r=8), seed=3)
+        wrong_rank.peft_config["default"].r = 4  # claims rank 4, carries rank-8 tensors
+        with pytest.raises(SyncError) as e:
+            c.sync_adapter(wrong_rank, "a", "bad-rank")
+        assert e.value.failures[tiny.target].reason == "SHAPE_MISMATCH"
+        embedding = lora(make_tiny_llama(seed=0), targets=("embed_tokens",))
+        with pytest.raises(SyncError) as e:
+            c.sync_adapter(embedding, "a", "bad-target")
+        assert e.value.failures[tiny.target].reason == "NO_TARGET_MODULES"
+    assert tiny.listed() == [("a", "v1")] and answer(tiny.engine, "a").token_ids == before.token_ids
+
+
+def _bad_adapter_dirs(root: Path, good: Any, make_tiny_llama: Any) -> dict[str, tuple[str, grpc.StatusCode]]:
+    """PEFT directories that must be refused: name -> (reason, code)."""
+    good.save_pretrained(root / "good")
+    cases: dict[str, tuple[str, grpc.StatusCode]] = {}
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+
+    def variant(name: str, config: dict[str, Any] | None = None, drop_safetensors: bool = False) -> Path:
+        d = root / name
+        d.mkdir()
+        cfg = json.loads((root / "good" / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+        if not drop_safetensors:
+            (d / "adapter_model.safetensors").write_bytes((root / "good" / "adapter_model.safetensors").read_bytes())
+        return d
+
+    variant("rank", {"r": 8})
+    cases["rank"] = ("SHAPE_MISMATCH", invalid)
+    variant("targets", {"target_modules": ["q_proj"]})  # the file also holds v_proj's tensors
+    cases["targets"] = ("UNKNOWN_TENSOR", invalid)
+    variant("dora", {"use_dora": True})
+    cases["dora"] = ("UNSUPPORTED_ADAPTER", invalid)
+    variant("prefix", {"peft_type": "PREFIX_TUNING"})
+    cases["prefix"] = ("NOT_A_LORA_ADAPTER", invalid)
+    d = variant("pickled", drop_safetensors=True)
+    torch.save({"x": torch.zeros(1)}, d / "adapter_model.bin")
+    cases["pickled"] = ("PICKLE_CHECKPOINT", invalid)
+    (root / "nothing").mkdir()
+    cases["nothing"] = ("NOT_A_PEFT_DIRECTORY", invalid)
+    return cases
+
+
+def test_unload_aborts_requests_naming_it_and_generation_says_not_found(tiny: Tiny, make_tiny_llama: Any) -> None:
+    a = randomize(lora(make_tiny_llama(seed=0)), seed=1)
+    with TrainerClient([tiny.target], rpc_timeout_s=30, owner="trainer") as c:
+        c.sync_adapter(a, "a", "v1")
+        reply = tiny.gen.Generate(generation_pb2.GenerateRequest(prompt=PROMPT, adapter="a"), timeout=60)
+        assert (reply.adapter, list(reply.adapter_versions)) == ("a", ["v1"])
+        handle = tiny.engine.submit(PROMPT, 200, adapter="a")
+        assert handle.wait_for_tokens(2, 60)
+        with pytest.raises(grpc.RpcError) as e:  # another owner may not unload it
+            tiny.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="intruder"), timeout=10)
+        assert error_reason(e.value) == "NOT_OWNER"
+        r = tiny.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="trainer"), timeout=10)
+        assert (r.was_loaded, r.version, r.aborted_requests) == (True, "v1", 1)
+        assert handle.result().finish_reason is FinishReason.ABORTED
+        assert not tiny.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="trainer"), timeout=10).was_loaded
+        with pytest.raises(grpc.RpcError) as e:
+            tiny.gen.Generate(generation_pb2.GenerateRequest(prompt=PROMPT, adapter="a"), timeout=60)
+        assert code_of(e.value) == grpc.StatusCode.NOT_FOUND
+        assert tiny.listed() == []
+        base = tiny.gen.Generate(generation_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=8), timeout=60)
+        assert list(base.token_ids) == greedy(make_tiny_llama(seed=0), tiny.engine.encode_prompt(PROMPT), 8)[:8]
+
+
+def test_an_engine_without_adapters_says_so() -> None:
+    with in_process_server(TensorEngine(synthetic.build("tiny"))) as (_, stub):
+        assert not stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10).supported
+        spec = pb.AdapterSpec(name="a", rank=4, alpha=8, target_modules=["q"])
+        header = pb.PrepareHeader(weight_version="v", adapter=spec, bucket_count=1, total_bytes=4)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=10)
+        assert code_of(e.value) == grpc.StatusCode.UNIMPLEMENTED and error_reason(e.value) == "ADAPTERS_UNIMPLEMENTED"
