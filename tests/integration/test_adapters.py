@@ -49,7 +49,7 @@ def randomize(model: Any, seed: int, std: float = 0.3) -> Any:
     return model
 
 
-def train(model: Any, tokenizer: Any, steps: int, lr: float = 2e-3) -> None:
+def train(model: Any, tokenizer: Any, steps: int, lr: float = 1e-2) -> None:
     """Real AdamW steps of next-token loss on one sentence, only the adapter trainable (PEFT's default)."""
     batch = tokenizer(["The capital of France is Lyon. The capital of France is Lyon."], return_tensors="pt")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
@@ -106,6 +106,7 @@ def test_a_trained_smollm2_adapter_is_served_by_name_and_replaced_from_disk(smol
         retuned = answer(engine, "lyon")
         assert retuned.adapter_versions == ("step-6",)
         assert list(retuned.token_ids) == greedy(trainer, ids, 12)[: len(retuned.token_ids)]
+        assert retuned.token_ids != tuned.token_ids, "the replaced adapter still answers"
         listed = stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10)
         assert [(a.name, a.version, a.rank, a.tensor_count) for a in listed.adapters] == [("lyon", "step-6", 8, 240)]
 
@@ -257,3 +258,30 @@ def test_an_engine_without_adapters_says_so() -> None:
         with pytest.raises(grpc.RpcError) as e:
             stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=10)
         assert code_of(e.value) == grpc.StatusCode.UNIMPLEMENTED and error_reason(e.value) == "ADAPTERS_UNIMPLEMENTED"
+
+
+def test_the_cli_loads_lists_uses_and_unloads_an_adapter(
+    tiny: Tiny, make_tiny_llama: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``wsync reload --adapter``, ``wsync adapters``, ``wsync generate --adapter``, ``wsync unload-adapter``."""
+    from wsync_grpc.tools import cli
+
+    a = randomize(lora(make_tiny_llama(seed=0)), seed=1)
+    a.save_pretrained(tiny.root / "a-v1")
+    target = ["--target", tiny.target]
+    assert (
+        cli.main(["reload", "--checkpoint", str(tiny.root / "a-v1"), "--version", "v1", "--adapter", "a", *target]) == 0
+    )
+    out = capsys.readouterr()
+    assert json.loads(out.out)["weight_version"] == "v1" and tiny.target in out.err  # the JSON result, the bar
+    assert cli.main(["adapters", *target]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(x["name"], x["version"], x["rank"]) for x in listed["adapters"]] == [("a", "v1", 4)]
+    assert cli.main(["generate", PROMPT, "--adapter", "a", "--max-new-tokens", "8", "--json", *target]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    ids = tiny.engine.encode_prompt(PROMPT)
+    assert reply["adapter_versions"] == ["v1"] and reply["token_ids"] == greedy(a, ids, 8)[: len(reply["token_ids"])]
+    assert cli.main(["unload-adapter", "a", *target]) == 0
+    assert json.loads(capsys.readouterr().out)["was_loaded"] is True
+    assert cli.main(["reload", "--checkpoint", "/etc", "--version", "v2", "--adapter", "a", "--no-bars", *target]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err

@@ -285,6 +285,8 @@ class WsyncMachine(RuleBasedStateMachine):
         )
         stream = [pb.PrepareRequest(header=header)] + [pb.PrepareRequest(bucket=s) for s, _ in upd.buckets]
         refusal = lifecycle_refusal(Rpc.PREPARE, self.state)
+        if self.state in (State.UNINITIALIZED, State.FAILED):  # allowed for a disk update; a broadcast needs Init
+            refusal = Expected(Code.FAILED_PRECONDITION, "WRONG_STATE")
         resp = self.call(refusal, self.stub.Prepare, iter(stream))
         if refusal is not None:
             return

@@ -95,7 +95,9 @@ def _call(args: argparse.Namespace, fn: Callable[[weight_sync_pb2_grpc.WeightSyn
 def _generate(args: argparse.Namespace) -> int:
     with _channel(args) as ch:
         stub = generation_pb2_grpc.GenerationServiceStub(ch)
-        req = generation_pb2.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+        req = generation_pb2.GenerateRequest(
+            prompt=args.prompt, max_new_tokens=args.max_new_tokens, adapter=args.adapter
+        )
         try:
             reply = stub.Generate(req, timeout=args.timeout, metadata=_metadata(args))
         except grpc.RpcError as e:
@@ -139,6 +141,7 @@ def _reload(args: argparse.Namespace) -> int:
         token=args.token or os.environ.get("WSYNC_TOKEN") or None,
         credentials=_credentials(args),
         bars=not args.no_bars,
+        adapter=args.adapter,
     )
 
 
@@ -218,8 +221,21 @@ def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         lambda a: _bind("GetWeightChecksums", pb.GetWeightChecksumsRequest(names=a.names)),
     )
     k.add_argument("names", nargs="*", help="tensor names (default: all)")
+    rpc(
+        "adapters",
+        "list the LoRA adapters served, with their versions",
+        lambda a: _bind("ListAdapters", pb.ListAdaptersRequest()),
+    )
+    u = rpc(
+        "unload-adapter",
+        "stop serving a LoRA adapter (requests running with it are aborted)",
+        lambda a: _bind("UnloadAdapter", pb.UnloadAdapterRequest(name=a.name, owner=a.owner)),
+    )
+    u.add_argument("name", help="the adapter's name")
+    u.add_argument("--owner", default="", help="the caller's owner name (default: the anonymous owner)")
     g = client("generate", "generate text with the served weights (reference engine)", _generate)
     g.add_argument("prompt")
+    g.add_argument("--adapter", default="", help="generate with this LoRA adapter (default: the base model)")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--json", action="store_true", help="print the whole reply as JSON")
 

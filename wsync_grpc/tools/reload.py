@@ -7,6 +7,8 @@ every engine before a byte is read; staged updates published on every engine
 or on none), shows one progress bar per engine (bytes of the checkpoint read)
 on stderr, and prints the result as JSON. Exit 0 once applied everywhere, 1
 on a refusal or failure (the error names every engine, its code and reason).
+With ``--adapter NAME`` the checkpoint is a PEFT directory loaded as that LoRA
+adapter (:meth:`~wsync_grpc.trainer.client.TrainerClient.sync_adapter`).
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ def reload(
     token: str | None,
     credentials: grpc.ChannelCredentials | None,
     bars: bool = True,
+    adapter: str = "",
 ) -> int:
     """Have every target load ``checkpoint`` as ``version``; print the result as JSON; 0 once applied.
 
     Args:
+        adapter: load the PEFT directory ``checkpoint`` as this LoRA adapter (``""``: base weights).
         timeout_s: deadline of each control call, in seconds.
         token, credentials: as :class:`~wsync_grpc.trainer.client.TrainerClient`'s.
         bars: one progress bar per engine on stderr.
@@ -56,12 +60,15 @@ def reload(
 
         def run() -> None:
             try:
-                result["ok"] = client.sync_from_disk(
-                    checkpoint,
-                    version,
-                    apply_mode=apply_mode,  # type: ignore[arg-type]
-                    flush_cache=flush_cache,
-                )
+                if adapter:
+                    result["ok"] = client.sync_adapter(checkpoint, adapter, version)
+                else:
+                    result["ok"] = client.sync_from_disk(
+                        checkpoint,
+                        version,
+                        apply_mode=apply_mode,  # type: ignore[arg-type]
+                        flush_cache=flush_cache,
+                    )
             except (SyncError, ValueError, RuntimeError) as e:
                 result["error"] = e
             finally:
@@ -116,6 +123,7 @@ def add_parser(
     r.add_argument("--target", action="append", help="engine address host:port (repeatable; default 127.0.0.1:50051)")
     r.add_argument("--apply-mode", choices=("staged", "streaming"), default="staged", help="default staged")
     r.add_argument("--flush-cache", action="store_true", help="flush the engines' prefix/KV cache at apply")
+    r.add_argument("--adapter", default="", help="load the PEFT directory --checkpoint as this LoRA adapter")
     r.add_argument("--owner", help="the caller's owner name (default: a fresh one)")
     r.add_argument("--no-bars", action="store_true", help="no progress bars on stderr")
     r.add_argument("--timeout", type=float, default=60.0, help="deadline of each control call, in seconds")
