@@ -45,8 +45,11 @@ def spawn_vllm_engine(
     timeout_s: float = 300.0,
     wait: bool = True,
     name: str | None = None,
+    extra_args: Sequence[str] = (),
 ) -> EngineProcess:
     """Start ``wsync serve --engine vllm`` on ``model_dir`` (gRPC on a free port, HTTP on ``http_port``).
+
+    ``extra_args`` go to ``wsync serve`` (e.g. ``["--checkpoint-root", DIR]``).
 
     Needs the ``vllm`` extra. The environment is :func:`child_env` plus
     :data:`VLLM_CPU_ENV` (and :data:`VLLM_CPU_TP_ENV` for more than one
@@ -68,6 +71,7 @@ def spawn_vllm_engine(
         str(tensor_parallel_size),
         "--vllm-args",
         vllm_args,
+        *extra_args,
     ]
     return spawn_engine(
         args, port_file=port_file, log=log, env=child_env(extra), timeout_s=timeout_s, wait=wait, name=name

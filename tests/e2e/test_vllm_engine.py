@@ -37,7 +37,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.testing import EngineProcess, free_port
 from wsync_grpc.testing_vllm import GenerateStream, spawn_vllm_engine
-from wsync_grpc.trainer import TrainerClient
+from wsync_grpc.trainer import SyncError, TrainerClient
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -58,8 +58,8 @@ def _post(url: str, body: dict[str, Any], timeout: float = 60.0) -> dict[str, An
 class Vllm:
     """The module's engine: its process, gRPC target, HTTP base URL and model name."""
 
-    def __init__(self, proc: EngineProcess, http: str, model: str) -> None:
-        self.proc, self.http, self.model = proc, http, model
+    def __init__(self, proc: EngineProcess, http: str, model: str, checkpoints: Path) -> None:
+        self.proc, self.http, self.model, self.checkpoints = proc, http, model, checkpoints
         self.target = proc.target
 
     def complete(self, prompt: str = PROMPT, max_tokens: int = 16) -> tuple[str, list[float]]:
@@ -83,9 +83,16 @@ class Vllm:
 def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
     tmp = tmp_path_factory.mktemp("vllm")
     http_port = free_port()
-    proc = spawn_vllm_engine(smollm2_dir, port_file=tmp / "port", http_port=http_port, log=tmp / "engine.log")
+    (tmp / "ckpt").mkdir()
+    proc = spawn_vllm_engine(
+        smollm2_dir,
+        port_file=tmp / "port",
+        http_port=http_port,
+        log=tmp / "engine.log",
+        extra_args=["--checkpoint-root", str(tmp / "ckpt")],
+    )
     try:
-        yield Vllm(proc, f"http://127.0.0.1:{http_port}", str(smollm2_dir))
+        yield Vllm(proc, f"http://127.0.0.1:{http_port}", str(smollm2_dir), tmp / "ckpt")
     finally:
         proc.stop(grace_s=30)
 
@@ -133,6 +140,39 @@ def test_sync_changes_outputs_and_originals_restore_them(
     st = engine.status()
     assert st.state == pb.LIFECYCLE_STATE_UNINITIALIZED  # the trainer left
     assert st.weight_version == f"{apply_mode}-0" and not st.dirty and st.updates_completed >= 2
+
+
+@pytest.mark.parametrize("apply_mode", ["staged", "streaming"])
+def test_a_disk_update_reads_a_saved_checkpoint_in_every_worker(
+    engine: Vllm, originals: dict[str, torch.Tensor], apply_mode: str
+) -> None:
+    """A checkpoint saved by the trainer, read by vLLM's worker (no group), then the originals the same way."""
+    before = engine.complete()
+    new = perturbed(originals, seed=7)
+    with TrainerClient([engine.target], rpc_timeout_s=120) as c:
+        r = c.save_and_sync(
+            new.items(),
+            engine.checkpoints / f"{apply_mode}-7",
+            f"disk-{apply_mode}-7",
+            apply_mode=apply_mode,
+            flush_cache=True,
+        )
+        assert r.tensor_count == len(new) and r.wire_bytes == 0
+        assert_serves(c, engine.target, new, f"disk-{apply_mode}-7")
+        assert engine.status().state == pb.LIFECYCLE_STATE_UNINITIALIZED  # no group was formed
+        assert engine.complete()[1] != before[1]
+        with pytest.raises(SyncError) as e:
+            c.sync_from_disk("/etc", "outside")
+        assert e.value.failures[engine.target].reason == "PATH_OUTSIDE_ROOTS"
+        c.save_and_sync(
+            originals.items(),
+            engine.checkpoints / f"{apply_mode}-0",
+            f"disk-{apply_mode}-0",
+            apply_mode=apply_mode,
+            flush_cache=True,
+        )
+        assert_serves(c, engine.target, originals, f"disk-{apply_mode}-0")
+    assert engine.complete() == before
 
 
 def test_individual_layout(engine: Vllm, originals: dict[str, torch.Tensor]) -> None:

@@ -13,6 +13,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -350,12 +351,20 @@ class RemoteWorkers(Protocol):
         ...
 
     def arm_workers(
-        self, layout: Layout, apply_mode: ApplyMode, buckets: Sequence[Bucket], closed: bool, timeout_s: float
+        self,
+        layout: Layout,
+        apply_mode: ApplyMode,
+        buckets: Sequence[Bucket],
+        closed: bool,
+        timeout_s: float,
+        files: Mapping[str, Path] | None = None,
     ) -> None:
         """Every worker starts receiving ``buckets``; returns once every first receive is posted.
 
         Args:
             closed: no bucket will be declared after these.
+            files: a disk update's tensor name -> safetensors file: each worker reads them
+                (:class:`~wsync_grpc.worker.disk_receiver.DiskReceiver`), no group needed; ``None`` for a broadcast.
             timeout_s: bound for the arming, in seconds.
 
         Raises:

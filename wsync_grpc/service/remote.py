@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from wsync_grpc.core.adapter import RemoteWorkers, WorkerProgress
@@ -113,6 +114,7 @@ class RemoteReceivers:
         timeout_s: the group's per-collective timeout, in seconds (also bounds the arming).
         cancel: set when the update is abandoned; polling stops.
         on_event: called with a receiver after each change (from the polling thread).
+        files: a disk update's tensor name -> file (the workers read them); ``None`` for a broadcast.
     """
 
     def __init__(
@@ -125,8 +127,10 @@ class RemoteReceivers:
         timeout_s: float,
         cancel: threading.Event,
         on_event: Callable[[RemoteReceiver], None],
+        files: Mapping[str, Path] | None = None,
     ) -> None:
         self.workers = workers
+        self._files = files
         self.receivers = [RemoteReceiver(i, timeout_s) for i in range(count)]
         self._feed = feed
         self._layout = layout
@@ -148,7 +152,9 @@ class RemoteReceivers:
     def _run(self) -> None:
         declared = [b for b in (self._feed.get(i, 0) for i in range(len(self._feed))) if b is not None]
         try:
-            self.workers.arm_workers(self._layout, self._apply_mode, declared, self._feed.closed, self._timeout_s)
+            self.workers.arm_workers(
+                self._layout, self._apply_mode, declared, self._feed.closed, self._timeout_s, self._files
+            )
         except BaseException as e:
             log.warning("arming the workers failed: %s", e)
             self._end_all(e)

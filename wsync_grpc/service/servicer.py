@@ -28,7 +28,6 @@ from wsync_grpc.core.adapter import (
     FusedGroups,
     LoraAdapters,
     PauseMode,
-    RemoteWorkers,
     ServedChecksums,
 )
 from wsync_grpc.core.checksums import tensor_sha256
@@ -72,8 +71,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         checkpoint_roots: directories disk updates may read checkpoints from
             (``wsync serve --checkpoint-root``); empty (default): disk updates
             are refused with PERMISSION_DENIED. Engines whose workers are other
-            processes (:class:`~wsync_grpc.core.adapter.RemoteWorkers`) answer
-            disk updates with UNIMPLEMENTED.
+            processes (:class:`~wsync_grpc.core.adapter.RemoteWorkers`) read
+            them there.
 
     Raises:
         ValueError: a checkpoint root that is not a directory.
@@ -206,10 +205,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             reader = self._preparing = PrepareReader(self.prepare_timeout_s, self._claim_for_prepare)
         try:
             fused = self.adapter.fused_groups() if isinstance(self.adapter, FusedGroups) else ()
-            disk = not isinstance(self.adapter, RemoteWorkers)
             lora = self.adapter.lora_linears() if isinstance(self.adapter, LoraAdapters) else None
             specs = (lambda spec: adapter_param_specs(lora, spec)) if lora is not None else None
-            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused, disk, specs)
+            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused, True, specs)
             header, buckets = reader.read(validator, request_iterator, context)
             files: dict[str, Path] = {}
             if header.disk:  # the buckets come from the checkpoint's headers

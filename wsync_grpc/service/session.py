@@ -144,7 +144,7 @@ class UpdateSession:
             self.auto_paused = not eng.adapter.is_paused()
             eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         eng.update = self
-        if isinstance(eng.adapter, RemoteWorkers) and not self.header.disk:
+        if isinstance(eng.adapter, RemoteWorkers):
             self.remote = RemoteReceivers(
                 eng.adapter,
                 len(eng.membership.devices),
@@ -154,6 +154,7 @@ class UpdateSession:
                 eng.membership.group_timeout_s,
                 self.cancel,
                 self._on_receiver_event,
+                self.files if self.header.disk else None,
             )
             self.receivers = list(self.remote.receivers)
             self.remote.start()

@@ -118,6 +118,7 @@ def _serve_vllm(args: argparse.Namespace, token: str | None) -> int:
             grace=args.grace,
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
+            checkpoint_roots=args.checkpoint_root,
         )
     )
 

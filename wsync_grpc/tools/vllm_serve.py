@@ -42,6 +42,7 @@ class VllmServeOptions:
         port_file: where to write the gRPC port once serving.
         grace: seconds in-flight RPCs get at shutdown.
         metrics_host, metrics_port: wsync's Prometheus ``/metrics`` endpoint (``None``: not served).
+        checkpoint_roots: directories disk updates may read checkpoints from (``--checkpoint-root``).
     """
 
     model: str
@@ -58,6 +59,7 @@ class VllmServeOptions:
     grace: float = 5.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
+    checkpoint_roots: Sequence[str] = ()
 
 
 def vllm_argv(o: VllmServeOptions) -> list[str]:
@@ -125,6 +127,7 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
                 tls_key=o.tls_key,
                 metrics_host=o.metrics_host,
                 metrics_port=o.metrics_port,
+                checkpoint_roots=o.checkpoint_roots,
             )
             specs = adapter.parameter_specs()
             log.info(

@@ -264,10 +264,17 @@ class VllmAdapter:
         self._rpc("wsync_leave")
 
     def arm_workers(
-        self, layout: Layout, apply_mode: ApplyMode, buckets: Sequence[Bucket], closed: bool, timeout_s: float
+        self,
+        layout: Layout,
+        apply_mode: ApplyMode,
+        buckets: Sequence[Bucket],
+        closed: bool,
+        timeout_s: float,
+        files: Mapping[str, Path] | None = None,
     ) -> None:
-        """Every worker starts its background receive; returns once each first receive is posted."""
-        self._rpc("wsync_arm", layout.value, apply_mode.value, buckets_to_msg(buckets), closed, timeout_s)
+        """Every worker starts its background receive (a disk update's: its read); returns once each is armed."""
+        paths = {n: str(f) for n, f in files.items()} if files is not None else None
+        self._rpc("wsync_arm", layout.value, apply_mode.value, buckets_to_msg(buckets), closed, timeout_s, paths)
 
     def declare_to_workers(self, buckets: Sequence[Bucket], closed: bool) -> None:
         """Feed further buckets to every worker."""

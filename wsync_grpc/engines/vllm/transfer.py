@@ -26,8 +26,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from wsync_grpc.engines.vllm.shadow import ShadowUpdate
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group
 from wsync_grpc.group.waits import wait_work
 from wsync_grpc.worker.buffers import BufferPool
+from wsync_grpc.worker.disk_receiver import DiskReceiver
 from wsync_grpc.worker.feed import BucketFeed
 from wsync_grpc.worker.receiver import WorkerReceiver
 
@@ -133,7 +135,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         super().__init__(*args, **kwargs)
         self.group: WeightSyncGroup | None = None
         self.rank = -1
-        self.receiver: WorkerReceiver | None = None
+        self.receiver: WorkerReceiver | DiskReceiver | None = None
         self.feed = BucketFeed()
         self.cancel = threading.Event()
         self.pool = BufferPool(self.device, keep=True)
@@ -182,8 +184,19 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
 
     # -------------------------------------------------------------- update
 
-    def arm(self, layout: str, apply_mode: str, buckets: list[dict[str, Any]], closed: bool, timeout_s: float) -> None:
+    def arm(
+        self,
+        layout: str,
+        apply_mode: str,
+        buckets: list[dict[str, Any]],
+        closed: bool,
+        timeout_s: float,
+        files: Mapping[str, str] | None = None,
+    ) -> None:
         """Start receiving an update in the background; return once the first receive is posted.
+
+        A disk update (``files``: tensor name -> safetensors file) is read by a
+        :class:`~wsync_grpc.worker.disk_receiver.DiskReceiver` instead, no group needed.
 
         Args:
             layout, apply_mode: :class:`~wsync_grpc.core.layout.Layout` and
@@ -196,7 +209,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
             RuntimeError: not a member of a group, or an update is in flight.
             TimeoutError: not armed within ``timeout_s``.
         """
-        if self.group is None:
+        if self.group is None and files is None:
             raise RuntimeError("this worker is not a member of a weight-sync group")
         if self.receiver is not None:
             raise RuntimeError("an update is already in flight on this worker")
@@ -208,17 +221,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self.cancel = threading.Event()
         if self.streaming:
             self._begin_reload()
-        self.receiver = WorkerReceiver(
-            worker=self.global_rank,
-            group=self.group,
-            adapter=_ModelTarget(self),
-            feed=self.feed,
-            layout=Layout(layout),
-            apply_mode=ApplyMode(apply_mode),
-            cancel=self.cancel,
-            pool=self.pool,
-            on_event=lambda r: None,
-        )
+        self.receiver = self._receiver(layout, ApplyMode(apply_mode), files)
         self.receiver.start()
         self.shadow = None
         self._preparer = None
@@ -227,6 +230,21 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
             self._preparer.start()
         if not self.receiver.armed.wait(Deadline(timeout_s).left()):
             raise TimeoutError(f"the receiver was not armed within {timeout_s:g} s")
+
+    def _receiver(self, layout: str, mode: ApplyMode, files: Mapping[str, str] | None) -> WorkerReceiver | DiskReceiver:
+        """The update's receiver: from the group, or from the checkpoint's files."""
+        target, cancel = _ModelTarget(self), self.cancel
+        if files is not None:
+            paths = {n: Path(f) for n, f in files.items()}
+            return DiskReceiver(
+                worker=self.global_rank, device=self.device, adapter=target, feed=self.feed, files=paths,
+                apply_mode=mode, cancel=cancel, on_event=lambda r: None,
+            )  # fmt: skip
+        assert self.group is not None
+        return WorkerReceiver(
+            worker=self.global_rank, group=self.group, adapter=target, feed=self.feed, layout=Layout(layout),
+            apply_mode=mode, cancel=cancel, pool=self.pool, on_event=lambda r: None,
+        )  # fmt: skip
 
     def declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
         """Feed further buckets of an incremental update (and close the feed when ``closed``)."""

@@ -60,11 +60,17 @@ class WsyncWorkerExtension:
         self._wsync().shutdown()
 
     def wsync_arm(
-        self, layout: str, apply_mode: str, buckets: list[dict[str, Any]], closed: bool, timeout_s: float
+        self,
+        layout: str,
+        apply_mode: str,
+        buckets: list[dict[str, Any]],
+        closed: bool,
+        timeout_s: float,
+        files: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """Start receiving an update; return this worker's progress once its first receive is posted."""
+        """Start receiving an update (``files``: a disk update's tensor -> file); return this worker's progress."""
         e = self._wsync()
-        e.arm(layout, apply_mode, buckets, closed, timeout_s)
+        e.arm(layout, apply_mode, buckets, closed, timeout_s, files)
         return progress_to_msg(e.progress())
 
     def wsync_declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
