@@ -28,6 +28,8 @@ PROMISED = {
     "GetWeightChecksums": (False, False),
     "Watch": (False, True),
     "KeepAlive": (False, True),
+    "ListAdapters": (False, False),
+    "UnloadAdapter": (False, False),
 }
 
 

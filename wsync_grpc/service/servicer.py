@@ -31,13 +31,14 @@ from wsync_grpc.core.adapter import (
     ServedChecksums,
 )
 from wsync_grpc.core.checksums import tensor_sha256
-from wsync_grpc.core.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, Phase, domain_error
+from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
 from wsync_grpc.core.header import validate_transport
 from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State, WrongState
-from wsync_grpc.core.lora import adapter_param_specs, check_name
+from wsync_grpc.core.lora import adapter_param_specs
 from wsync_grpc.core.ownership import DEFAULT_LEASE_TTL_S, describe
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TIMEOUT_S
 from wsync_grpc.core.validation import UpdateValidator
+from wsync_grpc.service.adapters import list_adapters, unload_adapter
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.lease import DEFAULT_KEEPALIVE_INTERVAL_S, keepalive_stream, open_keepalive
 from wsync_grpc.service.outcome import trace_receive
@@ -204,10 +205,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             self.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
             reader = self._preparing = PrepareReader(self.prepare_timeout_s, self._claim_for_prepare)
         try:
-            fused = self.adapter.fused_groups() if isinstance(self.adapter, FusedGroups) else ()
-            lora = self.adapter.lora_linears() if isinstance(self.adapter, LoraAdapters) else None
-            specs = (lambda spec: adapter_param_specs(lora, spec)) if lora is not None else None
-            validator = UpdateValidator(self.adapter.parameter_specs(), self.adapter.aliases(), fused, True, specs)
+            validator = update_validator(self.adapter)
             header, buckets = reader.read(validator, request_iterator, context)
             files: dict[str, Path] = {}
             if header.disk:  # the buckets come from the checkpoint's headers
@@ -356,41 +354,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     @grpc_errors
     def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
         """The LoRA adapters served, with their versions."""
-        if not isinstance(self.adapter, LoraAdapters):
-            return pb.ListAdaptersResponse(supported=False)
-        out = pb.ListAdaptersResponse(supported=True)
-        for a in self.adapter.adapters():
-            out.adapters.add(
-                name=a.name,
-                version=a.version,
-                rank=a.rank,
-                alpha=a.alpha,
-                target_modules=list(a.target_modules),
-                tensor_count=a.tensor_count,
-            )
-        return out
+        return list_adapters(self.adapter)
 
     @grpc_errors
     def UnloadAdapter(
         self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
     ) -> pb.UnloadAdapterResponse:
         """Stop serving a LoRA adapter (idempotent); the owner's call."""
-        name = check_name(request.name)
-        with self._lock:
-            self.engine.check_owner(request.owner, "UnloadAdapter")
-            self.lifecycle.check(Rpc.UNLOAD_ADAPTER)
-            upd = self.engine.update
-            if upd is not None and upd.header.adapter is not None and upd.header.adapter.name == name:
-                raise FailedPrecondition(
-                    "ADAPTER_UPDATE_IN_FLIGHT", f"an update of adapter {name!r} is in flight; cancel it first"
-                )
-            if not isinstance(self.adapter, LoraAdapters):
-                return pb.UnloadAdapterResponse(was_loaded=False)
-            with self.adapter.weights_lock():
-                removed = self.adapter.unload_adapter(name)
-        if removed is None:
-            return pb.UnloadAdapterResponse(was_loaded=False)
-        return pb.UnloadAdapterResponse(was_loaded=True, version=removed[0], aborted_requests=removed[1])
+        return unload_adapter(self.engine, request)
 
     @grpc_errors
     def GetWeightChecksums(
@@ -433,3 +404,15 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             if self.engine.update is not None:
                 self.engine.update.fail(Aborted("SHUTDOWN", "the engine is shutting down"))
             self.engine.membership.leave()
+
+
+def update_validator(adapter: EngineAdapter) -> UpdateValidator:
+    """A fresh validator for one update of ``adapter``: its tensors, ties, fused groups and LoRA targets.
+
+    Disk updates are allowed (each engine reads where its roots allow); adapter
+    updates only on an engine that serves adapters (:class:`~wsync_grpc.core.adapter.LoraAdapters`).
+    """
+    fused = adapter.fused_groups() if isinstance(adapter, FusedGroups) else ()
+    lora = adapter.lora_linears() if isinstance(adapter, LoraAdapters) else None
+    specs = (lambda spec: adapter_param_specs(lora, spec)) if lora is not None else None
+    return UpdateValidator(adapter.parameter_specs(), adapter.aliases(), fused, True, specs)

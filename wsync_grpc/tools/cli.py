@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from google.protobuf import json_format
@@ -166,25 +166,38 @@ def _watch(args: argparse.Namespace) -> int:
     )
 
 
-def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The sub-commands that call one RPC against ``--target`` (and ``generate``)."""
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+"""What ``add_subparsers`` returns, which sub-commands are added to (quoted: not subscriptable at run time)."""
 
-    def client(name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help)
-        c.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="engine address host:port")
-        c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
-        _add_access(c)
-        c.set_defaults(func=func)
-        return c
+
+def _client(
+    sub: Subparsers, name: str, help: str, func: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """A sub-command that calls an engine at ``--target``."""
+    c = sub.add_parser(name, help=help)
+    c.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="engine address host:port")
+    c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
+    _add_access(c)
+    c.set_defaults(func=func)
+    return c
+
+
+def _rpc(
+    sub: Subparsers, name: str, help: str, make: Callable[[argparse.Namespace], Callable[..., Message]]
+) -> argparse.ArgumentParser:
+    """A sub-command that calls one RPC (``make`` binds it to its request) and prints the reply as JSON."""
+    return _client(
+        sub, name, help, lambda a: _call(a, lambda stub: make(a)(stub, timeout=a.timeout, metadata=_metadata(a)))
+    )
+
+
+def _add_rpcs(sub: Subparsers) -> None:
+    """The sub-commands that call one RPC against ``--target`` (and ``generate``)."""
 
     def rpc(
         name: str, help: str, make: Callable[[argparse.Namespace], Callable[..., Message]]
     ) -> argparse.ArgumentParser:
-        return client(
-            name,
-            help,
-            lambda a: _call(a, lambda stub: make(a)(stub, timeout=a.timeout, metadata=_metadata(a))),
-        )
+        return _rpc(sub, name, help, make)
 
     rpc(
         "status",
@@ -221,23 +234,30 @@ def _add_rpcs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         lambda a: _bind("GetWeightChecksums", pb.GetWeightChecksumsRequest(names=a.names)),
     )
     k.add_argument("names", nargs="*", help="tensor names (default: all)")
-    rpc(
+    _add_adapter_rpcs(sub)
+    g = _client(sub, "generate", "generate text with the served weights (reference engine)", _generate)
+    g.add_argument("prompt")
+    g.add_argument("--adapter", default="", help="generate with this LoRA adapter (default: the base model)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--json", action="store_true", help="print the whole reply as JSON")
+
+
+def _add_adapter_rpcs(sub: Subparsers) -> None:
+    """``wsync adapters`` and ``wsync unload-adapter NAME`` (loading one is ``wsync reload --adapter``)."""
+    _rpc(
+        sub,
         "adapters",
         "list the LoRA adapters served, with their versions",
         lambda a: _bind("ListAdapters", pb.ListAdaptersRequest()),
     )
-    u = rpc(
+    u = _rpc(
+        sub,
         "unload-adapter",
         "stop serving a LoRA adapter (requests running with it are aborted)",
         lambda a: _bind("UnloadAdapter", pb.UnloadAdapterRequest(name=a.name, owner=a.owner)),
     )
     u.add_argument("name", help="the adapter's name")
     u.add_argument("--owner", default="", help="the caller's owner name (default: the anonymous owner)")
-    g = client("generate", "generate text with the served weights (reference engine)", _generate)
-    g.add_argument("prompt")
-    g.add_argument("--adapter", default="", help="generate with this LoRA adapter (default: the base model)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--json", action="store_true", help="print the whole reply as JSON")
 
 
 def _add_owner_args(*commands: argparse.ArgumentParser) -> None:

@@ -33,9 +33,8 @@ from safetensors.torch import save_file
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core import layout as core_layout
-from wsync_grpc.trainer.liveness import Holds
 from wsync_grpc.trainer.results import TRAINER, ClientError, EngineFailure, SyncResult
-from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest, report
+from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest
 from wsync_grpc.wire.convert import APPLY_MODES, adapter_to_proto
 
 CHECKPOINT_FILE = "model.safetensors"
@@ -93,22 +92,7 @@ class DiskSyncRunner(SyncRunner):
         self._cancel_event.clear()
         self._membership.hold_leases()  # released at once when the client closes, as after init
         prepared, t0, prepare_s = self._prepare_disk(request)
-        report(request, "prepared")
-        self._holds = Holds(
-            self._fleet.engines, request.update_id, self._fleet.metadata, self._fleet.owner, self._cancel_event
-        )
-        try:
-            t_complete = time.monotonic()
-            verify_s = 0.0
-            if request.apply_mode == "staged":
-                self._trace.begin("verify")
-                self._verify(request)
-                verify_s = time.monotonic() - t_complete
-                report(request, "verified")
-            results, done = self._complete(request, prepared)
-        finally:
-            holds, self._holds = self._holds, None
-            holds.close()
+        c = self._transfer_and_commit(request, prepared, None)  # the engines read the bytes themselves
         first = next(iter(prepared.values()))
         result = SyncResult(
             update_id=request.update_id,
@@ -124,14 +108,12 @@ class DiskSyncRunner(SyncRunner):
             prepare_seconds=prepare_s,
             broadcast_seconds=0.0,
             pack_seconds=0.0,
-            complete_seconds=done - t_complete,
-            verify_seconds=verify_s,
-            total_seconds=done - t0,
-            engines={e.target: results[e.target] for e in self._fleet.engines},
+            complete_seconds=c.done - c.started,
+            verify_seconds=c.verify_s,
+            total_seconds=c.done - t0,
+            engines={e.target: c.results[e.target] for e in self._fleet.engines},
         )
-        self._metrics.sync_applied(result)
-        report(request, "applied")
-        return result
+        return self._applied(request, result)
 
     def _prepare_disk(self, request: UpdateRequest) -> tuple[dict[str, pb.PrepareResponse], float, float]:
         """A header-only Prepare everywhere; every engine replies once it validated the checkpoint.

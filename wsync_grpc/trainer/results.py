@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
+from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.trainer.options import ApplyMode, Layout
 from wsync_grpc.wire.status import error_info
@@ -294,3 +295,42 @@ class SyncProgress:
 def failure_lines(failures: Mapping[str, EngineFailure]) -> str:
     """Every failure of ``failures`` on one line, ``"; "``-separated (for error messages)."""
     return "; ".join(str(f) for f in failures.values())
+
+
+@dataclass(frozen=True)
+class Commit:
+    """How an update's transfer and commit went (:meth:`SyncRunner._transfer_and_commit`).
+
+    Attributes:
+        results: target -> the engine's result.
+        done: when the last Complete replied (``time.monotonic()``).
+        started: when the first Complete was sent (``time.monotonic()``).
+        verify_s: the verifying Complete's round trip (staged), in seconds.
+        transfer_s: the broadcast, in seconds (0 for a disk update).
+        pack_s: the packing inside it, in seconds.
+    """
+
+    results: dict[str, EngineSyncResult]
+    done: float
+    started: float
+    verify_s: float
+    transfer_s: float
+    pack_s: float
+
+
+def engine_result(target: str, r: pb.CompleteResponse, prepared: pb.PrepareResponse) -> EngineSyncResult:
+    """One engine's :class:`~wsync_grpc.trainer.results.EngineSyncResult` from its Complete and Prepare replies."""
+    return EngineSyncResult(
+        target=target,
+        update_id=r.update_id,
+        weight_version=r.weight_version,
+        bucket_count=r.bucket_count,
+        tensor_count=r.tensor_count,
+        bytes_received=r.bytes_received,
+        ready_seconds=prepared.ready_seconds,
+        receive_seconds=r.receive_seconds,
+        apply_seconds=r.apply_seconds,
+        total_seconds=r.total_seconds,
+        cache_flushed=r.cache_flushed,
+        verify_seconds=r.verify_seconds,
+    )

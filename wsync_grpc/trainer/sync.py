@@ -50,12 +50,14 @@ from wsync_grpc.trainer.planning import Planner
 from wsync_grpc.trainer.results import (
     TRAINER,
     ClientError,
+    Commit,
     EngineFailure,
     EngineSyncResult,
     InitError,
     SyncError,
     SyncProgress,
     SyncResult,
+    engine_result,
     failure_lines,
 )
 from wsync_grpc.trainer.settings import ClientSettings
@@ -165,17 +167,49 @@ class SyncRunner:
         report(request, "planned")
         init_s, group = self._ensure_group(request)
         prepared, t0, prepare_s = self._prepare(request, buckets, messages, wire_bytes)
+        c = self._transfer_and_commit(
+            request, prepared, lambda: self._broadcast(request, group, buckets, by_name, wire_bytes)
+        )
+        return self._applied(
+            request,
+            SyncResult(
+                **_sizes(request, buckets, wire_bytes),
+                init_seconds=init_s,
+                plan_seconds=plan_s,
+                prepare_seconds=prepare_s,
+                broadcast_seconds=c.transfer_s,
+                pack_seconds=c.pack_s,
+                complete_seconds=c.done - c.started,
+                verify_seconds=c.verify_s,
+                total_seconds=c.done - t0,
+                engines={e.target: c.results[e.target] for e in self._fleet.engines},
+            ),
+        )
+
+    def _transfer_and_commit(
+        self,
+        request: UpdateRequest,
+        prepared: Mapping[str, pb.PrepareResponse],
+        transfer: Callable[[], float] | None,
+    ) -> Commit:
+        """Everything after Prepare replied, every engine held: ``transfer`` (the broadcast; it returns
+        its packing seconds; ``None`` when the engines read the bytes themselves), then Complete, in
+        two phases for a staged update.
+
+        Raises:
+            SyncError: see :meth:`_broadcast`, :meth:`_verify` and :meth:`_complete`.
+        """
         report(request, "prepared")
         # Held from Prepare's reply to Complete's: a dead engine or trainer is noticed at once.
         self._holds = Holds(
             self._fleet.engines, request.update_id, self._fleet.metadata, self._fleet.owner, self._cancel_event
         )
         try:
-            t_bcast = time.monotonic()
-            self._trace.begin("broadcast")
-            pack_s = self._broadcast(request, group, buckets, by_name, wire_bytes)
-            broadcast_s = time.monotonic() - t_bcast
-            report(request, "broadcast")
+            t_transfer, pack_s = time.monotonic(), 0.0
+            if transfer is not None:
+                self._trace.begin("broadcast")
+                pack_s = transfer()
+                report(request, "broadcast")
             t_complete = time.monotonic()
             verify_s = 0.0
             if request.apply_mode == "staged":
@@ -187,18 +221,10 @@ class SyncRunner:
         finally:
             holds, self._holds = self._holds, None
             holds.close()
-        result = SyncResult(
-            **_sizes(request, buckets, wire_bytes),
-            init_seconds=init_s,
-            plan_seconds=plan_s,
-            prepare_seconds=prepare_s,
-            broadcast_seconds=broadcast_s,
-            pack_seconds=pack_s,
-            complete_seconds=done - t_complete,
-            verify_seconds=verify_s,
-            total_seconds=done - t0,
-            engines={e.target: results[e.target] for e in self._fleet.engines},
-        )
+        return Commit(results, done, t_complete, verify_s, t_complete - t_transfer, pack_s)
+
+    def _applied(self, request: UpdateRequest, result: SyncResult) -> SyncResult:
+        """Record a successful update and report its last phase."""
         self._metrics.sync_applied(result)
         report(request, "applied")
         return result
@@ -313,7 +339,7 @@ class SyncRunner:
         self._trace.begin("apply")
         completed, failures = self._complete_everywhere(request, verify_only=False)
         done = time.monotonic()
-        results = {t: _engine_result(t, r, prepared[t]) for t, r in completed.items()}
+        results = {t: engine_result(t, r, prepared[t]) for t, r in completed.items()}
         if failures:
             stage = "apply" if request.apply_mode == "staged" else "complete"
             raise self._abandon(request, stage, failures, results, broadcast_started=True)
@@ -418,21 +444,3 @@ def report(request: UpdateRequest, phase: str) -> None:
         request.on_phase(phase)
     except Exception:
         log.exception("the on_phase callback failed for phase %r", phase)
-
-
-def _engine_result(target: str, r: pb.CompleteResponse, prepared: pb.PrepareResponse) -> EngineSyncResult:
-    """One engine's :class:`~wsync_grpc.trainer.results.EngineSyncResult` from its Complete and Prepare replies."""
-    return EngineSyncResult(
-        target=target,
-        update_id=r.update_id,
-        weight_version=r.weight_version,
-        bucket_count=r.bucket_count,
-        tensor_count=r.tensor_count,
-        bytes_received=r.bytes_received,
-        ready_seconds=prepared.ready_seconds,
-        receive_seconds=r.receive_seconds,
-        apply_seconds=r.apply_seconds,
-        total_seconds=r.total_seconds,
-        cache_flushed=r.cache_flushed,
-        verify_seconds=r.verify_seconds,
-    )

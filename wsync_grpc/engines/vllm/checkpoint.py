@@ -9,7 +9,6 @@ headers, never a tensor's data. Pure: no vLLM import.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -17,24 +16,7 @@ import torch
 from safetensors import safe_open
 
 from wsync_grpc.core.adapter import ParamSpec
-
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face checkpoint directory (through its index when it has one).
-
-    Raises:
-        FileNotFoundError: no safetensors file there.
-    """
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors checkpoint in {model_dir}")
-    return files
+from wsync_grpc.worker.checkpoint import checkpoint_files, torch_dtype
 
 
 def checkpoint_specs(model_dir: Path, served_dtype: torch.dtype) -> dict[str, ParamSpec]:
@@ -42,37 +24,20 @@ def checkpoint_specs(model_dir: Path, served_dtype: torch.dtype) -> dict[str, Pa
 
     Floating tensors are served in ``served_dtype`` (vLLM's ``--dtype``);
     others keep the checkpoint's dtype. Shapes are the full, unsharded ones.
+
+    Raises:
+        NotFound: no safetensors file there (see :func:`~wsync_grpc.worker.checkpoint.checkpoint_files`).
+        ValueError: a dtype weight sync does not carry.
     """
     specs: dict[str, ParamSpec] = {}
     for f in checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 sl = st.get_slice(name)
-                dtype = _torch_dtype(sl.get_dtype())
+                dtype = torch_dtype(sl.get_dtype())
                 served = served_dtype if dtype.is_floating_point else dtype
                 specs[name] = ParamSpec(name, served, tuple(int(d) for d in sl.get_shape()))
     return specs
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _SAFETENSORS_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"checkpoint dtype {name} is not supported") from None
 
 
 def tied_aliases(specs: Mapping[str, ParamSpec], tie_word_embeddings: bool) -> dict[str, str]:
