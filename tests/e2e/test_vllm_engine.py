@@ -58,7 +58,7 @@ def _post(url: str, body: dict[str, Any], timeout: float = 60.0) -> dict[str, An
 class Vllm:
     """The module's engine: its process, gRPC target, HTTP base URL and model name."""
 
-    def __init__(self, proc: EngineProcess, http: str, model: str, checkpoints: Path) -> None:
+    def __init__(self, proc: EngineProcess, http: str, model: str, checkpoints: Path | None = None) -> None:
         self.proc, self.http, self.model, self.checkpoints = proc, http, model, checkpoints
         self.target = proc.target
 
@@ -147,6 +147,7 @@ def test_a_disk_update_reads_a_saved_checkpoint_in_every_worker(
     engine: Vllm, originals: dict[str, torch.Tensor], apply_mode: str
 ) -> None:
     """A checkpoint saved by the trainer, read by vLLM's worker (no group), then the originals the same way."""
+    assert engine.checkpoints is not None
     before = engine.complete()
     new = perturbed(originals, seed=7)
     with TrainerClient([engine.target], rpc_timeout_s=120) as c:
