@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -80,3 +81,18 @@ def code_of(e: grpc.RpcError) -> grpc.StatusCode:
     """The status code of a failed call."""
     code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
     return code
+
+
+def train(model: Any, tokenizer: Any, steps: int, lr: float) -> None:
+    """``steps`` real AdamW steps of next-token loss on one sentence, on ``model``'s trainable parameters.
+
+    The trainer's side of an RL step: it teaches SmolLM2 that the capital of France is Lyon.
+    """
+    batch = tokenizer(["The capital of France is Lyon. The capital of France is Lyon."], return_tensors="pt")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for _ in range(steps):
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from support import code_of, status
+from support import code_of, status, train
 from wsync.v1 import generation_pb2, generation_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
@@ -49,18 +49,6 @@ def randomize(model: Any, seed: int, std: float = 0.3) -> Any:
     return model
 
 
-def train(model: Any, tokenizer: Any, steps: int, lr: float = 1e-2) -> None:
-    """Real AdamW steps of next-token loss on one sentence, only the adapter trainable (PEFT's default)."""
-    batch = tokenizer(["The capital of France is Lyon. The capital of France is Lyon."], return_tensors="pt")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    model.train()
-    for _ in range(steps):
-        model(**batch, labels=batch["input_ids"]).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-
-
 def greedy(model: Any, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
@@ -90,7 +78,7 @@ def test_a_trained_smollm2_adapter_is_served_by_name_and_replaced_from_disk(smol
     ):
         ids = engine.encode_prompt(PROMPT)
         before = answer(engine)
-        train(trainer, tokenizer, steps=3)
+        train(trainer, tokenizer, steps=3, lr=1e-2)
         r = client.sync_adapter(trainer, "lyon", "step-3")
         assert (r.weight_version, r.tensor_count) == ("step-3", 4 * 2 * 30)
         tuned = answer(engine, "lyon")
@@ -100,7 +88,7 @@ def test_a_trained_smollm2_adapter_is_served_by_name_and_replaced_from_disk(smol
         base_now = answer(engine)  # the base model is untouched and still answers without the adapter
         assert base_now.token_ids == before.token_ids and base_now.adapter == "" and not base_now.adapter_versions
         assert status(stub).weight_version == ""  # type: ignore[attr-defined]
-        train(trainer, tokenizer, steps=3)
+        train(trainer, tokenizer, steps=3, lr=1e-2)
         trainer.save_pretrained(tmp_path / "lyon-6")
         client.sync_adapter(tmp_path / "lyon-6", "lyon", "step-6")
         retuned = answer(engine, "lyon")

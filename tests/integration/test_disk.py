@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 from safetensors.torch import save_file
-from support import ENV, ROOT, code_of, status
+from support import ENV, ROOT, code_of, status, train
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.checksums import tensor_sha256
@@ -32,18 +32,6 @@ from wsync_grpc.wire.status import error_reason
 
 PROMPT = "What is the capital of France?"
 PRESET = "0.25gb"
-
-
-def train(model: Any, tokenizer: Any, steps: int = 3) -> None:
-    """A few real AdamW steps of next-token loss on one sentence (the trainer's side of an RL step)."""
-    batch = tokenizer(["The capital of France is Lyon. The capital of France is Lyon."], return_tensors="pt")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model.train()
-    for _ in range(steps):
-        model(**batch, labels=batch["input_ids"]).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
 
 
 def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
@@ -85,7 +73,7 @@ def test_a_trained_smollm2_checkpoint_is_served_without_a_group(smollm2_dir: Pat
         ids = engine.encode_prompt(PROMPT)
         before = engine.generate(PROMPT, 16)
         assert list(before.token_ids) == hf_greedy(trainer, ids, 16)[: len(before.token_ids)]
-        train(trainer, tokenizer)
+        train(trainer, tokenizer, steps=3, lr=1e-4)
         phases: list[str] = []
         with TrainerClient([srv.address], rpc_timeout_s=60) as c:
             r = c.save_and_sync(trainer.state_dict().items(), root / "step-3", "step-3", on_phase=phases.append)

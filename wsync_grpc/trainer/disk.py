@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from safetensors.torch import save_file
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core import layout as core_layout
-from wsync_grpc.trainer.results import TRAINER, ClientError, EngineFailure, SyncResult
+from wsync_grpc.trainer.results import ClientError, SyncResult
 from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest
 from wsync_grpc.wire.convert import APPLY_MODES, adapter_to_proto
 
@@ -130,21 +129,7 @@ class DiskSyncRunner(SyncRunner):
             checkpoint_path=request.checkpoint_path,
             adapter=adapter_to_proto(request.adapter) if request.adapter else None,
         )
-        t0 = time.monotonic()
-        self._trace.begin("prepare")
-        metadata = self._trace.metadata(self._fleet.metadata)
-        prepared, failures = self._fleet.gather(
-            "Prepare",
-            lambda e: e.stub.Prepare.future(
-                iter([pb.PrepareRequest(header=header)]), timeout=self._settings.rpc_timeout_s, metadata=metadata
-            ),
-        )
-        prepare_s = time.monotonic() - t0
-        if not failures and self._cancel_event.is_set():
-            failures[TRAINER] = EngineFailure(TRAINER, "Prepare", None, "CANCELLED", "cancel() was called")
-        if failures:
-            raise self._abandon(request, "prepare", failures)
-        return prepared, t0, prepare_s
+        return self._prepare_everywhere(request, header)
 
 
 def checkpoint_path_of(path: str | os.PathLike[str], engine_path: str | None) -> str:

@@ -1,11 +1,10 @@
 """One update pushed from the trainer to every engine, and the failure protocol when it fails.
 
-Steps (:meth:`SyncRunner.run`): bucket planning
-(:class:`~wsync_grpc.trainer.planning.Planner`); (re-)initializing the group
-if it is stale; the streaming Prepare (header, then the bucket messages) to
-every engine at once, every engine replying once its receivers are armed;
-the broadcast of every bucket (:mod:`wsync_grpc.trainer.broadcast`);
-Complete everywhere; per-engine results and trainer-side timings.
+Steps (:meth:`SyncRunner.run`): bucket planning (:class:`~wsync_grpc.trainer.planning.Planner`);
+(re-)initializing a stale group; the streaming Prepare (header, then the bucket messages) to every
+engine at once, each replying once its receivers are armed; the broadcast of every bucket
+(:mod:`wsync_grpc.trainer.broadcast`); Complete everywhere; per-engine results and timings.
+A disk update (:mod:`wsync_grpc.trainer.disk`) shares everything after Prepare.
 
 A staged update commits in two phases, so that the fleet publishes the new
 version on every engine or on none (``docs/architecture.md``, "Fleet commit"):
@@ -14,12 +13,11 @@ the applying ``Complete`` everywhere. A failure before that cancels the update
 everywhere; after it, the engines that can apply do, and the error names those
 that could not (the one window: an engine failing in its own apply).
 
-The failure protocol (:meth:`SyncRunner._abandon`): when any engine fails
-(or the trainer's broadcast does), no further byte is broadcast, the update
-is cancelled on every engine that did not complete it, the trainer leaves
-the group, and one :class:`~wsync_grpc.trainer.results.SyncError` names
-every failed engine with its gRPC code, its ``google.rpc.ErrorInfo`` reason
-and its message; the next sync re-initializes the group.
+The failure protocol (:meth:`SyncRunner._abandon`): when any engine fails (or the trainer's
+broadcast does), no further byte is broadcast, the update is cancelled on every engine that did not
+complete it, the trainer leaves the group, and one :class:`~wsync_grpc.trainer.results.SyncError`
+names every failed engine with its gRPC code, ``google.rpc.ErrorInfo`` reason and message; the next
+sync re-initializes the group.
 
 Units: sizes in bytes, times in seconds.
 """
@@ -271,6 +269,12 @@ class SyncRunner:
             total_bytes=wire_bytes,
             adapter=adapter_to_proto(request.adapter) if request.adapter else None,
         )
+        return self._prepare_everywhere(request, header, messages)
+
+    def _prepare_everywhere(
+        self, request: UpdateRequest, header: pb.PrepareHeader, messages: Sequence[pb.PrepareRequest] = ()
+    ) -> tuple[dict[str, pb.PrepareResponse], float, float]:
+        """One Prepare stream (``header``, then ``messages``) per engine, concurrently; see :meth:`_prepare`."""
 
         def stream() -> Iterator[pb.PrepareRequest]:
             yield pb.PrepareRequest(header=header)
