@@ -273,3 +273,21 @@ def test_the_cli_loads_lists_uses_and_unloads_an_adapter(
     assert json.loads(capsys.readouterr().out)["was_loaded"] is True
     assert cli.main(["reload", "--checkpoint", "/etc", "--version", "v2", "--adapter", "a", "--no-bars", *target]) == 1
     assert "PERMISSION_DENIED" in capsys.readouterr().err
+
+
+def test_base_weight_updates_keep_adapters_serving_on_the_new_base(tiny: Tiny, make_tiny_llama: Any) -> None:
+    """New base weights broadcast with an adapter loaded: base answers follow, the adapter rides on the new base."""
+    a = randomize(lora(make_tiny_llama(seed=0)), seed=1)
+    ids = tiny.engine.encode_prompt(PROMPT)
+    with TrainerClient([tiny.target], rpc_timeout_s=30) as c:
+        c.sync_adapter(a, "a", "v1")
+        new_base = make_tiny_llama(seed=5)
+        c.sync(new_base.named_parameters(), "base-5")
+        base = answer(tiny.engine, None, 8)
+        assert base.weight_versions == ("base-5",) and list(base.token_ids) == greedy(new_base, ids, 8)[:8]
+        on_new = lora(make_tiny_llama(seed=5))  # the same adapter on the new base
+        peft.set_peft_model_state_dict(on_new, peft.get_peft_model_state_dict(a))
+        tuned = answer(tiny.engine, "a", 8)
+        assert tuned.adapter_versions == ("v1",)
+        assert list(tuned.token_ids) == greedy(on_new, ids, 8)[: len(tuned.token_ids)]
+    assert tiny.listed() == [("a", "v1")]
