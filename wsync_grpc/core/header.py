@@ -83,7 +83,9 @@ def check_adapter_header(h: UpdateHeader, allow: bool) -> None:
     """
     assert h.adapter is not None
     if not allow:
-        raise Unimplemented("ADAPTERS_UNIMPLEMENTED", "this engine serves no LoRA adapters")
+        raise Unimplemented(
+            "ADAPTERS_UNIMPLEMENTED", "this engine serves no LoRA adapters (a vLLM engine needs --enable-lora)"
+        )
     check_name(h.adapter.name)
     if h.streaming:
         raise InvalidArgument("ADAPTER_NOT_STAGED", "an adapter update applies staged: leave apply_mode unset")

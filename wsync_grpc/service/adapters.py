@@ -19,7 +19,7 @@ from wsync_grpc.service.engine_state import EngineState
 
 def list_adapters(adapter: EngineAdapter) -> pb.ListAdaptersResponse:
     """``ListAdaptersResponse``: ``supported`` false on an engine without adapters."""
-    if not isinstance(adapter, LoraAdapters):
+    if not isinstance(adapter, LoraAdapters) or not adapter.lora_linears():
         return pb.ListAdaptersResponse(supported=False)
     out = pb.ListAdaptersResponse(supported=True)
     for a in adapter.adapters():

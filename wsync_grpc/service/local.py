@@ -50,7 +50,7 @@ def local_receivers(
                 cancel=cancel,
                 on_event=on_event,
             )
-            for i, device in enumerate(engine.membership.devices)
+            for i, device in enumerate(engine.membership.devices[: 1 if header.adapter else None])
         ]
     return [
         WorkerReceiver(

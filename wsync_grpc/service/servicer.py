@@ -28,6 +28,7 @@ from wsync_grpc.core.adapter import (
     FusedGroups,
     LoraAdapters,
     PauseMode,
+    RemoteWorkers,
     ServedChecksums,
 )
 from wsync_grpc.core.checksums import tensor_sha256
@@ -414,5 +415,6 @@ def update_validator(adapter: EngineAdapter) -> UpdateValidator:
     """
     fused = adapter.fused_groups() if isinstance(adapter, FusedGroups) else ()
     lora = adapter.lora_linears() if isinstance(adapter, LoraAdapters) else None
-    specs = (lambda spec: adapter_param_specs(lora, spec)) if lora is not None else None
-    return UpdateValidator(adapter.parameter_specs(), adapter.aliases(), fused, True, specs)
+    specs = (lambda spec: adapter_param_specs(lora, spec)) if lora else None
+    broadcast = not isinstance(adapter, RemoteWorkers)  # its workers, not this process, are the group's members
+    return UpdateValidator(adapter.parameter_specs(), adapter.aliases(), fused, True, specs, broadcast)

@@ -144,7 +144,7 @@ class UpdateSession:
             self.auto_paused = not eng.adapter.is_paused()
             eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         eng.update = self
-        if isinstance(eng.adapter, RemoteWorkers):
+        if isinstance(eng.adapter, RemoteWorkers) and self.header.adapter is None:  # adapters: read here
             self.remote = RemoteReceivers(
                 eng.adapter,
                 len(eng.membership.devices),

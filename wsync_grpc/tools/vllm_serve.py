@@ -110,7 +110,7 @@ def serve(o: VllmServeOptions) -> int:
 
 
 async def _serve(o: VllmServeOptions, args: Any) -> None:
-    from vllm.entrypoints.launchers.api_server.entry import build_and_serve, build_async_engine_client
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.launcher import setup_server
 
     listen_address, sock = setup_server(args, reuse_port=False)
@@ -139,7 +139,7 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
                 listen_address,
             )
             ready = asyncio.create_task(_when_http_listens(o, srv.port))
-            shutdown = await build_and_serve(client, listen_address, sock, args)
+            shutdown = await _build_and_serve(client, listen_address, sock, args, adapter)
             ready.cancel()
             # HTTP has stopped (SIGINT/SIGTERM): stop wsync before the engine goes.
             await asyncio.get_running_loop().run_in_executor(None, srv.stop, o.grace)
@@ -148,6 +148,46 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
         if srv is not None:
             srv.stop(o.grace)
         sock.close()
+
+
+async def _build_and_serve(client: Any, listen_address: str, sock: Any, args: Any, adapter: VllmAdapter) -> Any:
+    """vLLM's ``build_and_serve`` (its API server entry point), step by step with vLLM's own functions,
+    so that the adapter gets the server's ``OpenAIServingModels``: LoRA adapters load through it and the
+    OpenAI API's ``model`` field names them. Returns the shutdown task."""
+    from vllm import envs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    uvicorn_kwargs: dict[str, Any] = {}
+    log_config = get_uvicorn_log_config(args)
+    if log_config is not None:
+        uvicorn_kwargs["log_config"] = log_config
+    supported_tasks = await client.get_supported_tasks()
+    app = build_app(args, supported_tasks, client.model_config)
+    await init_app_state(client, app.state, args, supported_tasks)
+    adapter.loras.serving_models = getattr(app.state, "openai_serving_models", None)
+    log.info("Starting vLLM server on %s", listen_address)
+    return await serve_http(
+        app,
+        sock=sock,
+        enable_ssl_refresh=args.enable_ssl_refresh,
+        peer_loads=None,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        ssl_ciphers=args.ssl_ciphers,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        h11_max_header_count=args.h11_max_header_count,
+        **uvicorn_kwargs,
+    )
 
 
 async def _when_http_listens(o: VllmServeOptions, grpc_port: int) -> None:

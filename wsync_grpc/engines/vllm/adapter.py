@@ -26,13 +26,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from wsync_grpc.core.adapter import ParamSpec, PauseMode, PauseOutcome, WorkerProgress
+from wsync_grpc.core.adapter import AdapterState, ParamSpec, PauseMode, PauseOutcome, WorkerProgress
 from wsync_grpc.core.dtypes import parse_dtype
 from wsync_grpc.core.errors import GroupError, GroupTimeout
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
+from wsync_grpc.core.lora import LinearShape, LoraSpec
 from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.timeouts import DEFAULT_RPC_TIMEOUT_S, JOIN_OVERRUN_S
 from wsync_grpc.engines.vllm.checkpoint import checkpoint_specs, fused_groups, tied_aliases
+from wsync_grpc.engines.vllm.lora import VllmLoras, lora_linears
 from wsync_grpc.engines.vllm.messages import buckets_to_msg, progress_from_msg
 
 T = TypeVar("T")
@@ -65,6 +67,8 @@ class VllmAdapter:
         self._mode: PauseMode | None = None
         self._frozen = 0
         self._version = ""
+        self.loras = VllmLoras(client, str(mc.model))
+        """Its LoRA adapters (``wsync serve`` hands them vLLM's OpenAI serving models)."""
 
     @classmethod
     async def create(cls, client: Any) -> VllmAdapter:
@@ -75,6 +79,29 @@ class VllmAdapter:
         """
         workers = await client.collective_rpc("wsync_describe")
         return cls(client, asyncio.get_running_loop(), sorted(workers, key=lambda w: int(w["global_rank"])))
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    def lora_linears(self) -> Mapping[str, LinearShape]:
+        """The checkpoint's linear layers an adapter may target; empty unless vLLM serves LoRA (``--enable-lora``)."""
+        return lora_linears(self._specs) if self.loras.enabled else {}
+
+    def load_adapter(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Serve ``tensors`` as adapter ``spec`` through vLLM's own LoRA support (:class:`VllmLoras`).
+
+        Raises:
+            ValueError: vLLM refused it; the old adapter of that name keeps serving.
+        """
+        return self._call(self.loras.load(spec, version, tensors))
+
+    def unload_adapter(self, name: str) -> tuple[str, int] | None:
+        """Stop serving adapter ``name``; ``(its version, 0)`` (vLLM does not count the requests), or ``None``."""
+        version = self._call(self.loras.unload(name))
+        return None if version is None else (version, 0)
+
+    def adapters(self) -> list[AdapterState]:
+        """The adapters served, by name."""
+        return self.loras.adapters()
 
     # ------------------------------------------------------------ plumbing
 

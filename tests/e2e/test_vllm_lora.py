@@ -1,0 +1,124 @@
+"""LoRA adapters on a real vLLM engine: loaded from PEFT directories through vLLM's own LoRA support, named by
+the OpenAI API's ``model`` field, replaced under the same name without ever answering with the old one.
+
+A real vLLM engine (``wsync serve --engine vllm --vllm-args "... --enable-lora"``) serving SmolLM2-135M; a
+trainer that trains a real PEFT LoRA adapter a few steps and writes it with ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from support import code_of, train
+from wsync.v1 import weight_sync_pb2 as pb
+from wsync.v1 import weight_sync_pb2_grpc
+
+from wsync_grpc.testing import EngineProcess, free_port
+from wsync_grpc.testing_vllm import VLLM_TEST_ARGS, spawn_vllm_engine
+from wsync_grpc.trainer import SyncError, TrainerClient
+from wsync_grpc.wire.status import error_reason
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+peft = pytest.importorskip("peft")
+
+PROMPT = "The capital of France is"
+
+
+class LoraEngine:
+    def __init__(self, proc: EngineProcess, http: str, root: Path) -> None:
+        self.proc, self.http, self.root, self.target = proc, http, root, proc.target
+
+    def complete(self, model: str, max_tokens: int = 12) -> dict[str, Any]:
+        """A greedy completion through vLLM's OpenAI API, naming ``model`` (the base model or an adapter)."""
+        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
+        req = urllib.request.Request(
+            f"{self.http}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out: dict[str, Any] = json.loads(r.read())
+        return out["choices"][0]
+
+    def listed(self) -> list[tuple[str, str]]:
+        with grpc.insecure_channel(self.target) as ch:
+            r = weight_sync_pb2_grpc.WeightSyncServiceStub(ch).ListAdapters(pb.ListAdaptersRequest(), timeout=30)
+        assert r.supported
+        return [(a.name, a.version) for a in r.adapters]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraEngine]:
+    tmp = tmp_path_factory.mktemp("vllm-lora")
+    (tmp / "adapters").mkdir()
+    http_port = free_port()
+    proc = spawn_vllm_engine(
+        smollm2_dir,
+        port_file=tmp / "port",
+        http_port=http_port,
+        log=tmp / "engine.log",
+        vllm_args=f"{VLLM_TEST_ARGS} --enable-lora --max-lora-rank 8 --max-loras 2",
+        extra_args=["--checkpoint-root", str(tmp / "adapters")],
+    )
+    try:
+        yield LoraEngine(proc, f"http://127.0.0.1:{http_port}", tmp / "adapters")
+    finally:
+        proc.stop(grace_s=30)
+
+
+@pytest.mark.timeout(900)
+def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
+    engine: LoraEngine, smollm2_dir: Path, smollm2_tokenizer: Any
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    base_name = str(smollm2_dir)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32)
+    trainer = peft.get_peft_model(
+        base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
+    before = engine.complete(base_name)
+    train(trainer, smollm2_tokenizer, steps=3, lr=1e-2)
+    trainer.save_pretrained(engine.root / "v1")
+    with TrainerClient([engine.target], rpc_timeout_s=120) as c:
+        r = c.sync_adapter(engine.root / "v1", "lyon", "v1")
+        assert r.tensor_count == 2 * 2 * 30
+        v1 = engine.complete("lyon")
+        assert v1["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
+        assert engine.complete(base_name) == before  # the base model answers as before
+        train(trainer, smollm2_tokenizer, steps=3, lr=1e-2)
+        trainer.save_pretrained(engine.root / "v2")
+        c.sync_adapter(engine.root / "v2", "lyon", "v2")  # replaced under the same name
+        c.sync_adapter(engine.root / "v2", "fresh", "v2")  # the same weights, never loaded before
+        replaced, fresh = engine.complete("lyon"), engine.complete("fresh")
+        assert replaced == fresh, "the replaced adapter does not answer as the new one"
+        assert replaced["logprobs"]["token_logprobs"] != v1["logprobs"]["token_logprobs"]
+        assert engine.listed() == [("fresh", "v2"), ("lyon", "v2")]
+        with pytest.raises(SyncError) as e:  # broadcast adapters need the front in the group: disk only on vLLM
+            c.sync_adapter(trainer, "live", "v3")
+        assert e.value.failures[engine.target].reason == "ADAPTER_TRANSPORT_UNIMPLEMENTED"
+    with grpc.insecure_channel(engine.target) as ch:
+        stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
+        r2 = stub.UnloadAdapter(pb.UnloadAdapterRequest(name="lyon"), timeout=60)
+        assert (r2.was_loaded, r2.version) == (True, "v2")
+        with pytest.raises(grpc.RpcError) as bad:
+            header = pb.PrepareHeader(
+                weight_version="x",
+                transport=pb.TRANSPORT_DISK,
+                checkpoint_path="/etc",
+                adapter=pb.AdapterSpec(name="x"),
+            )
+            stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=60)
+        assert (
+            code_of(bad.value) == grpc.StatusCode.PERMISSION_DENIED and error_reason(bad.value) == "PATH_OUTSIDE_ROOTS"
+        )
+    assert engine.listed() == [("fresh", "v2")]
+    with pytest.raises(urllib.error.HTTPError) as gone:
+        engine.complete("lyon")
+    assert gone.value.code == 404

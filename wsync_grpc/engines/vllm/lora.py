@@ -1,0 +1,135 @@
+"""LoRA adapters on a vLLM engine, loaded through vLLM's own LoRA support so that the OpenAI API's ``model`` names them.
+
+The servicer validates an adapter update against the base checkpoint
+(:func:`~wsync_grpc.core.lora.adapter_param_specs`) and reads its PEFT
+directory in the front process; :class:`VllmLoras` then writes exactly those
+validated tensors as a PEFT directory of its own (so a trainer overwriting
+its directory later cannot change what vLLM reloads after an LRU eviction)
+and hands it to vLLM's ``OpenAIServingModels.load_lora_adapter``, the code
+behind ``/v1/load_lora_adapter``. Each version gets a fresh ``lora_int_id``
+(vLLM reuses a name's id for an in-place reload and keeps prefix-cache
+blocks of the old weights, vllm#42125): the name is unloaded and loaded
+again, the old id removed from the engine, and the prefix cache reset, so no
+request after the replacement runs on the old adapter. Needs vLLM started
+with ``--enable-lora`` (and ``--max-lora-rank`` at least the adapters' rank).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from wsync_grpc.core.adapter import AdapterState, ParamSpec
+from wsync_grpc.core.lora import LinearShape, LoraSpec
+
+log = logging.getLogger(__name__)
+
+
+def lora_linears(specs: Mapping[str, ParamSpec]) -> dict[str, LinearShape]:
+    """Module name -> shape of the checkpoint's linear layers an adapter may target (embeddings and head excluded)."""
+    return {
+        name.removesuffix(".weight"): LinearShape(spec.shape[1], spec.shape[0])
+        for name, spec in specs.items()
+        if name.endswith(".weight") and len(spec.shape) == 2 and "embed_tokens" not in name and "lm_head" not in name
+    }
+
+
+class VllmLoras:
+    """The adapters of one vLLM engine (front process, on the engine client's loop).
+
+    Args:
+        client: vLLM's engine client (``add_lora``/``remove_lora``, ``reset_prefix_cache``).
+        model: the base model's name in vLLM (``--model``), written into each adapter's config.
+
+    Attributes:
+        serving_models: vLLM's ``OpenAIServingModels`` of the API server, once it exists; adapters load
+            through it so that the OpenAI ``model`` field resolves them.
+    """
+
+    def __init__(self, client: Any, model: str) -> None:
+        self.client = client
+        self.serving_models: Any = None
+        self._model = model
+        self._dir = Path(tempfile.mkdtemp(prefix="wsync-lora-"))
+        self._served: dict[str, tuple[AdapterState, Path]] = {}
+        self._next = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine serves LoRA adapters (started with ``--enable-lora``, with an API server)."""
+        return getattr(self.client.vllm_config, "lora_config", None) is not None and self.serving_models is not None
+
+    async def load(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Serve ``tensors`` as adapter ``spec`` (replacing one of that name under a fresh id); tensors loaded.
+
+        Raises:
+            ValueError: vLLM refused the adapter; the old one, if any, is served again.
+        """
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+        path = self._write(spec, tensors)
+        models = self.serving_models
+        old = self._served.get(spec.name)
+        old_id = models.lora_requests[spec.name].lora_int_id if spec.name in models.lora_requests else None
+        if old_id is not None:
+            await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=spec.name))
+        answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=spec.name, lora_path=str(path)))
+        if not isinstance(answer, str):  # an ErrorResponse
+            shutil.rmtree(path, ignore_errors=True)
+            if old is not None:  # serve the old one again, under a fresh id
+                await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=spec.name, lora_path=str(old[1])))
+            raise ValueError(f"vLLM refused adapter {spec.name!r}: {getattr(answer, 'error', answer)}")
+        if old_id is not None:
+            await self.client.remove_lora(old_id)
+        await self.client.reset_prefix_cache()
+        targets = (spec.target_regex,) if spec.target_regex else spec.target_modules
+        self._served[spec.name] = (AdapterState(spec.name, version, spec.rank, spec.alpha, targets, len(tensors)), path)
+        if old is not None:
+            shutil.rmtree(old[1], ignore_errors=True)
+        return len(tensors)
+
+    async def unload(self, name: str) -> str | None:
+        """Stop serving adapter ``name``; its version, or ``None`` if not served."""
+        from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+        served = self._served.pop(name, None)
+        if served is None:
+            return None
+        models = self.serving_models
+        lora_id = models.lora_requests[name].lora_int_id if name in models.lora_requests else None
+        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+        if lora_id is not None:
+            await self.client.remove_lora(lora_id)
+        shutil.rmtree(served[1], ignore_errors=True)
+        return served[0].version
+
+    def adapters(self) -> list[AdapterState]:
+        """The adapters served, by name."""
+        return [self._served[n][0] for n in sorted(self._served)]
+
+    def _write(self, spec: LoraSpec, tensors: Sequence[tuple[str, torch.Tensor]]) -> Path:
+        """The validated tensors as a PEFT directory of the engine's own."""
+        path = self._dir / f"{spec.name}-{self._next}"
+        self._next += 1
+        path.mkdir()
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": self._model,
+            "r": spec.rank,
+            "lora_alpha": spec.alpha,
+            "target_modules": spec.target_regex or list(spec.target_modules),
+            "lora_dropout": 0.0,
+            "bias": "none",
+        }
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors}, str(path / "adapter_model.safetensors"))
+        return path
