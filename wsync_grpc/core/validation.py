@@ -127,12 +127,13 @@ class UpdateValidator:
     def adapter_specs(self, spec: LoraSpec) -> Mapping[str, ParamSpec]:
         """The tensors an adapter of ``spec`` carries on this engine (see the constructor).
 
+        Only after :meth:`header_message` accepted an adapter header, which refuses
+        adapters on an engine without them (ADAPTERS_UNIMPLEMENTED).
+
         Raises:
-            Unimplemented: ADAPTERS_UNIMPLEMENTED.
             InvalidArgument: see :func:`~wsync_grpc.core.lora.adapter_param_specs`.
         """
-        if self._adapter_specs is None:
-            raise Unimplemented("ADAPTERS_UNIMPLEMENTED", "this engine serves no LoRA adapters")
+        assert self._adapter_specs is not None, "check_adapter_header refused this update"
         return self._adapter_specs(spec)
 
     def header_message(self, h: UpdateHeader) -> UpdateHeader:

@@ -22,9 +22,8 @@ from dataclasses import asdict
 from typing import Any
 
 import grpc
-from tqdm import tqdm
 
-from wsync_grpc.tools.watch import update_bar
+from wsync_grpc.tools.watch import new_bars, update_bar
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.results import SyncError, SyncResult
 
@@ -89,9 +88,7 @@ def _show(client: TrainerClient, done: threading.Event, bars: bool, timeout_s: f
         done.wait()
         return
     stubs = client.stubs
-    shown = {
-        t: tqdm(total=0, desc=t, position=i, file=sys.stderr, unit="B", unit_scale=True) for i, t in enumerate(stubs)
-    }
+    shown = new_bars(list(stubs), sys.stderr)
     try:
         while not done.wait(BAR_INTERVAL_S):
             for t, stub in stubs.items():

@@ -66,11 +66,7 @@ def watch(
     """
     channels = {t: channel(t) for t in targets}
     stubs = {t: weight_sync_pb2_grpc.WeightSyncServiceStub(c) for t, c in channels.items()}
-    shown = (
-        {t: tqdm(total=0, desc=t, position=i, file=out, unit="B", unit_scale=True) for i, t in enumerate(stubs)}
-        if bars
-        else {}
-    )
+    shown = new_bars(list(stubs), out) if bars else {}
 
     def show(t: str, stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> None:
         if bars:
@@ -94,6 +90,11 @@ def watch(
         for c in channels.values():
             c.close()
     return 0
+
+
+def new_bars(targets: list[str], out: TextIO) -> dict[str, tqdm[Any]]:
+    """One empty byte progress bar per target, stacked in target order on ``out``."""
+    return {t: tqdm(total=0, desc=t, position=i, file=out, unit="B", unit_scale=True) for i, t in enumerate(targets)}
 
 
 def update_bar(

@@ -78,21 +78,7 @@ class CheckpointUpdates:
                 its model...); the update was cancelled everywhere.
             RuntimeError: another sync is running in this client.
         """
-        check_request(weight_version, "individual", apply_mode)
-        request = UpdateRequest(
-            weight_version=weight_version,
-            layout="individual",
-            apply_mode=apply_mode,
-            bucket_bytes=0,
-            dtype=None,
-            flush_cache=flush_cache,
-            progress=None,
-            update_id=update_id or uuid.uuid4().hex,
-            on_phase=on_phase,
-            checkpoint_path=checkpoint_path_of(checkpoint_path, None),
-        )
-        with self._exclusive():
-            return self._disk.run((), request)
+        return self._from_disk(checkpoint_path, weight_version, apply_mode, flush_cache, update_id, on_phase, None)
 
     def save_and_sync(
         self,
@@ -150,23 +136,49 @@ class CheckpointUpdates:
             SyncError: some engine refused or failed; the update was cancelled everywhere.
             RuntimeError: another sync is running in this client.
         """
-        check_request(version, "individual", "staged")
-        common: dict[str, Any] = {"weight_version": version, "apply_mode": "staged", "dtype": None}
-        common |= {"flush_cache": False, "update_id": update_id or uuid.uuid4().hex, "on_phase": on_phase}
-        if isinstance(adapter, str | os.PathLike):
-            request = UpdateRequest(
-                layout="individual",
-                bucket_bytes=0,
-                progress=None,
-                checkpoint_path=checkpoint_path_of(adapter, None),
-                adapter=LoraSpec(name, 0, 0.0),
-                **common,
-            )
-            with self._exclusive():
-                return self._disk.run((), request)
+        if isinstance(adapter, str | os.PathLike):  # its spec comes from the directory's adapter_config.json
+            return self._from_disk(adapter, version, "staged", False, update_id, on_phase, LoraSpec(name, 0, 0.0))
+        check_request(version, "flattened", "staged")
         spec, tensors = adapter_tensors(adapter, name)
         request = UpdateRequest(
-            layout="flattened", bucket_bytes=self._settings.bucket_bytes, progress=None, adapter=spec, **common
+            weight_version=version,
+            layout="flattened",
+            apply_mode="staged",
+            bucket_bytes=self._settings.bucket_bytes,
+            dtype=None,
+            flush_cache=False,
+            progress=None,
+            update_id=update_id or uuid.uuid4().hex,
+            on_phase=on_phase,
+            adapter=spec,
         )
         with self._exclusive():
             return self._sync.run(tensors.items(), request)
+
+    def _from_disk(
+        self,
+        path: str | os.PathLike[str],
+        weight_version: str,
+        apply_mode: ApplyMode,
+        flush_cache: bool,
+        update_id: str | None,
+        on_phase: Callable[[str], None] | None,
+        adapter: LoraSpec | None,
+    ) -> SyncResult:
+        """One disk update of base weights or, ``adapter`` set, of that adapter (see :meth:`sync_from_disk`)."""
+        check_request(weight_version, "individual", apply_mode)
+        request = UpdateRequest(
+            weight_version=weight_version,
+            layout="individual",
+            apply_mode=apply_mode,
+            bucket_bytes=0,
+            dtype=None,
+            flush_cache=flush_cache,
+            progress=None,
+            update_id=update_id or uuid.uuid4().hex,
+            on_phase=on_phase,
+            checkpoint_path=checkpoint_path_of(path, None),
+            adapter=adapter,
+        )
+        with self._exclusive():
+            return self._disk.run((), request)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.errors import InvalidArgument, NotFound, PermissionDenied
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import Bucket
@@ -212,22 +214,14 @@ def read_checkpoint(files: Sequence[Path]) -> list[CheckpointTensor]:
                     sl = st.get_slice(name)
                     tag = sl.get_dtype()
                     shape = tuple(int(d) for d in sl.get_shape())
-                    dtype = SAFETENSORS_DTYPES.get(tag)
-                    numel = 1
-                    for d in shape:
-                        numel *= d
-                    nbytes = numel * dtype.itemsize if dtype is not None else 0
-                    out.append(CheckpointTensor(name, _dtype_name(tag), shape, nbytes, f))
+                    dtype = SAFETENSORS_DTYPES.get(tag)  # None: the validator refuses the raw tag
+                    nbytes = math.prod(shape) * dtype.itemsize if dtype is not None else 0
+                    out.append(CheckpointTensor(name, dtype_name(dtype) if dtype else tag, shape, nbytes, f))
         except (SafetensorError, OSError) as e:
             raise InvalidArgument(
                 "BAD_CHECKPOINT_FILE", f"{f.name} is not a readable safetensors file: {e}", path=f.name[:200]
             ) from None
     return out
-
-
-def _dtype_name(tag: str) -> str:
-    dtype = SAFETENSORS_DTYPES.get(tag)
-    return str(dtype).removeprefix("torch.") if dtype is not None else tag
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class VllmLoras:
         path = self._write(spec, tensors)
         models = self.serving_models
         old = self._served.get(spec.name)
-        old_id = models.lora_requests[spec.name].lora_int_id if spec.name in models.lora_requests else None
+        old_id = self._lora_id(spec.name)
         if old_id is not None:
             await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=spec.name))
         answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=spec.name, lora_path=str(path)))
@@ -103,13 +103,17 @@ class VllmLoras:
         served = self._served.pop(name, None)
         if served is None:
             return None
-        models = self.serving_models
-        lora_id = models.lora_requests[name].lora_int_id if name in models.lora_requests else None
-        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+        lora_id = self._lora_id(name)
+        await self.serving_models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
         if lora_id is not None:
             await self.client.remove_lora(lora_id)
         shutil.rmtree(served[1], ignore_errors=True)
         return served[0].version
+
+    def _lora_id(self, name: str) -> int | None:
+        """vLLM's LoRA id of adapter ``name`` in the serving models; ``None`` when it has none."""
+        request = self.serving_models.lora_requests.get(name)
+        return None if request is None else int(request.lora_int_id)
 
     def adapters(self) -> list[AdapterState]:
         """The adapters served, by name."""
