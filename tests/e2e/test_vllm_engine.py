@@ -161,6 +161,9 @@ def test_a_disk_update_reads_a_saved_checkpoint_in_every_worker(
         assert r.tensor_count == len(new) and r.wire_bytes == 0
         assert_serves(c, engine.target, new, f"disk-{apply_mode}-7")
         assert engine.status().state == pb.LIFECYCLE_STATE_UNINITIALIZED  # no group was formed
+        with grpc.insecure_channel(engine.target) as ch:  # started without --enable-lora: no adapters
+            listed = weight_sync_pb2_grpc.WeightSyncServiceStub(ch).ListAdapters(pb.ListAdaptersRequest(), timeout=30)
+        assert not listed.supported
         assert engine.complete()[1] != before[1]
         with pytest.raises(SyncError) as e:
             c.sync_from_disk("/etc", "outside")

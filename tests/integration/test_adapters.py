@@ -291,3 +291,19 @@ def test_base_weight_updates_keep_adapters_serving_on_the_new_base(tiny: Tiny, m
         assert tuned.adapter_versions == ("v1",)
         assert list(tuned.token_ids) == greedy(on_new, ids, 8)[: len(tuned.token_ids)]
     assert tiny.listed() == [("a", "v1")]
+
+
+def test_an_adapter_update_in_flight_cannot_be_unloaded(tiny: Tiny, make_tiny_llama: Any) -> None:
+    """UnloadAdapter of the adapter an update in flight loads: FAILED_PRECONDITION; the update then applies."""
+    randomize(lora(make_tiny_llama(seed=0)), seed=1).save_pretrained(tiny.root / "a")
+    spec = pb.AdapterSpec(name="a")
+    header = pb.PrepareHeader(
+        weight_version="v1", transport=pb.TRANSPORT_DISK, checkpoint_path=str(tiny.root / "a"), adapter=spec
+    )
+    r = tiny.stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=30)
+    with pytest.raises(grpc.RpcError) as e:
+        tiny.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a"), timeout=10)
+    assert code_of(e.value) == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_reason(e.value) == "ADAPTER_UPDATE_IN_FLIGHT"
+    assert tiny.stub.Complete(pb.CompleteRequest(update_id=r.update_id), timeout=30).weight_version == "v1"
+    assert tiny.listed() == [("a", "v1")]

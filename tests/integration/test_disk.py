@@ -323,3 +323,17 @@ def test_wsync_reload_loads_a_checkpoint_on_every_target_with_progress_bars(tmp_
         assert bad.returncode == 1 and "PERMISSION_DENIED" in bad.stderr and "PATH_OUTSIDE_ROOTS" in bad.stderr
     finally:
         stop_all(procs, grace_s=2)
+
+
+def test_save_checkpoint_renames_into_place_and_an_open_reader_keeps_the_old_file(tmp_path: Path) -> None:
+    """A reader that opened the previous file keeps reading it whole; no temporary file is left behind."""
+    from safetensors import safe_open
+
+    old, new = synthetic.build("tiny", seed=1), synthetic.build("tiny", seed=2)
+    path = save_checkpoint(old.items(), tmp_path / "ckpt")
+    with safe_open(str(path), framework="pt") as reader:
+        assert save_checkpoint(new.items(), tmp_path / "ckpt") == path
+        assert all(torch.equal(reader.get_tensor(n), old[n]) for n in old)
+    with safe_open(str(path), framework="pt") as reader:
+        assert all(torch.equal(reader.get_tensor(n), new[n]) for n in new)
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["model.safetensors"]
