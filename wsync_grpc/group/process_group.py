@@ -49,10 +49,14 @@ _PRUNE_MIN = 64
 """Completed works are dropped from a group's pending list once it holds this many (or twice the last survivors)."""
 
 
-def _park(pg: Any, pending: list[dist.Work]) -> None:
+def _park(pg: Any, group: WeightSyncGroup) -> None:
+    """Keep ``pg`` alive until ``group``'s posts in progress and its pending collectives have ended."""
     _PARKED.append(pg)
 
     def reap() -> None:
+        with group._idle:
+            group._idle.wait_for(lambda: group._posting == 0)
+            pending, group._pending = group._pending, []
         for work in pending:
             with contextlib.suppress(Exception):
                 work.get_future().wait()
@@ -110,52 +114,73 @@ class WeightSyncGroup:
     _destroyed: bool = False
     _pending: list[dist.Work] = field(default_factory=list)
     _prune_at: int = 64
+    _posting: int = 0  # broadcasts being posted right now (outside the lock)
+    _idle: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._idle = threading.Condition(self._lock)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Post a broadcast of ``tensor`` from group rank ``src``; returns the pending work.
 
         ``tensor`` must be contiguous and on :attr:`device`. Wait with
-        :func:`wsync_grpc.group.waits.wait_work`.
+        :func:`wsync_grpc.group.waits.wait_work`. Safe to call while another
+        thread calls :meth:`destroy`: the work posted then is waited for by the
+        reaper, never dropped with its process group.
 
         Raises:
             GroupError: the group was destroyed or the broadcast could not be posted.
         """
-        if self._destroyed:
-            raise GroupError("the weight-sync group was left")
         opts = _bcast_opts(src, datetime.timedelta(seconds=self.timeout_s))
+        with self._lock:
+            if self._destroyed:
+                raise GroupError("the weight-sync group was left")
+            pg, self._posting = self._pg, self._posting + 1
+        work: dist.Work | None = None
         try:
-            work: dist.Work = self._pg.broadcast([tensor], opts)
+            work = pg.broadcast([tensor], opts)  # outside the lock: NCCL may block here
         except RuntimeError as e:
             raise GroupError(f"broadcast could not be posted: {e}") from e
-        with self._lock:
-            self._pending.append(work)
-            if len(self._pending) >= self._prune_at:
-                # Amortized: thousands of per-tensor broadcasts may be posted back to back, and
-                # scanning every pending one on each post made posting quadratic.
-                self._pending = [w for w in self._pending if not w.is_completed()]
-                self._prune_at = max(_PRUNE_MIN, 2 * len(self._pending))
+        finally:
+            del pg  # never the last reference: destroy parks the group until posting is 0
+            with self._lock:
+                self._posting -= 1
+                if work is not None:
+                    self._record(work)
+                self._idle.notify_all()
         return work
 
-    def destroy(self) -> None:
-        """Leave the group. Idempotent.
+    def _record(self, work: dist.Work) -> None:
+        """Add ``work`` to the pending list. Lock held."""
+        self._pending.append(work)
+        if len(self._pending) >= self._prune_at:
+            # Amortized: thousands of per-tensor broadcasts may be posted back to back, and
+            # scanning every pending one on each post made posting quadratic.
+            self._pending = [w for w in self._pending if not w.is_completed()]
+            self._prune_at = max(_PRUNE_MIN, 2 * len(self._pending))
 
-        Collectives still pending on other threads fail or time out on their
-        own; until they have, the process group is parked (see ``_PARKED``).
+    def destroy(self) -> None:
+        """Leave the group. Idempotent; never blocks on a collective.
+
+        Collectives still pending (or being posted) on other threads fail or
+        time out on their own; until they have, the process group is parked
+        (see ``_PARKED``).
         """
         with self._lock:
             if self._destroyed:
                 return
             self._destroyed = True
-            pending = [w for w in self._pending if not w.is_completed()]
-            self._pending = []
+            busy = self._posting > 0 or any(not w.is_completed() for w in self._pending)
+            if not busy:
+                self._pending = []
             pg, self._pg = self._pg, None
         if self.backend == "nccl":
             try:
                 pg.shutdown()
             except (RuntimeError, AttributeError) as e:  # pragma: no cover - GPU only
                 log.warning("NCCL shutdown: %s", e)
-        if pending:
-            _park(pg, pending)
+        if busy:
+            _park(pg, self)
 
     @property
     def sliced_waits(self) -> bool:
