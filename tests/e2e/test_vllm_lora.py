@@ -100,13 +100,32 @@ def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
         assert replaced == fresh, "the replaced adapter does not answer as the new one"
         assert replaced["logprobs"]["token_logprobs"] != v1["logprobs"]["token_logprobs"]
         assert engine.listed() == [("fresh", "v2"), ("lyon", "v2")]
-        with pytest.raises(SyncError) as e:  # broadcast adapters need the front in the group: disk only on vLLM
-            c.sync_adapter(trainer, "live", "v3")
-        assert e.value.failures[engine.target].reason == "ADAPTER_TRANSPORT_UNIMPLEMENTED"
+        # The live model (still v2's weights), its tensors broadcast to vLLM's workers over the group.
+        live = c.sync_adapter(trainer, "lyon", "v2-live")
+        assert live.tensor_count == 2 * 2 * 30 and live.bucket_count >= 1
+        assert engine.complete("lyon") == fresh, "the broadcast adapter does not answer as its saved copy"
+        train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)
+        c.sync_adapter(trainer, "lyon", "v3-live")
+        v3 = engine.complete("lyon")
+        assert v3["logprobs"]["token_logprobs"] != fresh["logprobs"]["token_logprobs"]
+        trainer.save_pretrained(engine.root / "v3")
+        c.sync_adapter(engine.root / "v3", "fresh", "v3")
+        assert engine.complete("fresh") == v3, "the broadcast v3 does not answer as v3 read from disk"
+        assert engine.listed() == [("fresh", "v3"), ("lyon", "v3-live")]
+        bad = peft.get_peft_model(  # rank 16 > --max-lora-rank 8: refused at Prepare, the old adapter keeps serving
+            AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32),
+            peft.LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj"], lora_dropout=0.0, init_lora_weights=False),
+        )
+        with pytest.raises(SyncError) as refused:
+            c.sync_adapter(bad, "lyon", "v4-too-big")
+        failure = refused.value.failures[engine.target]
+        assert (failure.code, failure.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_RANK_TOO_LARGE")
+        assert engine.complete("lyon") == v3
+        assert engine.listed() == [("fresh", "v3"), ("lyon", "v3-live")]
     with grpc.insecure_channel(engine.target) as ch:
         stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
         r2 = stub.UnloadAdapter(pb.UnloadAdapterRequest(name="lyon"), timeout=60)
-        assert (r2.was_loaded, r2.version) == (True, "v2")
+        assert (r2.was_loaded, r2.version) == (True, "v3-live")
         with pytest.raises(grpc.RpcError) as bad:
             header = pb.PrepareHeader(
                 weight_version="x",
@@ -118,7 +137,7 @@ def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
         assert (
             code_of(bad.value) == grpc.StatusCode.PERMISSION_DENIED and error_reason(bad.value) == "PATH_OUTSIDE_ROOTS"
         )
-    assert engine.listed() == [("fresh", "v2")]
+    assert engine.listed() == [("fresh", "v3")]
     with pytest.raises(urllib.error.HTTPError) as gone:
         engine.complete("lyon")
     assert gone.value.code == 404

@@ -266,3 +266,19 @@ def test_more_buckets_than_announced_are_refused_while_reading() -> None:
     with pytest.raises(InvalidArgument) as e:
         v.check_more_buckets(3)
     assert e.value.reason == "BUCKET_COUNT_MISMATCH"
+
+
+def test_adapter_specs_follow_the_targeted_linear_modules_and_the_engines_rank_limit() -> None:
+    from wsync_grpc.core.lora import LinearShape, LoraSpec, adapter_param_specs
+
+    linears = {"m.layers.0.q_proj": LinearShape(16, 32), "m.layers.0.o_proj": LinearShape(32, 16)}
+    spec = LoraSpec("policy", 8, 16.0, ("q_proj",))
+    specs = adapter_param_specs(linears, spec, max_rank=8)
+    assert {n: s.shape for n, s in specs.items()} == {
+        "base_model.model.m.layers.0.q_proj.lora_A.weight": (8, 16),
+        "base_model.model.m.layers.0.q_proj.lora_B.weight": (32, 8),
+    }
+    with pytest.raises(InvalidArgument) as e:
+        adapter_param_specs(linears, LoraSpec("policy", 16, 16.0, ("q_proj",)), max_rank=8)
+    assert e.value.reason == "ADAPTER_RANK_TOO_LARGE" and "16" in e.value.message
+    assert len(adapter_param_specs(linears, LoraSpec("policy", 64, 16.0, ("q_proj", "o_proj")))) == 4  # 0: any rank

@@ -14,15 +14,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
 from wsync_grpc.core.membership import GroupParams
-
-if TYPE_CHECKING:
-    from wsync_grpc.core.lora import LinearShape, LoraSpec
 
 
 class PauseMode(enum.Enum):
@@ -358,6 +355,7 @@ class RemoteWorkers(Protocol):
         closed: bool,
         timeout_s: float,
         files: Mapping[str, Path] | None = None,
+        adapter: bool = False,
     ) -> None:
         """Every worker starts receiving ``buckets``; returns once every first receive is posted.
 
@@ -366,6 +364,8 @@ class RemoteWorkers(Protocol):
             files: a disk update's tensor name -> safetensors file: each worker reads them
                 (:class:`~wsync_grpc.worker.disk_receiver.DiskReceiver`), no group needed; ``None`` for a broadcast.
             timeout_s: bound for the arming, in seconds.
+            adapter: the buckets carry a LoRA adapter (staged): the workers keep its
+                tensors apart from the model for :meth:`adapter_from_workers`.
 
         Raises:
             Exception: a worker could not arm (not a member, or not within ``timeout_s``).
@@ -391,58 +391,13 @@ class RemoteWorkers(Protocol):
         """
         ...
 
+    def adapter_from_workers(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
+        """An adapter update's tensors as the first worker received them (CPU copies, PEFT names); the update ends.
 
-@dataclass(frozen=True)
-class AdapterState:
-    """One LoRA adapter an engine serves (``wsync.v1.AdapterInfo``).
-
-    Attributes:
-        name, rank, alpha, target_modules: its :class:`~wsync_grpc.core.lora.LoraSpec` fields
-            (``target_modules`` holds the regex when the adapter was configured with one).
-        version: the version it was loaded as.
-        tensor_count: its lora_A/lora_B tensors.
-    """
-
-    name: str
-    version: str
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    tensor_count: int
-
-
-@runtime_checkable
-class LoraAdapters(Protocol):
-    """Optional: an engine that serves LoRA adapters beside its base weights, named by generation requests.
-
-    Loading or replacing an adapter is an update (``PrepareHeader.adapter``):
-    its tensors are validated against :meth:`lora_linears` before anything
-    changes and handed to :meth:`load_adapter` at Complete.
-    """
-
-    def lora_linears(self) -> Mapping[str, LinearShape]:
-        """Module name -> shape of every linear module of the base model an adapter may target."""
-        ...
-
-    def load_adapter(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Serve ``tensors`` (PEFT names, see :func:`~wsync_grpc.core.lora.adapter_param_specs`) as adapter ``spec``.
-
-        Replaces an adapter of the same name: from this call on no token is
-        computed with the old one (requests running with it recompute their
-        context with the new one). The caller holds :meth:`EngineAdapter.weights_lock`.
-
-        Returns:
-            The number of tensors loaded.
+        Every worker lets its own copy go; the model is untouched (the engine
+        then loads them as an adapter, :meth:`~wsync_grpc.core.lora.LoraAdapters.load_adapter`).
 
         Raises:
-            ValueError: tensors that do not fit ``spec`` (the old adapter, if any, keeps serving).
+            Exception: a worker's receive failed or did not end within ``timeout_s`` seconds.
         """
-        ...
-
-    def unload_adapter(self, name: str) -> tuple[str, int] | None:
-        """Stop serving adapter ``name``; ``(its version, requests aborted)``, or ``None`` if not served."""
-        ...
-
-    def adapters(self) -> list[AdapterState]:
-        """The adapters served, by name."""
         ...

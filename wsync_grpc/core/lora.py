@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -106,20 +106,28 @@ def check_spec(spec: LoraSpec) -> LoraSpec:
     return spec
 
 
-def adapter_param_specs(linears: Mapping[str, LinearShape], spec: LoraSpec) -> dict[str, ParamSpec]:
+def adapter_param_specs(linears: Mapping[str, LinearShape], spec: LoraSpec, max_rank: int = 0) -> dict[str, ParamSpec]:
     """Every tensor an adapter of ``spec`` carries for the base model whose linear modules are ``linears``.
 
     Args:
         linears: module name (e.g. ``"model.layers.0.self_attn.q_proj"``) -> its shape, for every
             linear module of the base model.
+        max_rank: the highest rank the engine serves (vLLM's ``--max-lora-rank``); 0: any.
 
     Returns:
         PEFT name -> spec (served in :data:`LORA_DTYPE`), ``lora_A`` then ``lora_B`` per targeted module.
 
     Raises:
-        InvalidArgument: BAD_ADAPTER_CONFIG, or NO_TARGET_MODULES when no linear module matches.
+        InvalidArgument: BAD_ADAPTER_CONFIG, ADAPTER_RANK_TOO_LARGE, or NO_TARGET_MODULES when no
+            linear module matches.
     """
     check_spec(spec)
+    if max_rank and spec.rank > max_rank:
+        raise InvalidArgument(
+            "ADAPTER_RANK_TOO_LARGE",
+            f"adapter {spec.name!r} has rank {spec.rank}; this engine serves ranks up to {max_rank}",
+            adapter=spec.name,
+        )
     out: dict[str, ParamSpec] = {}
     for module, shape in linears.items():
         if spec.targets(module):
@@ -175,3 +183,63 @@ def lora_spec_from_config(name: str, config: Mapping[str, Any]) -> LoraSpec:
     if not isinstance(targets, Sequence) or not all(isinstance(t, str) for t in targets):
         raise InvalidArgument("BAD_ADAPTER_CONFIG", f"adapter {name!r}: target_modules must be names or a regex")
     return check_spec(LoraSpec(name, rank, alpha, tuple(sorted(targets))))
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """One LoRA adapter an engine serves (``wsync.v1.AdapterInfo``).
+
+    Attributes:
+        name, rank, alpha, target_modules: its :class:`LoraSpec` fields
+            (``target_modules`` holds the regex when the adapter was configured with one).
+        version: the version it was loaded as.
+        tensor_count: its lora_A/lora_B tensors.
+    """
+
+    name: str
+    version: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    tensor_count: int
+
+
+@runtime_checkable
+class LoraAdapters(Protocol):
+    """Optional: an engine that serves LoRA adapters beside its base weights, named by generation requests.
+
+    Loading or replacing an adapter is an update (``PrepareHeader.adapter``):
+    its tensors are validated against :meth:`lora_linears` before anything
+    changes and handed to :meth:`load_adapter` at Complete.
+    """
+
+    def lora_linears(self) -> Mapping[str, LinearShape]:
+        """Module name -> shape of every linear module of the base model an adapter may target."""
+        ...
+
+    def lora_max_rank(self) -> int:
+        """The highest adapter rank the engine serves (vLLM's ``--max-lora-rank``); 0: any."""
+        ...
+
+    def load_adapter(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Serve ``tensors`` (PEFT names, see :func:`adapter_param_specs`) as adapter ``spec``.
+
+        Replaces an adapter of the same name: from this call on no token is
+        computed with the old one (requests running with it recompute their
+        context with the new one). The caller holds :meth:`~wsync_grpc.core.adapter.EngineAdapter.weights_lock`.
+
+        Returns:
+            The number of tensors loaded.
+
+        Raises:
+            ValueError: tensors that do not fit ``spec`` (the old adapter, if any, keeps serving).
+        """
+        ...
+
+    def unload_adapter(self, name: str) -> tuple[str, int] | None:
+        """Stop serving adapter ``name``; ``(its version, requests aborted)``, or ``None`` if not served."""
+        ...
+
+    def adapters(self) -> list[AdapterState]:
+        """The adapters served, by name."""
+        ...

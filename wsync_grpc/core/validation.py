@@ -28,7 +28,7 @@ import torch
 
 from wsync_grpc.core.adapter import ParamSpec
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
-from wsync_grpc.core.errors import InvalidArgument, Unimplemented
+from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.header import UpdateHeader, check_adapter_header, check_disk_header, validate_transport
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.lora import LoraSpec
@@ -91,7 +91,6 @@ class UpdateValidator:
         adapter_specs: for an engine that serves LoRA adapters, the tensors an adapter of a given spec
             carries (:func:`~wsync_grpc.core.lora.adapter_param_specs`); ``None``: adapter updates are
             UNIMPLEMENTED. An adapter update is validated against these instead of ``specs``.
-        adapter_broadcast: adapters may come as buckets; else from a PEFT directory only (UNIMPLEMENTED).
     """
 
     def __init__(
@@ -101,10 +100,8 @@ class UpdateValidator:
         fused: Sequence[Sequence[str]] = (),
         allow_disk: bool = False,
         adapter_specs: Callable[[LoraSpec], Mapping[str, ParamSpec]] | None = None,
-        adapter_broadcast: bool = True,
     ) -> None:
         self._allow_disk = allow_disk
-        self._adapter_broadcast = adapter_broadcast
         self._adapter_specs = adapter_specs
         self._declared = _Declared()
         self.header: UpdateHeader | None = None
@@ -152,11 +149,6 @@ class UpdateValidator:
         validate_transport(h.transport, self._allow_disk)
         if h.adapter is not None:
             check_adapter_header(h, self._adapter_specs is not None)
-            if not h.disk and not self._adapter_broadcast:
-                raise Unimplemented(
-                    "ADAPTER_TRANSPORT_UNIMPLEMENTED",
-                    "this engine loads adapters from a PEFT directory only (TRANSPORT_DISK)",
-                )
             if not h.disk:  # a disk adapter's spec is read from its directory first
                 self.use_specs(self.adapter_specs(h.adapter), {})
         if h.disk:

@@ -2,7 +2,7 @@
 
 Loading or replacing an adapter is an update (``PrepareHeader.adapter``,
 through :mod:`wsync_grpc.service.session`); these two only read the adapters
-an engine serves (:class:`~wsync_grpc.core.adapter.LoraAdapters`) or remove
+an engine serves (:class:`~wsync_grpc.core.lora.LoraAdapters`) or remove
 one, between two inference steps, by the engine's owner.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import EngineAdapter, LoraAdapters
+from wsync_grpc.core.adapter import EngineAdapter
 from wsync_grpc.core.errors import FailedPrecondition
 from wsync_grpc.core.lifecycle import Rpc
-from wsync_grpc.core.lora import check_name
+from wsync_grpc.core.lora import LoraAdapters, check_name
 from wsync_grpc.service.engine_state import EngineState
 
 

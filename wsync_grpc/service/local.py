@@ -14,8 +14,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from wsync_grpc.core.adapter import EngineAdapter, LoraAdapters
+from wsync_grpc.core.adapter import EngineAdapter
 from wsync_grpc.core.header import UpdateHeader
+from wsync_grpc.core.lora import LoraAdapters
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.worker.disk_receiver import DiskReceiver
 from wsync_grpc.worker.feed import BucketFeed
@@ -74,7 +75,7 @@ def apply_local(adapter: EngineAdapter, header: UpdateHeader, receivers: Sequenc
     Base weights: each worker's staged tensors are copied into the served
     ones (:meth:`~wsync_grpc.core.adapter.EngineAdapter.load_weights`) or swapped in; a streaming
     update was applied as it arrived. An adapter: worker 0's tensors are handed
-    to :meth:`~wsync_grpc.core.adapter.LoraAdapters.load_adapter` all at once.
+    to :meth:`~wsync_grpc.core.lora.LoraAdapters.load_adapter` all at once.
 
     Raises:
         ValueError, KeyError: from the engine (see those methods).

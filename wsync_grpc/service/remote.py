@@ -19,8 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from wsync_grpc.core.adapter import RemoteWorkers, WorkerProgress
-from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
+from wsync_grpc.core.adapter import EngineAdapter, RemoteWorkers, WorkerProgress
+from wsync_grpc.core.header import UpdateHeader
+from wsync_grpc.core.layout import ApplyMode, Bucket
+from wsync_grpc.core.lora import LoraAdapters
 from wsync_grpc.worker.feed import BucketFeed
 
 log = logging.getLogger(__name__)
@@ -110,7 +112,7 @@ class RemoteReceivers:
         workers: the engine.
         count: how many workers it has.
         feed: the update's buckets (those declared when armed go with the arming).
-        layout, apply_mode: how the update travels and applies.
+        header: the update (how it travels and applies; whether it carries an adapter).
         timeout_s: the group's per-collective timeout, in seconds (also bounds the arming).
         cancel: set when the update is abandoned; polling stops.
         on_event: called with a receiver after each change (from the polling thread).
@@ -122,8 +124,7 @@ class RemoteReceivers:
         workers: RemoteWorkers,
         count: int,
         feed: BucketFeed,
-        layout: Layout,
-        apply_mode: ApplyMode,
+        header: UpdateHeader,
         timeout_s: float,
         cancel: threading.Event,
         on_event: Callable[[RemoteReceiver], None],
@@ -133,9 +134,8 @@ class RemoteReceivers:
         self._files = files
         self.receivers = [RemoteReceiver(i, timeout_s) for i in range(count)]
         self._feed = feed
-        self._layout = layout
-        self._streaming = apply_mode is ApplyMode.STREAMING
-        self._apply_mode = apply_mode
+        self._header = header
+        self._streaming = header.apply_mode is ApplyMode.STREAMING
         self._timeout_s = timeout_s
         self._cancel = cancel
         self._on_event = on_event
@@ -149,11 +149,32 @@ class RemoteReceivers:
         """Send further buckets of an incremental update to every worker (``closed``: the last ones)."""
         self.workers.declare_to_workers(buckets, closed)
 
+    def apply(self, engine: EngineAdapter, timeout_s: float) -> None:
+        """The workers load what they received and publish the weight version; an adapter is loaded by ``engine``.
+
+        An adapter update's tensors come back from the first worker
+        (:meth:`~wsync_grpc.core.adapter.RemoteWorkers.adapter_from_workers`)
+        and go to :meth:`~wsync_grpc.core.lora.LoraAdapters.load_adapter`, as
+        a reference engine's do. Weights lock held.
+
+        Raises:
+            Exception: from the workers or the engine (see those methods).
+        """
+        h = self._header
+        if h.adapter is None:
+            applied = self.workers.apply_on_workers(timeout_s, h.weight_version)
+        else:
+            assert isinstance(engine, LoraAdapters), "validated at Prepare"
+            applied = engine.load_adapter(h.adapter, h.weight_version, self.workers.adapter_from_workers(timeout_s))
+        for r in self.receivers:
+            r.tensors_applied = applied
+
     def _run(self) -> None:
         declared = [b for b in (self._feed.get(i, 0) for i in range(len(self._feed))) if b is not None]
         try:
+            h = self._header
             self.workers.arm_workers(
-                self._layout, self._apply_mode, declared, self._feed.closed, self._timeout_s, self._files
+                h.layout, h.apply_mode, declared, self._feed.closed, self._timeout_s, self._files, h.adapter is not None
             )
         except BaseException as e:
             log.warning("arming the workers failed: %s", e)

@@ -26,16 +26,14 @@ from wsync.v1 import weight_sync_pb2_grpc
 from wsync_grpc.core.adapter import (
     EngineAdapter,
     FusedGroups,
-    LoraAdapters,
     PauseMode,
-    RemoteWorkers,
     ServedChecksums,
 )
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
 from wsync_grpc.core.header import validate_transport
 from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State, WrongState
-from wsync_grpc.core.lora import adapter_param_specs
+from wsync_grpc.core.lora import LoraAdapters, adapter_param_specs
 from wsync_grpc.core.ownership import DEFAULT_LEASE_TTL_S, describe
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TIMEOUT_S
 from wsync_grpc.core.validation import UpdateValidator
@@ -411,10 +409,10 @@ def update_validator(adapter: EngineAdapter) -> UpdateValidator:
     """A fresh validator for one update of ``adapter``: its tensors, ties, fused groups and LoRA targets.
 
     Disk updates are allowed (each engine reads where its roots allow); adapter
-    updates only on an engine that serves adapters (:class:`~wsync_grpc.core.adapter.LoraAdapters`).
+    updates only on an engine that serves adapters (:class:`~wsync_grpc.core.lora.LoraAdapters`).
     """
     fused = adapter.fused_groups() if isinstance(adapter, FusedGroups) else ()
     lora = adapter.lora_linears() if isinstance(adapter, LoraAdapters) else None
-    specs = (lambda spec: adapter_param_specs(lora, spec)) if lora else None
-    broadcast = not isinstance(adapter, RemoteWorkers)  # its workers, not this process, are the group's members
-    return UpdateValidator(adapter.parameter_specs(), adapter.aliases(), fused, True, specs, broadcast)
+    max_rank = adapter.lora_max_rank() if isinstance(adapter, LoraAdapters) else 0
+    specs = (lambda spec: adapter_param_specs(lora, spec, max_rank)) if lora else None
+    return UpdateValidator(adapter.parameter_specs(), adapter.aliases(), fused, True, specs)

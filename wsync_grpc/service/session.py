@@ -144,13 +144,13 @@ class UpdateSession:
             self.auto_paused = not eng.adapter.is_paused()
             eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         eng.update = self
-        if isinstance(eng.adapter, RemoteWorkers) and self.header.adapter is None:  # adapters: read here
+        # An adapter from disk is read here, even when the engine's workers are other processes.
+        if isinstance(eng.adapter, RemoteWorkers) and not (self.header.adapter and self.header.disk):
             self.remote = RemoteReceivers(
                 eng.adapter,
                 len(eng.membership.devices),
                 self.feed,
-                self.header.layout,
-                self.header.apply_mode,
+                self.header,
                 eng.membership.group_timeout_s,
                 self.cancel,
                 self._on_receiver_event,
@@ -330,9 +330,7 @@ class UpdateSession:
         try:
             with eng.adapter.weights_lock():
                 if self.remote is not None:
-                    applied = self.remote.workers.apply_on_workers(timeout_s, self.header.weight_version)
-                    for remote in self.remote.receivers:
-                        remote.tensors_applied = applied
+                    self.remote.apply(eng.adapter, timeout_s)
                 else:
                     apply_local(eng.adapter, self.header, self.local)
                 if flush_cache:

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from wsync_grpc.core.adapter import AdapterState, ParamSpec, PauseMode, PauseOutcome
-from wsync_grpc.core.lora import LinearShape, LoraSpec
+from wsync_grpc.core.adapter import ParamSpec, PauseMode, PauseOutcome
+from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 from wsync_grpc.engines.reference.admission import Admission
 from wsync_grpc.engines.reference.lora import LoraSlots
 from wsync_grpc.engines.reference.prompts import PromptCodec, _eos_token_ids
@@ -197,6 +197,10 @@ class ReferenceEngine:
     def lora_linears(self) -> Mapping[str, LinearShape]:
         """Module name -> shape of every linear module of the model (what an adapter may target)."""
         return self._lora.linears
+
+    def lora_max_rank(self) -> int:
+        """0: PEFT serves any rank."""
+        return 0
 
     def load_adapter(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Serve ``tensors`` as LoRA adapter ``spec`` with PEFT (:class:`LoraSlots`), replacing one of that name.

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from wsync_grpc.core.adapter import AdapterState
-from wsync_grpc.core.lora import LinearShape, LoraSpec
+from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 
 log = logging.getLogger(__name__)
 

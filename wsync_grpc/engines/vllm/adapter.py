@@ -26,16 +26,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from wsync_grpc.core.adapter import AdapterState, ParamSpec, PauseMode, PauseOutcome, WorkerProgress
+from wsync_grpc.core.adapter import ParamSpec, PauseMode, PauseOutcome, WorkerProgress
 from wsync_grpc.core.dtypes import parse_dtype
 from wsync_grpc.core.errors import GroupError, GroupTimeout
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
-from wsync_grpc.core.lora import LinearShape, LoraSpec
+from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.timeouts import DEFAULT_RPC_TIMEOUT_S, JOIN_OVERRUN_S
 from wsync_grpc.engines.vllm.checkpoint import checkpoint_specs, fused_groups, tied_aliases
 from wsync_grpc.engines.vllm.lora import VllmLoras, lora_linears
-from wsync_grpc.engines.vllm.messages import buckets_to_msg, progress_from_msg
+from wsync_grpc.engines.vllm.messages import buckets_to_msg, progress_from_msg, tensor_from_msg
 
 T = TypeVar("T")
 
@@ -85,6 +85,10 @@ class VllmAdapter:
     def lora_linears(self) -> Mapping[str, LinearShape]:
         """The checkpoint's linear layers an adapter may target; empty unless vLLM serves LoRA (``--enable-lora``)."""
         return lora_linears(self._specs) if self.loras.enabled else {}
+
+    def lora_max_rank(self) -> int:
+        """vLLM's ``--max-lora-rank`` (it refuses a higher rank at load time; wsync at Prepare)."""
+        return self.loras.max_rank
 
     def load_adapter(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Serve ``tensors`` as adapter ``spec`` through vLLM's own LoRA support (:class:`VllmLoras`).
@@ -194,7 +198,7 @@ class VllmAdapter:
             for e in w:
                 if e["name"] != name:
                     continue
-                t = torch.frombuffer(bytearray(e["data"]), dtype=parse_dtype(e["dtype"])).reshape(e["shape"])
+                t = tensor_from_msg(e)
                 if e.get("shard") is None:
                     return t
                 dim, rank, _ = e["shard"]
@@ -298,10 +302,22 @@ class VllmAdapter:
         closed: bool,
         timeout_s: float,
         files: Mapping[str, Path] | None = None,
+        adapter: bool = False,
     ) -> None:
         """Every worker starts its background receive (a disk update's: its read); returns once each is armed."""
         paths = {n: str(f) for n, f in files.items()} if files is not None else None
-        self._rpc("wsync_arm", layout.value, apply_mode.value, buckets_to_msg(buckets), closed, timeout_s, paths)
+        msgs = buckets_to_msg(buckets)
+        self._rpc("wsync_arm", layout.value, apply_mode.value, msgs, closed, timeout_s, paths, adapter)
+
+    def adapter_from_workers(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
+        """An adapter update's tensors, from the first worker that received them (every worker then drops its own).
+
+        Raises:
+            RuntimeError: a worker's receive failed or did not end within ``timeout_s`` seconds.
+        """
+        per_worker = self._rpc("wsync_take_adapter", timeout_s, timeout_s=timeout_s)
+        first: list[dict[str, Any]] = next((msgs for msgs in per_worker if msgs), [])
+        return [(str(m["name"]), tensor_from_msg(m)) for m in first]
 
     def declare_to_workers(self, buckets: Sequence[Bucket], closed: bool) -> None:
         """Feed further buckets to every worker."""

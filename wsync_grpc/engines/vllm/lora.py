@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from wsync_grpc.core.adapter import AdapterState, ParamSpec
-from wsync_grpc.core.lora import LinearShape, LoraSpec
+from wsync_grpc.core.adapter import ParamSpec
+from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,12 @@ class VllmLoras:
     def enabled(self) -> bool:
         """Whether the engine serves LoRA adapters (started with ``--enable-lora``, with an API server)."""
         return getattr(self.client.vllm_config, "lora_config", None) is not None and self.serving_models is not None
+
+    @property
+    def max_rank(self) -> int:
+        """``--max-lora-rank``; 0 when LoRA is off."""
+        config = getattr(self.client.vllm_config, "lora_config", None)
+        return 0 if config is None else int(config.max_lora_rank)
 
     async def load(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Serve ``tensors`` as adapter ``spec`` (replacing one of that name under a fresh id); tensors loaded.

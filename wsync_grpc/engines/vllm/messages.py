@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from wsync_grpc.core.adapter import WorkerProgress
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
@@ -53,6 +55,26 @@ def bucket_from_msg(m: Mapping[str, Any]) -> Bucket:
 def buckets_to_msg(buckets: Sequence[Bucket]) -> list[dict[str, Any]]:
     """Buckets as a list of :func:`bucket_to_msg` dicts."""
     return [bucket_to_msg(b) for b in buckets]
+
+
+def tensor_to_msg(name: str, t: torch.Tensor) -> dict[str, Any]:
+    """A tensor (any device) as ``{"name", "dtype", "shape", "data"}``, ``data`` its bytes in C order."""
+    data = t.detach().to("cpu").contiguous()
+    raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"name": name, "dtype": dtype_name(data.dtype), "shape": list(data.shape), "data": raw}
+
+
+def tensor_from_msg(m: Mapping[str, Any]) -> torch.Tensor:
+    """The CPU tensor of a :func:`tensor_to_msg` dict (or of a ``wsync_served`` entry with ``data``).
+
+    Raises:
+        KeyError, ValueError: not such a message (a wrong dtype name, bytes that do not fill the shape).
+    """
+    data = bytearray(m["data"])
+    dtype, shape = parse_dtype(str(m["dtype"])), [int(d) for d in m["shape"]]
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 _ERRORS: dict[str, type[BaseException]] = {

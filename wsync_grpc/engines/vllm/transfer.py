@@ -144,7 +144,8 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self.shadow: ShadowUpdate | None = None
         """A staged update's processed weights, once prepared beside the live model (:meth:`_prepare`)."""
         self._preparer: threading.Thread | None = None
-        self._raw: list[torch.Tensor] = []  # receive_raw's buffers, kept between calls
+        self.raw_buffers: list[torch.Tensor] = []
+        """The buffers of ``wsync_receive_raw`` (the transport's ceiling), kept between calls."""
 
     # --------------------------------------------------------------- group
 
@@ -192,11 +193,13 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         closed: bool,
         timeout_s: float,
         files: Mapping[str, str] | None = None,
+        adapter: bool = False,
     ) -> None:
         """Start receiving an update in the background; return once the first receive is posted.
 
         A disk update (``files``: tensor name -> safetensors file) is read by a
         :class:`~wsync_grpc.worker.disk_receiver.DiskReceiver` instead, no group needed.
+        An adapter update (``adapter``, staged) is kept apart from the model until :meth:`take`.
 
         Args:
             layout, apply_mode: :class:`~wsync_grpc.core.layout.Layout` and
@@ -225,7 +228,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self.receiver.start()
         self.shadow = None
         self._preparer = None
-        if not self.streaming:
+        if not self.streaming and not adapter:
             self._preparer = threading.Thread(target=self._prepare, name="wsync-prepare", daemon=True)
             self._preparer.start()
         if not self.receiver.armed.wait(Deadline(timeout_s).left()):
@@ -303,11 +306,7 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         Raises:
             RuntimeError: no update, or its receive failed or has not ended within ``timeout_s`` seconds.
         """
-        r = self.receiver
-        if r is None:
-            raise RuntimeError("no update in flight on this worker")
-        if not r.done.wait(Deadline(timeout_s).left()) or r.error is not None:
-            raise RuntimeError(f"the receive has not completed: {r.error or 'still receiving'}")
+        r = self._received(timeout_s)
         try:
             if self._preparer is not None:
                 self._preparer.join(Deadline(timeout_s).left())
@@ -326,6 +325,32 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
             r.release(reuse=True)
             self.receiver = None
         return r.tensors_applied
+
+    def take(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
+        """An adapter update's received tensors, copied to the CPU; the update ends, the model untouched.
+
+        Raises:
+            RuntimeError: no update, or its receive failed or has not ended within ``timeout_s`` seconds.
+        """
+        r = self._received(timeout_s)
+        try:
+            return [(n, t.detach().to("cpu", copy=True)) for named in r.staged for n, t in named]
+        finally:
+            r.release(reuse=True)
+            self.receiver = None
+
+    def _received(self, timeout_s: float) -> WorkerReceiver | DiskReceiver:
+        """The receiver of the update in flight, once every bucket arrived.
+
+        Raises:
+            RuntimeError: no update, or its receive failed or has not ended within ``timeout_s`` seconds.
+        """
+        r = self.receiver
+        if r is None:
+            raise RuntimeError("no update in flight on this worker")
+        if not r.done.wait(Deadline(timeout_s).left()) or r.error is not None:
+            raise RuntimeError(f"the receive has not completed: {r.error or 'still receiving'}")
+        return r
 
     def abandon(self) -> None:
         """Stop the update in flight, if any: cancel its receive and end a streaming reload. Idempotent."""
@@ -360,40 +385,6 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         self._reloading = False
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model, self.model_config)
-
-    def receive_raw(self, sizes: list[int], timeout_s: float, background: bool = False) -> float:
-        """Receive plain broadcasts of ``sizes`` bytes from rank 0 and drop them; the seconds it took.
-
-        The transport's ceiling for an update of those buckets into this
-        worker process: no metadata, no staging, no apply. Every receive is
-        posted up front into buffers kept between calls.
-
-        Args:
-            background: post the receives and return at once (0.0), waiting
-                for them on a thread while the worker keeps running steps, as
-                a staged update's receive does; the sender times the transfer.
-
-        Raises:
-            RuntimeError: not a member of a group.
-            GroupTimeout, GroupError: a broadcast did not complete within ``timeout_s`` seconds.
-        """
-        group = self.group
-        if group is None:
-            raise RuntimeError("this worker is not a member of a weight-sync group")
-        if [b.numel() for b in self._raw] != sizes:  # allocated and touched once, outside the timing
-            self._raw = [torch.zeros(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        t0 = time.monotonic()
-        works = [group.broadcast(b) for b in self._raw]
-
-        def wait() -> None:
-            for w in works:
-                wait_work(w, t0 + timeout_s, sliced=group.sliced_waits)
-
-        if background:
-            threading.Thread(target=wait, name="wsync-raw-receive", daemon=True).start()
-            return 0.0
-        wait()
-        return time.monotonic() - t0
 
     # ------------------------------------------------ vLLM's own update flow
 

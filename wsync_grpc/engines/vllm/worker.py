@@ -12,14 +12,17 @@ msgpack-native values (:mod:`wsync_grpc.engines.vllm.messages`).
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from typing import Any
 
 import torch
 
 from wsync_grpc.core.dtypes import dtype_name
-from wsync_grpc.engines.vllm.messages import progress_to_msg
+from wsync_grpc.engines.vllm.messages import progress_to_msg, tensor_to_msg
 from wsync_grpc.engines.vllm.readback import served_tensors
 from wsync_grpc.engines.vllm.transfer import WsyncInitInfo, WsyncTransferEngine
+from wsync_grpc.group.waits import wait_work
 
 
 class WsyncWorkerExtension:
@@ -67,11 +70,22 @@ class WsyncWorkerExtension:
         closed: bool,
         timeout_s: float,
         files: dict[str, str] | None = None,
+        adapter: bool = False,
     ) -> dict[str, Any]:
-        """Start receiving an update (``files``: a disk update's tensor -> file); return this worker's progress."""
+        """Start receiving an update (``files``: a disk update's tensor -> file); return this worker's progress.
+
+        ``adapter``: the buckets carry a LoRA adapter, kept apart from the model for :meth:`wsync_take_adapter`.
+        """
         e = self._wsync()
-        e.arm(layout, apply_mode, buckets, closed, timeout_s, files)
+        e.arm(layout, apply_mode, buckets, closed, timeout_s, files, adapter)
         return progress_to_msg(e.progress())
+
+    def wsync_take_adapter(self, timeout_s: float) -> list[dict[str, Any]]:
+        """An adapter update's received tensors (:func:`~wsync_grpc.engines.vllm.messages.tensor_to_msg`) from
+        global rank 0, empty from the others; the update ends on every worker, the model untouched."""
+        e = self._wsync()
+        tensors = e.take(timeout_s)
+        return [tensor_to_msg(n, t) for n, t in tensors] if e.global_rank == 0 else []
 
     def wsync_declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
         """Feed further buckets of an incremental update."""
@@ -86,8 +100,39 @@ class WsyncWorkerExtension:
         return self._wsync().apply(timeout_s)
 
     def wsync_receive_raw(self, sizes: list[int], timeout_s: float, background: bool = False) -> float:
-        """Receive plain broadcasts of ``sizes`` bytes (the ceiling); the seconds it took (0.0 in the background)."""
-        return self._wsync().receive_raw(sizes, timeout_s, background)
+        """Receive plain broadcasts of ``sizes`` bytes from rank 0 and drop them; the seconds it took.
+
+        The transport's ceiling for an update of those buckets into this
+        worker process: no metadata, no staging, no apply. Every receive is
+        posted up front into buffers kept between calls.
+
+        Args:
+            background: post the receives and return at once (0.0), waiting
+                for them on a thread while the worker keeps running steps, as
+                a staged update's receive does; the sender times the transfer.
+
+        Raises:
+            RuntimeError: not a member of a group.
+            GroupTimeout, GroupError: a broadcast did not complete within ``timeout_s`` seconds.
+        """
+        e = self._wsync()
+        group = e.group
+        if group is None:
+            raise RuntimeError("this worker is not a member of a weight-sync group")
+        if [b.numel() for b in e.raw_buffers] != sizes:  # allocated and touched once, outside the timing
+            e.raw_buffers = [torch.zeros(n, dtype=torch.uint8, device=e.device) for n in sizes]
+        t0 = time.monotonic()
+        works = [group.broadcast(b) for b in e.raw_buffers]
+
+        def wait() -> None:
+            for w in works:
+                wait_work(w, t0 + timeout_s, sliced=group.sliced_waits)
+
+        if background:
+            threading.Thread(target=wait, name="wsync-raw-receive", daemon=True).start()
+            return 0.0
+        wait()
+        return time.monotonic() - t0
 
     def wsync_served(self, names: list[str], want_data: bool = False) -> list[dict[str, Any]]:
         """Served tensors in checkpoint coordinates: a digest where this rank holds all of one, else its slice.
