@@ -8,6 +8,7 @@ trainer that trains a real PEFT LoRA adapter a few steps and writes it with ``sa
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -30,20 +31,27 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 peft = pytest.importorskip("peft")
 
 PROMPT = "The capital of France is"
+OWNER = "vllm-lora-tests"
+"""One owner for every test of the module's engine (a call without one would own it for a lease's ttl)."""
 
 
 class LoraEngine:
     def __init__(self, proc: EngineProcess, http: str, root: Path) -> None:
         self.proc, self.http, self.root, self.target = proc, http, root, proc.target
+        self.last_model = ""
 
     def complete(self, model: str, max_tokens: int = 12) -> dict[str, Any]:
-        """A greedy completion through vLLM's OpenAI API, naming ``model`` (the base model or an adapter)."""
+        """A greedy completion through vLLM's OpenAI API, naming ``model`` (the base model or an adapter).
+
+        Its ``model`` field (``name@version`` for an adapter) is kept in :attr:`last_model`.
+        """
         body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
         req = urllib.request.Request(
             f"{self.http}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
         )
         with urllib.request.urlopen(req, timeout=120) as r:
             out: dict[str, Any] = json.loads(r.read())
+        self.last_model = str(out["model"])
         return out["choices"][0]
 
     def listed(self) -> list[tuple[str, str]]:
@@ -86,10 +94,11 @@ def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
     before = engine.complete(base_name)
     train(trainer, smollm2_tokenizer, steps=3, lr=1e-2)
     trainer.save_pretrained(engine.root / "v1")
-    with TrainerClient([engine.target], rpc_timeout_s=120) as c:
+    with TrainerClient([engine.target], rpc_timeout_s=120, owner=OWNER) as c:
         r = c.sync_adapter(engine.root / "v1", "lyon", "v1")
         assert r.tensor_count == 2 * 2 * 30
         v1 = engine.complete("lyon")
+        assert engine.last_model == "lyon@v1"  # the answer names the adapter version that computed it
         assert v1["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
         assert engine.complete(base_name) == before  # the base model answers as before
         train(trainer, smollm2_tokenizer, steps=3, lr=1e-2)
@@ -124,10 +133,11 @@ def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
         assert engine.listed() == [("fresh", "v3"), ("lyon", "v3-live")]
     with grpc.insecure_channel(engine.target) as ch:
         stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
-        r2 = stub.UnloadAdapter(pb.UnloadAdapterRequest(name="lyon"), timeout=60)
+        r2 = stub.UnloadAdapter(pb.UnloadAdapterRequest(name="lyon", owner=OWNER), timeout=60)
         assert (r2.was_loaded, r2.version) == (True, "v3-live")
         with pytest.raises(grpc.RpcError) as bad:
             header = pb.PrepareHeader(
+                owner=OWNER,
                 weight_version="x",
                 transport=pb.TRANSPORT_DISK,
                 checkpoint_path="/etc",
@@ -141,3 +151,75 @@ def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
     with pytest.raises(urllib.error.HTTPError) as gone:
         engine.complete("lyon")
     assert gone.value.code == 404
+
+
+class Stream:
+    """A streamed greedy completion read on a thread of its own: every chunk's ``model`` and text, and how it ended."""
+
+    def __init__(self, engine: LoraEngine, model: str, max_tokens: int) -> None:
+        body = {
+            "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True,
+        }  # fmt: skip
+        self.request = urllib.request.Request(
+            f"{engine.http}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        self.chunks: list[dict[str, Any]] = []
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        with urllib.request.urlopen(self.request, timeout=300) as r:
+            for raw in r:
+                line = raw.decode().strip().removeprefix("data: ")
+                if line and line != "[DONE]":
+                    self.chunks.append(json.loads(line))
+                    if len(self.chunks) >= 4:
+                        self.started.set()
+        self.started.set()
+
+    def finish(self) -> tuple[set[str], str | None, int]:
+        """Wait for the end: the ``model`` of every chunk, the last finish reason, the tokens streamed."""
+        self.thread.join(300)
+        assert not self.thread.is_alive()
+        reasons = [c["choices"][0]["finish_reason"] for c in self.chunks if c["choices"]]
+        return {c["model"] for c in self.chunks}, reasons[-1] if reasons else None, len(reasons)
+
+
+@pytest.mark.timeout(900)
+def test_a_request_running_with_a_replaced_adapter_is_aborted_and_answers_name_their_version(
+    engine: LoraEngine, smollm2_dir: Path, smollm2_tokenizer: Any
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32)
+    trainer = peft.get_peft_model(
+        base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
+    train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)
+    with TrainerClient([engine.target], rpc_timeout_s=120, owner=OWNER) as c:
+        c.sync_adapter(trainer, "running", "r1")
+        engine.complete("running")
+        assert engine.last_model == "running@r1"
+        long = Stream(engine, "running", max_tokens=450)
+        assert long.started.wait(120)
+        train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)
+        c.sync_adapter(trainer, "running", "r2")  # replaced while the long request runs with r1
+        models, reason, tokens = long.finish()
+        assert models == {"running@r1"} and reason == "abort" and tokens < 450, (models, reason, tokens)
+        after = engine.complete("running")
+        assert engine.last_model == "running@r2"
+        trainer.save_pretrained(engine.root / "r2")
+        c.sync_adapter(engine.root / "r2", "r2-disk", "d")
+        assert engine.complete("r2-disk") == after and engine.last_model == "r2-disk@d"
+        again = Stream(engine, "running", max_tokens=450)
+        assert again.started.wait(120)
+        with grpc.insecure_channel(engine.target) as ch:
+            stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
+            r = stub.UnloadAdapter(pb.UnloadAdapterRequest(name="running", owner=OWNER), timeout=60)
+        assert (r.was_loaded, r.version, r.aborted_requests) == (True, "r2", 1)
+        models, reason, _ = again.finish()
+        assert models == {"running@r2"} and reason == "abort"

@@ -717,12 +717,15 @@ class AdapterSpec(_message.Message):
     TARGET_MODULES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """name is what generation requests name the adapter by (GenerateRequest.
-    adapter; on vLLM the OpenAI API's model field). Required; letters,
-    digits, "-", "_" and "." only, at most 64 characters.
+    adapter; on vLLM the OpenAI API's model field, whose answers then name
+    "<name>@<version>"). Required; letters, digits, "-", "_" and "." only,
+    at most 64 characters.
     """
     rank: _builtins.int
     """rank is LoraConfig.r. 0 means: read it from the PEFT directory's
-    adapter_config.json (required for an adapter sent as buckets).
+    adapter_config.json (required for an adapter sent as buckets). Above the
+    engine's limit (vLLM's --max-lora-rank): INVALID_ARGUMENT
+    ADAPTER_RANK_TOO_LARGE.
     """
     alpha: _builtins.float
     """alpha is LoraConfig.lora_alpha; the update is scaled by alpha / rank.

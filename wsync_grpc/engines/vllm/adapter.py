@@ -99,9 +99,8 @@ class VllmAdapter:
         return self._call(self.loras.load(spec, version, tensors))
 
     def unload_adapter(self, name: str) -> tuple[str, int] | None:
-        """Stop serving adapter ``name``; ``(its version, 0)`` (vLLM does not count the requests), or ``None``."""
-        version = self._call(self.loras.unload(name))
-        return None if version is None else (version, 0)
+        """Stop serving adapter ``name``; ``(its version, requests aborted)``, or ``None``."""
+        return self._call(self.loras.unload(name))
 
     def adapters(self) -> list[AdapterState]:
         """The adapters served, by name."""

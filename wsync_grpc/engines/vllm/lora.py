@@ -8,9 +8,12 @@ its directory later cannot change what vLLM reloads after an LRU eviction)
 and hands it to vLLM's ``OpenAIServingModels.load_lora_adapter``, the code
 behind ``/v1/load_lora_adapter``. Each version gets a fresh ``lora_int_id``
 (vLLM reuses a name's id for an in-place reload and keeps prefix-cache
-blocks of the old weights, vllm#42125): the name is unloaded and loaded
-again, the old id removed from the engine, and the prefix cache reset, so no
-request after the replacement runs on the old adapter. Needs vLLM started
+blocks of the old weights, vllm#42125), loaded as ``name@version`` and then
+served under the name, so that every answer's ``model`` field names the
+adapter version that computed it; the requests still running with the old
+id are aborted (vLLM cannot switch a running request's adapter), the old id
+is removed from the engine and the prefix cache reset, so no token after the
+replacement is computed with the old adapter. Needs vLLM started
 with ``--enable-lora`` (and ``--max-lora-rank`` at least the adapters' rank).
 """
 
@@ -42,6 +45,15 @@ def lora_linears(specs: Mapping[str, ParamSpec]) -> dict[str, LinearShape]:
     }
 
 
+def served_name(name: str, version: str) -> str:
+    """``name@version``: what vLLM answers made with adapter ``name`` at ``version`` carry in their ``model`` field.
+
+    Requests name the adapter alone; the answer names the exact version that
+    computed it (as OpenAI answers name the model snapshot behind an alias).
+    """
+    return f"{name}@{version}"
+
+
 class VllmLoras:
     """The adapters of one vLLM engine (front process, on the engine client's loop).
 
@@ -60,6 +72,7 @@ class VllmLoras:
         self._model = model
         self._dir = Path(tempfile.mkdtemp(prefix="wsync-lora-"))
         self._served: dict[str, tuple[AdapterState, Path]] = {}
+        self._retired: Path | None = None
         self._next = 0
 
     @property
@@ -74,36 +87,41 @@ class VllmLoras:
         return 0 if config is None else int(config.max_lora_rank)
 
     async def load(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Serve ``tensors`` as adapter ``spec`` (replacing one of that name under a fresh id); tensors loaded.
+        """Serve ``tensors`` as adapter ``spec`` at ``version`` (replacing one of that name); tensors loaded.
+
+        Loaded by vLLM's ``load_lora_adapter`` under a fresh LoRA id as
+        ``name@version`` (:func:`served_name`, what answers report in their
+        ``model`` field), then the name is pointed at it in one step (no request
+        finds the name missing); requests still running with the old id are
+        aborted, the old id removed, the prefix cache reset.
 
         Raises:
-            ValueError: vLLM refused the adapter; the old one, if any, is served again.
+            ValueError: vLLM refused the adapter; the old one, if any, keeps serving untouched.
         """
-        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
         path = self._write(spec, tensors)
         models = self.serving_models
-        old = self._served.get(spec.name)
-        old_id = self._lora_id(spec.name)
-        if old_id is not None:
-            await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=spec.name))
-        answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=spec.name, lora_path=str(path)))
+        versioned = served_name(spec.name, version)
+        answer = await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=versioned, lora_path=str(path)))
         if not isinstance(answer, str):  # an ErrorResponse
             shutil.rmtree(path, ignore_errors=True)
-            if old is not None:  # serve the old one again, under a fresh id
-                await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=spec.name, lora_path=str(old[1])))
             raise ValueError(f"vLLM refused adapter {spec.name!r}: {getattr(answer, 'error', answer)}")
-        if old_id is not None:
-            await self.client.remove_lora(old_id)
+        async with models.lora_resolver_lock[spec.name]:
+            old = models.lora_requests.get(spec.name)
+            models.lora_requests[spec.name] = models.lora_requests.pop(versioned)
+        if old is not None:
+            await self._retire(int(old.lora_int_id))
         await self.client.reset_prefix_cache()
         targets = (spec.target_regex,) if spec.target_regex else spec.target_modules
+        previous = self._served.get(spec.name)
         self._served[spec.name] = (AdapterState(spec.name, version, spec.rank, spec.alpha, targets, len(tensors)), path)
-        if old is not None:
-            shutil.rmtree(old[1], ignore_errors=True)
+        if previous is not None:
+            self._forget(previous[1])
         return len(tensors)
 
-    async def unload(self, name: str) -> str | None:
-        """Stop serving adapter ``name``; its version, or ``None`` if not served."""
+    async def unload(self, name: str) -> tuple[str, int] | None:
+        """Stop serving adapter ``name``: ``(its version, requests aborted)``, or ``None`` if not served."""
         from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
 
         served = self._served.pop(name, None)
@@ -111,10 +129,28 @@ class VllmLoras:
             return None
         lora_id = self._lora_id(name)
         await self.serving_models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
-        if lora_id is not None:
-            await self.client.remove_lora(lora_id)
-        shutil.rmtree(served[1], ignore_errors=True)
-        return served[0].version
+        aborted = 0 if lora_id is None else await self._retire(lora_id)
+        self._forget(served[1])
+        return served[0].version, aborted
+
+    async def _retire(self, lora_id: int) -> int:
+        """Abort the requests running with LoRA id ``lora_id`` and remove it from the engine; requests aborted."""
+        states = self.client.output_processor.request_states
+        running = [rid for rid, st in states.items() if st.lora_request and st.lora_request.lora_int_id == lora_id]
+        if running:
+            await self.client.abort(running, internal=True)
+        await self.client.remove_lora(lora_id)
+        return len(running)
+
+    def _forget(self, path: Path) -> None:
+        """Delete the directory of a version no longer served, one replacement later.
+
+        A request that resolved the old version just before it was replaced
+        may still ask a worker to load it from its path.
+        """
+        if self._retired is not None:
+            shutil.rmtree(self._retired, ignore_errors=True)
+        self._retired = path
 
     def _lora_id(self, name: str) -> int | None:
         """vLLM's LoRA id of adapter ``name`` in the serving models; ``None`` when it has none."""
