@@ -235,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--meta", action="store_true", help="shapes only (spec-only engine, no weights)")
     p.add_argument("--device", default="cpu", help="where the weights live (cpu, or cuda:N for NCCL)")
     p.add_argument("--info-file", type=Path, required=True)
+    p.add_argument("--checkpoint-root", action="append", default=[], help="where disk updates may read (repeatable)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()
@@ -246,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = SpecEngine(model.tensors, aliases=aliases, name=f"spec-{args.model}")
     else:
         engine = TensorEngine(model.tensors, aliases=aliases, name=f"synthetic-{args.model}")
-    srv = build_server(engine, host="127.0.0.1", port=0)
+    srv = build_server(engine, host="127.0.0.1", port=0, checkpoint_roots=args.checkpoint_root)
     state = _State(engine, model.flat, srv)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     httpd.daemon_threads = True

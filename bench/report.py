@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench import report_disk, report_vllm
 from bench import report_prose as prose
-from bench import report_vllm
 from bench.report_analysis import missed
 from bench.report_checks import Check, checks
 from bench.report_plots import plots
@@ -39,6 +39,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(prose.memory(results))
         if any(m.get("sweep") for m in results["models"].values()):
             parts.append(prose.sweep(results))
+    if results.get("disk"):
+        parts.append(report_disk.section(results["disk"]))
     if results.get("profile"):
         parts.append(prose.profile(results))
     if results.get("vllm"):

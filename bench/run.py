@@ -98,6 +98,9 @@ class Harness:
         self.solo_bytes = solo_bytes
         """The clients' ``solo_bytes`` (:class:`TrainerClient`)."""
         self.tmp = Path(tempfile.mkdtemp(prefix="wsync-bench-"))
+        self.checkpoints = self.tmp / "checkpoints"
+        """The engines' checkpoint root (``--checkpoint-root``): disk updates read here."""
+        self.checkpoints.mkdir()
         self.procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
 
@@ -114,6 +117,7 @@ class Harness:
             info = self.tmp / f"engine-{tag}.json"
             cmd = [sys.executable, "-m", "bench.engine", "--model", model, "--info-file", str(info)]
             cmd += ["--device", _engine_device(i)] + (["--meta"] if meta else [])
+            cmd += ["--checkpoint-root", str(self.checkpoints)]
             e = spawn_process(cmd, ready_file=info, log=self.tmp / f"engine-{tag}.log", env=env, cwd=ROOT, wait=False)
             with self._lock:
                 self.procs.append(e.process)
@@ -666,7 +670,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--profile-models", default="smollm2-shapes,1gb", help="models the CPU profile runs on")
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
-    p.add_argument("--cases", default="models,moe,fanout,control,profile,vllm", help="which cases to run")
+    p.add_argument("--cases", default="models,moe,fanout,control,disk,profile,vllm", help="which cases to run")
+    p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
@@ -713,6 +718,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["fanout"] = case_fanout(h, [int(x) for x in args.fanout.split(",") if x.strip()], args.reps)
             elif case == "control":
                 results["control"] = case_control(h, args.reps, mib_list(args.control_buckets))
+            elif case == "disk":
+                from bench.disk_case import case_disk
+
+                results["disk"] = case_disk(h, args.disk_model, args.reps)
             elif case == "vllm":
                 from bench.vllm_case import case_vllm
 
