@@ -5,7 +5,9 @@
   (staged: the old weights, clean; streaming: dirty and paused), and a later sync succeeds.
 - An engine is SIGKILLed mid-broadcast: the trainer's ``SyncError`` names it within 2 s, and the
   other engine's update is cancelled with its weights intact.
-The group timeout is 60 s in both, so nothing here can pass by waiting for it.
+- A trainer process is SIGKILLed at a random point of an engine's read of a 0.25 GB checkpoint (chosen by
+  the bytes read): staged, the engine abandons the update within 2 s; streaming, it finishes the read.
+The group timeout is 60 s, so nothing here can pass by waiting for it.
 """
 
 from __future__ import annotations
@@ -238,3 +240,93 @@ def test_a_frozen_engine_is_named_by_keepalive_long_before_the_group_timeout(tmp
         victim.kill()
         for e in engines:
             e.stop()
+
+
+DISK_TRAINER = r"""
+import sys, time
+from wsync_grpc.trainer import TrainerClient
+
+target, mode, root = sys.argv[1], sys.argv[2], sys.argv[3]
+with TrainerClient([target], group_timeout_s=60, rpc_timeout_s=30) as c:
+    print("synced old", flush=True)
+    c.sync_from_disk(root + "/new", "new", apply_mode=mode, on_phase=lambda p: print(p, flush=True))
+    print("synced new", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_a_trainer_killed_while_the_engine_reads_a_checkpoint(tmp_path: Path, mode: str) -> None:
+    """The trainer's process SIGKILLed at a random point of the engine's read (by bytes read) of a 0.25 GB file.
+
+    Staged: the trainer had only asked to verify (the fleet commit's first
+    phase), so the engine abandons the update within 2 s (PEER_LOST) and
+    serves the old weights, clean. Streaming: the trainer's Complete was
+    already sent (a streaming update has no verify phase): the engine
+    finishes reading on its own and serves the whole new checkpoint.
+    """
+    from wsync_grpc.trainer.disk import save_checkpoint
+
+    root = tmp_path / "root"
+    old_tensors = synthetic.build(PRESET, seed=1, dtype=torch.bfloat16)
+    new_tensors = synthetic.build(PRESET, seed=2, dtype=torch.bfloat16)
+    save_checkpoint(old_tensors.items(), root / "old")
+    save_checkpoint(new_tensors.items(), root / "new")
+    old = {n: tensor_sha256(t) for n, t in old_tensors.items()}
+    new = {n: tensor_sha256(t) for n, t in new_tensors.items()}
+    engine = spawn_engine(
+        ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1", "--checkpoint-root", str(root)],
+        port_file=tmp_path / "engine.port",
+        log=tmp_path / "engine.log",
+        env=ENV,
+        cwd=ROOT,
+    )
+    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(engine.target))
+    rng = random.Random(f"disk-kills-{mode}")
+    mid_read = 0
+    try:
+        with TrainerClient([engine.target], rpc_timeout_s=30) as c:
+            c.sync_from_disk(root / "old", "old", apply_mode=mode)
+        for _ in range(4):
+            cmd = [sys.executable, "-c", DISK_TRAINER, engine.target, mode, str(root)]
+            pipe = subprocess.PIPE
+            trainer = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, env=ENV, cwd=ROOT)
+            fraction = rng.uniform(0.05, 0.8)
+            inside = False
+            try:
+                wait_for(trainer, "synced old", 120)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:  # poll the engine's read until it passed the chosen fraction
+                    u = stub.GetStatus(pb.GetStatusRequest(), timeout=10).update
+                    if u.weight_version == "new" and u.bytes_received >= fraction * u.bytes_expected > 0:
+                        inside = u.bytes_received < u.bytes_expected
+                        break
+                trainer.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                trainer.wait(10)
+            finally:
+                trainer.kill()
+            st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+            while st.state != pb.LIFECYCLE_STATE_FAILED and st.weight_version != "new":
+                assert time.monotonic() - killed < BOUND_S, f"engine still {pb.LifecycleState.Name(st.state)}"
+                time.sleep(0.02)
+                st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+            noticed = time.monotonic() - killed
+            status, sums = served(engine.target)
+            mid_read += inside
+            print(f"{mode}: killed inside the read: {inside}; the engine ended it after {noticed:.2f} s")
+            if mode == "staged" and inside:
+                assert st.last_error.reason == "PEER_LOST", st.last_error
+                assert st.weight_version == "old" and sums == old and not status.dirty and not status.paused
+            elif mode == "streaming":
+                assert st.weight_version == "new" and sums == new and not status.dirty and not status.paused
+            # Back to the old checkpoint for the next round, without a group.
+            with TrainerClient([engine.target], rpc_timeout_s=30) as c:
+                c.sync_from_disk(root / "old", "old", apply_mode=mode)
+        assert mid_read >= 2, f"only {mid_read} of 4 kills landed inside the read"
+        status, sums = served(engine.target)
+        assert status.weight_version == "old" and not status.dirty and not status.paused and sums == old
+        assert status.state == pb.LIFECYCLE_STATE_UNINITIALIZED
+    finally:
+        engine.stop()
