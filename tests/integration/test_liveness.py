@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -68,6 +69,22 @@ def wait_for(proc: subprocess.Popen[str], prefix: str, timeout_s: float) -> str:
     raise AssertionError(f"no {prefix!r} line within {timeout_s} s")
 
 
+def kill_and_wait_for_the_end(trainer: subprocess.Popen[str], stub: Any) -> tuple[pb.GetStatusResponse, float]:
+    """SIGKILL ``trainer``; the engine's status once the update failed or applied ``new`` (at most ``BOUND_S``)."""
+    try:
+        trainer.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        trainer.wait(10)
+    finally:
+        trainer.kill()
+    st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    while st.state != pb.LIFECYCLE_STATE_FAILED and st.weight_version != "new":
+        assert time.monotonic() - killed < BOUND_S, f"engine still {pb.LifecycleState.Name(st.state)}"
+        time.sleep(0.02)
+        st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    return st, time.monotonic() - killed
+
+
 def served(target: str) -> tuple[pb.GetStatusResponse, dict[str, str]]:
     with TrainerClient([target], rpc_timeout_s=30) as c:
         return c.status()[target], {x.name: x.sha256 for x in c.checksums()[target].checksums}
@@ -100,17 +117,10 @@ def test_a_killed_trainer_is_noticed_within_two_seconds(engine: EngineProcess, m
             wait_for(trainer, "synced old", 120)
             wait_for(trainer, "bucket 1/", 60)
             time.sleep(rng.uniform(0.0, 0.1))  # somewhere in the broadcast, between or inside collectives
-            trainer.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            trainer.wait(10)
-        finally:
+        except BaseException:
             trainer.kill()
-        st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
-        while st.state != pb.LIFECYCLE_STATE_FAILED and st.weight_version != "new":
-            assert time.monotonic() - killed < BOUND_S, f"engine still {pb.LifecycleState.Name(st.state)}"
-            time.sleep(0.02)
-            st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
-        noticed = time.monotonic() - killed
+            raise
+        st, noticed = kill_and_wait_for_the_end(trainer, stub)
         if st.weight_version == "new":
             continue  # the kill came after the last byte: nothing to notice
         mid_broadcast += 1
@@ -302,17 +312,10 @@ def test_a_trainer_killed_while_the_engine_reads_a_checkpoint(tmp_path: Path, mo
                     if u.weight_version == "new" and u.bytes_received >= fraction * u.bytes_expected > 0:
                         inside = u.bytes_received < u.bytes_expected
                         break
-                trainer.send_signal(signal.SIGKILL)
-                killed = time.monotonic()
-                trainer.wait(10)
-            finally:
+            except BaseException:
                 trainer.kill()
-            st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
-            while st.state != pb.LIFECYCLE_STATE_FAILED and st.weight_version != "new":
-                assert time.monotonic() - killed < BOUND_S, f"engine still {pb.LifecycleState.Name(st.state)}"
-                time.sleep(0.02)
-                st = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
-            noticed = time.monotonic() - killed
+                raise
+            st, noticed = kill_and_wait_for_the_end(trainer, stub)
             status, sums = served(engine.target)
             mid_read += inside
             print(f"{mode}: killed inside the read: {inside}; the engine ended it after {noticed:.2f} s")
