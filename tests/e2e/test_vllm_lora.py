@@ -223,3 +223,36 @@ def test_a_request_running_with_a_replaced_adapter_is_aborted_and_answers_name_t
         assert (r.was_loaded, r.version, r.aborted_requests) == (True, "r2", 1)
         models, reason, _ = again.finish()
         assert models == {"running@r2"} and reason == "abort"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("apply_mode", ["staged", "streaming"])
+def test_a_base_update_with_lora_enabled_keeps_the_adapters_serving(
+    engine: LoraEngine, smollm2_dir: Path, apply_mode: str
+) -> None:
+    """vLLM wraps its linear layers for LoRA (``--enable-lora``): base weights still sync bit-exact under them."""
+    from safetensors.torch import load_file
+    from test_vllm_engine import assert_serves, perturbed
+    from transformers import AutoModelForCausalLM
+
+    base_name = str(smollm2_dir)
+    originals = dict(load_file(str(smollm2_dir / "model.safetensors")))
+    adapter = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32),
+        peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"], lora_dropout=0.0, init_lora_weights=False
+        ),
+    )
+    with TrainerClient([engine.target], rpc_timeout_s=120, group_timeout_s=60, owner=OWNER) as c:
+        c.sync_adapter(adapter, f"kept-{apply_mode}", "a1")
+        base_before, with_adapter = engine.complete(base_name), engine.complete(f"kept-{apply_mode}")
+        new = perturbed(originals, seed=7)
+        c.sync(new.items(), f"base-{apply_mode}", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+        assert_serves(c, engine.target, new, f"base-{apply_mode}")
+        assert engine.complete(base_name) != base_before
+        moved = engine.complete(f"kept-{apply_mode}")
+        assert engine.last_model == f"kept-{apply_mode}@a1" and moved != with_adapter  # the adapter on the new base
+        c.sync(originals.items(), "base-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+        assert_serves(c, engine.target, originals, "base-0")
+        assert engine.complete(base_name) == base_before
+        assert engine.complete(f"kept-{apply_mode}") == with_adapter

@@ -116,11 +116,17 @@ def served_tensors(model: torch.nn.Module) -> Iterator[ServedTensor]:
     Names are the module paths of vLLM's model with fused layers named by
     their parts (the model's ``packed_modules_mapping``), which for the
     Hugging Face architectures vLLM loads without a name mapper are the
-    checkpoint's names.
+    checkpoint's names. With ``--enable-lora`` vLLM wraps layers
+    (``QKVParallelLinearWithLoRA``...) around the served one, its
+    ``base_layer``: the wrapper holds only adapter slots and is skipped, the
+    base layer is named as the layer it wraps.
     """
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    for name, module in model.named_modules():
+    for path, module in model.named_modules():
         kind = type(module).__name__
+        if kind.endswith("WithLoRA"):
+            continue
+        name = path.replace(".base_layer", "")
         if hasattr(module, "shard_indices"):
             yield _embedding(name, module)
         elif kind.endswith("Linear") and hasattr(module, "weight"):

@@ -326,15 +326,17 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
             self.receiver = None
         return r.tensors_applied
 
-    def take(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
-        """An adapter update's received tensors, copied to the CPU; the update ends, the model untouched.
+    def take(self, timeout_s: float, keep: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """An adapter update's received tensors, copied to the CPU (none unless ``keep``); the update ends.
+
+        The model is untouched.
 
         Raises:
             RuntimeError: no update, or its receive failed or has not ended within ``timeout_s`` seconds.
         """
         r = self._received(timeout_s)
         try:
-            return [(n, t.detach().to("cpu", copy=True)) for named in r.staged for n, t in named]
+            return [(n, t.detach().to("cpu", copy=True)) for named in r.staged for n, t in named] if keep else []
         finally:
             r.release(reuse=True)
             self.receiver = None

@@ -84,8 +84,7 @@ class WsyncWorkerExtension:
         """An adapter update's received tensors (:func:`~wsync_grpc.engines.vllm.messages.tensor_to_msg`) from
         global rank 0, empty from the others; the update ends on every worker, the model untouched."""
         e = self._wsync()
-        tensors = e.take(timeout_s)
-        return [tensor_to_msg(n, t) for n, t in tensors] if e.global_rank == 0 else []
+        return [tensor_to_msg(n, t) for n, t in e.take(timeout_s, keep=e.global_rank == 0)]
 
     def wsync_declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
         """Feed further buckets of an incremental update."""
