@@ -1,8 +1,10 @@
-"""wsync inside a vLLM engine with tensor parallel size 3 (SmolLM2-135M: 9 query heads, 3 key/value heads).
+"""wsync inside a vLLM engine with tensor parallel size 3 (SmolLM2-135M: 9 query heads, 3 key/value heads),
+started plainly and with ``--enable-lora`` (vLLM then wraps every linear layer for LoRA).
 
 Every worker joins the group (ranks 1..3 of 4) and is armed before Prepare replies; each receives
 the full checkpoint tensors and loads its own slices; GetWeightChecksums gathers the slices of
 every worker back into checkpoint coordinates and matches the trainer's tensors bit for bit.
+A LoRA adapter broadcast reaches every worker; the front loads global rank 0's copy.
 On a 2-core host the workers run unpinned with one thread each (``VLLM_CPU_TP_ENV``).
 """
 
@@ -17,7 +19,7 @@ from test_vllm_engine import Vllm, assert_serves, perturbed
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.testing import free_port
-from wsync_grpc.testing_vllm import spawn_vllm_engine
+from wsync_grpc.testing_vllm import VLLM_TEST_ARGS, spawn_vllm_engine
 from wsync_grpc.trainer import TrainerClient
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
@@ -26,15 +28,26 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module")
-def engine_tp3(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
-    tmp = tmp_path_factory.mktemp("vllm-tp3")
+@pytest.fixture(scope="module", params=["plain", "lora"])
+def engine_tp3(
+    request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Vllm]:
+    """A tensor-parallel-3 vLLM engine, as started plainly and with ``--enable-lora`` (its layers wrapped)."""
+    tmp = tmp_path_factory.mktemp(f"vllm-tp3-{request.param}")
     http_port = free_port()
+    (tmp / "adapters").mkdir()
+    lora = " --enable-lora --max-lora-rank 8" if request.param == "lora" else ""
     proc = spawn_vllm_engine(
-        smollm2_dir, port_file=tmp / "port", http_port=http_port, tensor_parallel_size=3, log=tmp / "engine.log"
+        smollm2_dir,
+        port_file=tmp / "port",
+        http_port=http_port,
+        tensor_parallel_size=3,
+        log=tmp / "engine.log",
+        vllm_args=VLLM_TEST_ARGS + lora,
+        extra_args=["--checkpoint-root", str(tmp / "adapters")],
     )
     try:
-        yield Vllm(proc, f"http://127.0.0.1:{http_port}", str(smollm2_dir))
+        yield Vllm(proc, f"http://127.0.0.1:{http_port}", str(smollm2_dir), tmp / "adapters" if lora else None)
     finally:
         proc.stop(grace_s=30)
 
@@ -54,5 +67,35 @@ def test_every_rank_receives_and_serves_its_slices(engine_tp3: Vllm, smollm2_dir
             c.sync(originals.items(), "tp3-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
             assert_serves(c, engine_tp3.target, originals, "tp3-0")
             assert engine_tp3.complete() == before
+        st = engine_tp3.status()
+        assert st.state == pb.LIFECYCLE_STATE_READY and st.engine.workers == 3
+
+
+@pytest.mark.parametrize("engine_tp3", ["lora"], indirect=True)
+def test_an_adapter_broadcast_to_every_rank_answers_as_the_same_adapter_read_from_disk(
+    engine_tp3: Vllm, smollm2_dir: Path
+) -> None:
+    """Each of the 3 workers receives the adapter's buckets; the front loads global rank 0's copy."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    assert engine_tp3.checkpoints is not None
+    adapter = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32),
+        peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    adapter.save_pretrained(engine_tp3.checkpoints / "a1")
+    with TrainerClient([engine_tp3.target], group_timeout_s=120, rpc_timeout_s=120) as c:
+        live = c.sync_adapter(adapter, "live", "a1")
+        assert live.engines[engine_tp3.target].tensor_count == 2 * 2 * 30
+        c.sync_adapter(engine_tp3.checkpoints / "a1", "disk", "a1")
+        base = engine_tp3.complete()
+        engine_tp3.model, name = "live", engine_tp3.model
+        try:
+            from_broadcast = engine_tp3.complete()
+            engine_tp3.model = "disk"
+            assert engine_tp3.complete() == from_broadcast != base
+        finally:
+            engine_tp3.model = name
         st = engine_tp3.status()
         assert st.state == pb.LIFECYCLE_STATE_READY and st.engine.workers == 3
