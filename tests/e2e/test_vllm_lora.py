@@ -204,18 +204,18 @@ def test_a_request_running_with_a_replaced_adapter_is_aborted_and_answers_name_t
         c.sync_adapter(trainer, "running", "r1")
         engine.complete("running")
         assert engine.last_model == "running@r1"
-        long = Stream(engine, "running", max_tokens=450)
+        train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)  # r2, before the long request starts
+        long = Stream(engine, "running", max_tokens=900)
         assert long.started.wait(120)
-        train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)
         c.sync_adapter(trainer, "running", "r2")  # replaced while the long request runs with r1
         models, reason, tokens = long.finish()
-        assert models == {"running@r1"} and reason == "abort" and tokens < 450, (models, reason, tokens)
+        assert models == {"running@r1"} and reason == "abort" and tokens < 900, (models, reason, tokens)
         after = engine.complete("running")
         assert engine.last_model == "running@r2"
         trainer.save_pretrained(engine.root / "r2")
         c.sync_adapter(engine.root / "r2", "r2-disk", "d")
         assert engine.complete("r2-disk") == after and engine.last_model == "r2-disk@d"
-        again = Stream(engine, "running", max_tokens=450)
+        again = Stream(engine, "running", max_tokens=900)
         assert again.started.wait(120)
         with grpc.insecure_channel(engine.target) as ch:
             stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
