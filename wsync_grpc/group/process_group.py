@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,15 +50,12 @@ _PRUNE_MIN = 64
 """Completed works are dropped from a group's pending list once it holds this many (or twice the last survivors)."""
 
 
-def _park(pg: Any, group: WeightSyncGroup) -> None:
-    """Keep ``pg`` alive until ``group``'s posts in progress and its pending collectives have ended."""
+def _park(pg: Any, drain: Callable[[], list[dist.Work]]) -> None:
+    """Keep ``pg`` alive until the works ``drain`` returns (once no post is in progress) have ended."""
     _PARKED.append(pg)
 
     def reap() -> None:
-        with group._idle:
-            group._idle.wait_for(lambda: group._posting == 0)
-            pending, group._pending = group._pending, []
-        for work in pending:
+        for work in drain():
             with contextlib.suppress(Exception):
                 work.get_future().wait()
         _PARKED.remove(pg)  # the destructor runs here, with nothing pending
@@ -150,6 +148,13 @@ class WeightSyncGroup:
                 self._idle.notify_all()
         return work
 
+    def _drain(self) -> list[dist.Work]:
+        """Once no broadcast is being posted, the works posted so far (forgotten here): for the reaper."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._posting == 0)
+            pending, self._pending = self._pending, []
+        return pending
+
     def _record(self, work: dist.Work) -> None:
         """Add ``work`` to the pending list. Lock held."""
         self._pending.append(work)
@@ -180,7 +185,7 @@ class WeightSyncGroup:
             except (RuntimeError, AttributeError) as e:  # pragma: no cover - GPU only
                 log.warning("NCCL shutdown: %s", e)
         if busy:
-            _park(pg, self)
+            _park(pg, self._drain)
 
     @property
     def sliced_waits(self) -> bool:
