@@ -13,6 +13,7 @@ engine is reached only through :class:`~wsync_grpc.core.adapter.EngineAdapter`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -412,7 +413,7 @@ def update_validator(adapter: EngineAdapter) -> UpdateValidator:
     updates only on an engine that serves adapters (:class:`~wsync_grpc.core.lora.LoraAdapters`).
     """
     fused = adapter.fused_groups() if isinstance(adapter, FusedGroups) else ()
-    lora = adapter.lora_linears() if isinstance(adapter, LoraAdapters) else None
-    max_rank = adapter.lora_max_rank() if isinstance(adapter, LoraAdapters) else 0
-    specs = (lambda spec: adapter_param_specs(lora, spec, max_rank)) if lora else None
+    specs = None
+    if isinstance(adapter, LoraAdapters) and (lora := adapter.lora_linears()):
+        specs = functools.partial(adapter_param_specs, lora, max_rank=adapter.lora_max_rank())
     return UpdateValidator(adapter.parameter_specs(), adapter.aliases(), fused, True, specs)
