@@ -96,3 +96,19 @@ def train(model: Any, tokenizer: Any, steps: int, lr: float) -> None:
         opt.step()
         opt.zero_grad()
     model.eval()
+
+
+def smollm2_lora(model_dir: Path, targets: Sequence[str], rank: int = 8, *, random_b: bool = False) -> Any:
+    """SmolLM2-135M from ``model_dir`` (float32) under a PEFT LoRA adapter of ``rank`` (alpha 16, no dropout).
+
+    ``random_b``: PEFT's ``init_lora_weights=False`` (``lora_B`` not zero), so that the adapter changes
+    answers before any training.
+    """
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=16, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=not random_b
+    )
+    return peft.get_peft_model(base, config)

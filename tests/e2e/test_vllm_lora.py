@@ -17,8 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-import torch
-from support import code_of, train
+from support import code_of, smollm2_lora, train
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -28,7 +27,7 @@ from wsync_grpc.trainer import SyncError, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
 PROMPT = "The capital of France is"
 OWNER = "vllm-lora-tests"
@@ -84,13 +83,8 @@ def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
     engine: LoraEngine, smollm2_dir: Path, smollm2_tokenizer: Any
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
     base_name = str(smollm2_dir)
-    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32)
-    trainer = peft.get_peft_model(
-        base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    )
+    trainer = smollm2_lora(smollm2_dir, ["q_proj", "v_proj"])
     before = engine.complete(base_name)
     train(trainer, smollm2_tokenizer, steps=3, lr=1e-2)
     trainer.save_pretrained(engine.root / "v1")
@@ -121,10 +115,8 @@ def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
         c.sync_adapter(engine.root / "v3", "fresh", "v3")
         assert engine.complete("fresh") == v3, "the broadcast v3 does not answer as v3 read from disk"
         assert engine.listed() == [("fresh", "v3"), ("lyon", "v3-live")]
-        bad = peft.get_peft_model(  # rank 16 > --max-lora-rank 8: refused at Prepare, the old adapter keeps serving
-            AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32),
-            peft.LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj"], lora_dropout=0.0, init_lora_weights=False),
-        )
+        # Rank 16 > --max-lora-rank 8: refused at Prepare, the old adapter keeps serving.
+        bad = smollm2_lora(smollm2_dir, ["q_proj"], rank=16, random_b=True)
         with pytest.raises(SyncError) as refused:
             c.sync_adapter(bad, "lyon", "v4-too-big")
         failure = refused.value.failures[engine.target]
@@ -193,12 +185,7 @@ class Stream:
 def test_a_request_running_with_a_replaced_adapter_is_aborted_and_answers_name_their_version(
     engine: LoraEngine, smollm2_dir: Path, smollm2_tokenizer: Any
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32)
-    trainer = peft.get_peft_model(
-        base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    )
+    trainer = smollm2_lora(smollm2_dir, ["q_proj", "v_proj"])
     train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)
     with TrainerClient([engine.target], rpc_timeout_s=120, owner=OWNER) as c:
         c.sync_adapter(trainer, "running", "r1")
@@ -233,16 +220,10 @@ def test_a_base_update_with_lora_enabled_keeps_the_adapters_serving(
     """vLLM wraps its linear layers for LoRA (``--enable-lora``): base weights still sync bit-exact under them."""
     from safetensors.torch import load_file
     from test_vllm_engine import assert_serves, perturbed
-    from transformers import AutoModelForCausalLM
 
     base_name = str(smollm2_dir)
     originals = dict(load_file(str(smollm2_dir / "model.safetensors")))
-    adapter = peft.get_peft_model(
-        AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32),
-        peft.LoraConfig(
-            r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"], lora_dropout=0.0, init_lora_weights=False
-        ),
-    )
+    adapter = smollm2_lora(smollm2_dir, ["q_proj", "o_proj"], random_b=True)
     with TrainerClient([engine.target], rpc_timeout_s=120, group_timeout_s=60, owner=OWNER) as c:
         c.sync_adapter(adapter, f"kept-{apply_mode}", "a1")
         base_before, with_adapter = engine.complete(base_name), engine.complete(f"kept-{apply_mode}")

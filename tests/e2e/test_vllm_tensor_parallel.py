@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import smollm2_lora
 from test_vllm_engine import Vllm, assert_serves, perturbed
 from wsync.v1 import weight_sync_pb2 as pb
 
@@ -76,14 +77,9 @@ def test_an_adapter_broadcast_to_every_rank_answers_as_the_same_adapter_read_fro
     engine_tp3: Vllm, smollm2_dir: Path
 ) -> None:
     """Each of the 3 workers receives the adapter's buckets; the front loads global rank 0's copy."""
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
+    pytest.importorskip("peft")
     assert engine_tp3.checkpoints is not None
-    adapter = peft.get_peft_model(
-        AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True, dtype=torch.float32),
-        peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
-    )
+    adapter = smollm2_lora(smollm2_dir, ["q_proj", "v_proj"], random_b=True)
     adapter.save_pretrained(engine_tp3.checkpoints / "a1")
     with TrainerClient([engine_tp3.target], group_timeout_s=120, rpc_timeout_s=120) as c:
         live = c.sync_adapter(adapter, "live", "a1")
