@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.common import RawGroup, post_json
-from wsync_grpc.core.adapter import EngineAdapter
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
+from wsync_grpc.core.engine import Engine
 
 NAIVE_BUCKET_BYTES = 512 * 1024 * 1024
 """Tensors per HTTP request of the naive way: up to this many bytes (512 MiB)."""
@@ -37,7 +37,7 @@ NAIVE_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 def receive_and_load(
-    engine: EngineAdapter,
+    engine: Engine,
     group: RawGroup,
     names: Sequence[str],
     dtypes: Sequence[str],

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
+from wsync_grpc.core.messages import buckets_to_msg
 from wsync_grpc.core.packing import pack_bucket
 from wsync_grpc.core.planning import DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES, plan_buckets
 from wsync_grpc.engines.models import ensure_smollm2_dir
-from wsync_grpc.engines.vllm.messages import buckets_to_msg
 from wsync_grpc.testing import EngineProcess, free_port
 from wsync_grpc.testing_vllm import GenerateStream, spawn_vllm_engine
 from wsync_grpc.trainer import TrainerClient

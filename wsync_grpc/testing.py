@@ -34,7 +34,7 @@ import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.adapter import EngineAdapter
+from wsync_grpc.core.engine import Engine
 from wsync_grpc.group.process_group import WeightSyncGroup, free_port, join_group
 from wsync_grpc.service.server import WsyncServer, build_server
 
@@ -309,7 +309,7 @@ def stop_all(engines: Sequence[EngineProcess], grace_s: float = 10.0) -> None:
 
 @contextmanager
 def in_process_server(
-    adapter: EngineAdapter, *, stop_grace_s: float = 0.5, **build_server_kwargs: Any
+    adapter: Engine, *, stop_grace_s: float = 0.5, **build_server_kwargs: Any
 ) -> Iterator[tuple[WsyncServer, weight_sync_pb2_grpc.WeightSyncServiceStub]]:
     """Serve ``adapter`` in this process; yield the server and a stub on an insecure channel to it.
 

@@ -19,8 +19,8 @@ from support import code_of, status, train
 from wsync.v1 import generation_pb2, generation_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import PauseMode
 from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.generation_service import add_generation_service
 from wsync_grpc.engines.reference import FinishReason, ReferenceEngine

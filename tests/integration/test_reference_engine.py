@@ -25,7 +25,7 @@ from google.protobuf import duration_pb2
 from support import ENV
 from wsync.v1 import generation_pb2, generation_pb2_grpc
 
-from wsync_grpc.core.adapter import EngineAdapter, ParamSpec, PauseMode, PauseOutcome
+from wsync_grpc.core.engine import Engine, ParamSpec, PauseMode, PauseOutcome
 from wsync_grpc.engines.generation_service import add_generation_service
 from wsync_grpc.engines.reference import (
     EngineClosed,
@@ -89,7 +89,7 @@ def tiny_engine(tiny_llama: Any, smollm2_tokenizer: Any) -> Iterator[ReferenceEn
 
 
 def test_specs_follow_model_order_with_tied_embeddings_as_alias(tiny_engine: ReferenceEngine, tiny_llama: Any) -> None:
-    assert isinstance(tiny_engine, EngineAdapter)
+    assert isinstance(tiny_engine, Engine)
     specs = tiny_engine.parameter_specs()
     assert list(specs) == [n for n in tiny_llama.state_dict() if n != "lm_head.weight"]
     assert tiny_engine.aliases() == {"lm_head.weight": "model.embed_tokens.weight"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,18 +15,23 @@ ALLOWED: dict[str, set[str]] = {
     "wire": {"core", "wire"},
     "group": {"core", "group"},
     "worker": {"core", "group", "worker"},
-    "service": {"core", "wire", "group", "worker", "service"},
-    "trainer": {"core", "wire", "group", "trainer"},
-    "engines": {"core", "group", "worker", "engines"},
+    "transports": {"core", "group", "worker", "transports"},
+    "service": {"core", "wire", "group", "worker", "transports", "service"},
+    "trainer": {"core", "wire", "group", "transports", "trainer"},
+    "engines": {"core", "group", "worker", "transports", "engines"},
 }
 """Layer -> the layers of ``wsync_grpc`` its modules may import (tools and testing may import any)."""
 
 FORBIDDEN_IN_CORE = ("grpc", "grpc_status", "google.protobuf", "google.rpc", "wsync.v1", "torch.distributed")
 
-MAX_MODULE_LINES = 450
-MAX_CLASS_LINES = 300
-MAX_FUNCTION_LINES = 60
-"""Classes and functions are measured without their docstrings (the public API's documentation is not code)."""
+SOFT_LIMITS = {"module": 450, "class": 300, "function": 60}
+"""Sizes past which a room is worth a second look (a warning, never a reason to split by line count)."""
+
+HARD_LIMITS = {"module": 900, "class": 600, "function": 120}
+"""Sizes no room reaches: past these a module holds more than one concept.
+
+Classes and functions are measured without their docstrings (the public API's documentation is not code).
+"""
 
 
 def _modules() -> list[Path]:
@@ -65,6 +71,20 @@ def test_imports_point_down(path: Path) -> None:
     assert ours <= ALLOWED[layer], f"{layer} imports {sorted(ours - ALLOWED[layer])}"
 
 
+VLLM_FRONT = ("__init__.py", "front.py", "lora.py", "checkpoint.py")
+"""The modules of ``engines/vllm`` that run in vLLM's front (API server) process, beside the servicer."""
+
+
+@pytest.mark.parametrize("name", VLLM_FRONT)
+def test_vllm_front_imports_no_worker_side(name: str) -> None:
+    """The front process drives vLLM's workers through ``collective_rpc``; what runs in them stays out of it."""
+    imports = _imports(ast.parse((PACKAGE / "engines" / "vllm" / name).read_text()))
+    ours = {m.split(".")[1] for m in imports if m.startswith("wsync_grpc.")}
+    assert not ours & {"worker", "group"}, f"engines/vllm/{name} imports {sorted(ours & {'worker', 'group'})}"
+    worker_side = {"wsync_grpc.engines.vllm.transfer", "wsync_grpc.engines.vllm.worker", "wsync_grpc.engines.host"}
+    assert not set(imports) & worker_side, f"engines/vllm/{name} imports {sorted(set(imports) & worker_side)}"
+
+
 def _docstring_lines(node: ast.AST) -> int:
     """Lines of the docstrings of ``node`` and of every function and class inside it."""
     total = 0
@@ -87,12 +107,21 @@ def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> 
     return node.end_lineno - node.lineno + 1 - _docstring_lines(node)
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_rooms_stay_small(path: Path) -> None:
-    text = path.read_text()
-    assert text.count("\n") <= MAX_MODULE_LINES, f"{path.name}: {text.count(chr(10))} lines"
+def _sizes(text: str) -> list[tuple[str, str, int]]:
+    """``(kind, name, lines)`` of a module's text and of every class and function in it."""
+    out = [("module", "", text.count("\n"))]
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ClassDef):
-            assert _code_lines(node) <= MAX_CLASS_LINES, f"class {node.name}: {_code_lines(node)} lines"
+            out.append(("class", node.name, _code_lines(node)))
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            assert _code_lines(node) <= MAX_FUNCTION_LINES, f"{node.name}: {_code_lines(node)} lines"
+            out.append(("function", node.name, _code_lines(node)))
+    return out
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_rooms_stay_small(path: Path) -> None:
+    for kind, name, lines in _sizes(path.read_text()):
+        where = f"{path.relative_to(PACKAGE)} {kind} {name}".rstrip()
+        assert lines <= HARD_LIMITS[kind], f"{where}: {lines} lines"
+        if lines > SOFT_LIMITS[kind]:
+            warnings.warn(f"{where}: {lines} lines (worth a second look past {SOFT_LIMITS[kind]})", stacklevel=1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import ParamSpec, PauseMode
+from wsync_grpc.core.engine import ParamSpec, PauseMode
 from wsync_grpc.core.errors import Aborted, DeadlineExceeded, FailedPrecondition
 from wsync_grpc.core.layout import ApplyMode, Layout
 from wsync_grpc.core.lifecycle import Event, State

@@ -7,7 +7,7 @@ import pytest
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import ParamSpec
+from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument, Unimplemented
 from wsync_grpc.core.header import UpdateHeader, validate_transport
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport

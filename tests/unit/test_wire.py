@@ -11,7 +11,7 @@ import torch
 from google.protobuf import duration_pb2
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import PauseMode
+from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.lifecycle import State

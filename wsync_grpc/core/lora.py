@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from wsync_grpc.core.adapter import ParamSpec
+from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument
 
 PEFT_PREFIX = "base_model.model."
@@ -226,7 +226,7 @@ class LoraAdapters(Protocol):
 
         Replaces an adapter of the same name: from this call on no token is
         computed with the old one (requests running with it recompute their
-        context with the new one). The caller holds :meth:`~wsync_grpc.core.adapter.EngineAdapter.weights_lock`.
+        context with the new one). The caller holds :meth:`~wsync_grpc.core.engine.Engine.weights_lock`.
 
         Returns:
             The number of tensors loaded.

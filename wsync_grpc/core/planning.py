@@ -52,7 +52,7 @@ DEFAULT_SOLO_BYTES = 16 * 1024 * 1024
 A lone tensor costs a bucket entry in Prepare and a collective of its own,
 but no copy on either side: the trainer broadcasts the tensor itself and an
 engine with streaming apply receives straight into the served tensor
-(:class:`~wsync_grpc.core.adapter.InPlaceReceive`). Packing costs a copy of
+(:class:`~wsync_grpc.core.engine.InPlaceReceive`). Packing costs a copy of
 every byte on the trainer and unpacking another on the engine, which on a
 CPU host run at about the speed of the transfer; each collective has a fixed
 cost too, so small tensors are still packed. ``BENCHMARKS.md`` shows the

@@ -26,8 +26,8 @@ from typing import Protocol
 
 import torch
 
-from wsync_grpc.core.adapter import ParamSpec
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
+from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.header import UpdateHeader, check_adapter_header, check_disk_header, validate_transport
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
@@ -85,7 +85,7 @@ class UpdateValidator:
         specs: the engine's canonical name -> :class:`ParamSpec`.
         aliases: alias -> canonical name (tied tensors).
         fused: groups of canonical names an update must carry all or none of
-            (:class:`~wsync_grpc.core.adapter.FusedGroups`, e.g. vLLM's
+            (:class:`~wsync_grpc.core.engine.FusedGroups`, e.g. vLLM's
             ``qkv_proj`` = ``q_proj`` + ``k_proj`` + ``v_proj``).
         allow_disk: the engine reads checkpoints from disk (``TRANSPORT_DISK``); else UNIMPLEMENTED.
         adapter_specs: for an engine that serves LoRA adapters, the tensors an adapter of a given spec

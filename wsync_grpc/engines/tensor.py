@@ -1,6 +1,6 @@
 """An engine that serves a dict of named tensors and nothing else.
 
-:class:`TensorEngine` implements :class:`~wsync_grpc.core.adapter.EngineAdapter`
+:class:`TensorEngine` implements :class:`~wsync_grpc.core.engine.Engine`
 for a model that is just its weights: no generation loop, so pause and resume
 only toggle admission and count no requests. It is what ``wsync serve
 --synthetic`` runs for tests and benchmarks (models of chosen sizes with
@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from wsync_grpc.core.adapter import ParamSpec, PauseMode, PauseOutcome
+from wsync_grpc.core.engine import ParamSpec, PauseMode, PauseOutcome
 
 
 class TensorEngine:
@@ -84,11 +84,11 @@ class TensorEngine:
         return n
 
     def receive_target(self, worker: int, name: str) -> torch.Tensor | None:
-        """The served tensor ``name`` itself (:class:`~wsync_grpc.core.adapter.InPlaceReceive`): nothing reads it."""
+        """The served tensor ``name`` itself (:class:`~wsync_grpc.core.engine.InPlaceReceive`): nothing reads it."""
         return self._tensors.get(name)
 
     def swap_weights(self, worker: int, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Serve the given tensors' memory from now on (:class:`~wsync_grpc.core.adapter.StorageSwap`).
+        """Serve the given tensors' memory from now on (:class:`~wsync_grpc.core.engine.StorageSwap`).
 
         The served tensor objects stay the same (``Tensor.set_``): what holds
         them, this engine's dict included, sees the new values. Views taken

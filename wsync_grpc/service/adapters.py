@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import EngineAdapter
+from wsync_grpc.core.engine import Engine
 from wsync_grpc.core.errors import FailedPrecondition
 from wsync_grpc.core.lifecycle import Rpc
 from wsync_grpc.core.lora import LoraAdapters, check_name
 from wsync_grpc.service.engine_state import EngineState
 
 
-def list_adapters(adapter: EngineAdapter) -> pb.ListAdaptersResponse:
+def list_adapters(adapter: Engine) -> pb.ListAdaptersResponse:
     """``ListAdaptersResponse``: ``supported`` false on an engine without adapters."""
     if not isinstance(adapter, LoraAdapters) or not adapter.lora_linears():
         return pb.ListAdaptersResponse(supported=False)

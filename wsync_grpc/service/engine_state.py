@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from wsync_grpc.core.adapter import EngineAdapter, PauseMode, PauseOutcome, RemoteWorkers
+from wsync_grpc.core.engine import Engine, PauseMode, PauseOutcome, RemoteWorkers
 from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
 from wsync_grpc.core.lifecycle import Lifecycle
 from wsync_grpc.core.ownership import Ownership, OwnerView
@@ -54,7 +54,7 @@ class EngineState:
         metrics: the engine's Prometheus metrics (:mod:`wsync_grpc.service.metrics`), served when asked.
     """
 
-    def __init__(self, adapter: EngineAdapter, keep_buffers: bool | None = None) -> None:
+    def __init__(self, adapter: Engine, keep_buffers: bool | None = None) -> None:
         self.adapter = adapter
         self.lifecycle = Lifecycle()
         self.lock = threading.RLock()

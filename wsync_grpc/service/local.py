@@ -1,8 +1,8 @@
 """The receivers of an update whose workers are threads of the servicer's process (the reference engine's).
 
-A broadcast update gets one :class:`~wsync_grpc.worker.receiver.WorkerReceiver`
+A broadcast update gets one :class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver`
 per worker, on the worker's group membership; a disk update one
-:class:`~wsync_grpc.worker.disk_receiver.DiskReceiver` per worker, which needs
+:class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` per worker, which needs
 no group. Both offer what the session reads (progress, ``staged``,
 ``apply_swaps``, ``release``); the engine's worker processes, when it has
 them, run their own (:mod:`wsync_grpc.service.remote`).
@@ -14,13 +14,13 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from wsync_grpc.core.adapter import EngineAdapter
+from wsync_grpc.core.engine import Engine
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.lora import LoraAdapters
 from wsync_grpc.service.engine_state import EngineState
-from wsync_grpc.worker.disk_receiver import DiskReceiver
+from wsync_grpc.transports.broadcast.receiver import WorkerReceiver
+from wsync_grpc.transports.disk.receiver import DiskReceiver
 from wsync_grpc.worker.feed import BucketFeed
-from wsync_grpc.worker.receiver import WorkerReceiver
 
 LocalReceiver = WorkerReceiver | DiskReceiver
 """A receiver running in this process."""
@@ -37,7 +37,7 @@ def local_receivers(
     """One receiver per worker for the update ``header`` describes (not started).
 
     Args:
-        files: a disk update's tensor name -> file (:func:`~wsync_grpc.worker.checkpoint.plan_disk_update`).
+        files: a disk update's tensor name -> file (:func:`~wsync_grpc.transports.disk.checkpoint.plan_disk_update`).
     """
     if header.disk:
         return [
@@ -69,11 +69,11 @@ def local_receivers(
     ]
 
 
-def apply_local(adapter: EngineAdapter, header: UpdateHeader, receivers: Sequence[LocalReceiver]) -> None:
+def apply_local(adapter: Engine, header: UpdateHeader, receivers: Sequence[LocalReceiver]) -> None:
     """Apply what ``receivers`` staged: base weights, or the adapter ``header`` names. Weights lock held.
 
     Base weights: each worker's staged tensors are copied into the served
-    ones (:meth:`~wsync_grpc.core.adapter.EngineAdapter.load_weights`) or swapped in; a streaming
+    ones (:meth:`~wsync_grpc.core.engine.Engine.load_weights`) or swapped in; a streaming
     update was applied as it arrived. An adapter: worker 0's tensors are handed
     to :meth:`~wsync_grpc.core.lora.LoraAdapters.load_adapter` all at once.
 

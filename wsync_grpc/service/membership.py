@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import RemoteWorkers
+from wsync_grpc.core.engine import RemoteWorkers
 from wsync_grpc.core.errors import GroupTimeout, InvalidArgument
 from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, JOIN_OVERRUN_S, Deadline
@@ -95,7 +95,7 @@ class Membership:
     Args:
         devices: the workers' devices, in worker order.
         remote: the engine, when its workers are other processes that join themselves
-            (:class:`~wsync_grpc.core.adapter.RemoteWorkers`); ``None`` to join from here.
+            (:class:`~wsync_grpc.core.engine.RemoteWorkers`); ``None`` to join from here.
 
     Attributes:
         params: the joined group's parameters; ``None`` when not a member.

@@ -1,7 +1,7 @@
-"""The receivers of an update whose workers are other processes (:class:`~wsync_grpc.core.adapter.RemoteWorkers`).
+"""The receivers of an update whose workers are other processes (:class:`~wsync_grpc.core.engine.RemoteWorkers`).
 
 With the reference engine the servicer runs one
-:class:`~wsync_grpc.worker.receiver.WorkerReceiver` thread per worker. With
+:class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver` thread per worker. With
 vLLM the receivers run inside vLLM's worker processes; here each one is
 stood for by a :class:`RemoteReceiver` with the same progress attributes,
 kept current by :class:`RemoteReceivers`: one thread that arms every worker
@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from wsync_grpc.core.adapter import EngineAdapter, RemoteWorkers, WorkerProgress
+from wsync_grpc.core.engine import Engine, RemoteWorkers, WorkerProgress
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Bucket
 from wsync_grpc.core.lora import LoraAdapters
@@ -149,11 +149,11 @@ class RemoteReceivers:
         """Send further buckets of an incremental update to every worker (``closed``: the last ones)."""
         self.workers.declare_to_workers(buckets, closed)
 
-    def apply(self, engine: EngineAdapter, timeout_s: float) -> None:
+    def apply(self, engine: Engine, timeout_s: float) -> None:
         """The workers load what they received and publish the weight version; an adapter is loaded by ``engine``.
 
         An adapter update's tensors come back from the first worker
-        (:meth:`~wsync_grpc.core.adapter.RemoteWorkers.adapter_from_workers`)
+        (:meth:`~wsync_grpc.core.engine.RemoteWorkers.adapter_from_workers`)
         and go to :meth:`~wsync_grpc.core.lora.LoraAdapters.load_adapter`, as
         a reference engine's do. Weights lock held.
 

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from wsync.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
-from wsync_grpc.core.adapter import EngineAdapter
+from wsync_grpc.core.engine import Engine
 from wsync_grpc.service.metrics import RpcMetrics
 from wsync_grpc.service.servicer import WeightSyncServicer
 
@@ -134,7 +134,7 @@ down to one a second (gRPC's A8 client-side keepalive)."""
 
 
 def build_server(
-    adapter: EngineAdapter,
+    adapter: Engine,
     *,
     host: str = "127.0.0.1",
     port: int = 0,

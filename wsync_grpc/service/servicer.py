@@ -7,7 +7,7 @@ update in flight (:mod:`wsync_grpc.service.session`) or the engine-wide
 state (:mod:`wsync_grpc.service.engine_state`), and builds the response.
 Every method is wrapped by :func:`~wsync_grpc.wire.status.grpc_errors`, the
 one place where errors become gRPC statuses; every wait is bounded. The
-engine is reached only through :class:`~wsync_grpc.core.adapter.EngineAdapter`.
+engine is reached only through :class:`~wsync_grpc.core.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from opentelemetry.context import Context
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.adapter import (
-    EngineAdapter,
+from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.engine import (
+    Engine,
     FusedGroups,
     PauseMode,
     ServedChecksums,
 )
-from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
 from wsync_grpc.core.header import validate_transport
 from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State, WrongState
@@ -47,9 +47,9 @@ from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.service.status import owner_info, status_response
 from wsync_grpc.service.tracing import server_span
 from wsync_grpc.service.watch import DEFAULT_WATCH_INTERVAL_S, hold, watch_stream
+from wsync_grpc.transports.disk.checkpoint import CheckpointRoots, plan_disk_update
 from wsync_grpc.wire.convert import PAUSE_MODES, from_proto, seconds, state_to_proto, transport_from_proto
 from wsync_grpc.wire.status import grpc_errors
-from wsync_grpc.worker.checkpoint import CheckpointRoots, plan_disk_update
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         checkpoint_roots: directories disk updates may read checkpoints from
             (``wsync serve --checkpoint-root``); empty (default): disk updates
             are refused with PERMISSION_DENIED. Engines whose workers are other
-            processes (:class:`~wsync_grpc.core.adapter.RemoteWorkers`) read
+            processes (:class:`~wsync_grpc.core.engine.RemoteWorkers`) read
             them there.
 
     Raises:
@@ -81,7 +81,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     def __init__(
         self,
-        adapter: EngineAdapter,
+        adapter: Engine,
         *,
         prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S,
         keep_buffers: bool | None = None,
@@ -114,7 +114,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         """Bytes of receive buffers the workers keep for the next update (``keep_buffers``), in bytes.
 
         Tensors received in place (streaming apply on an engine that offers
-        :class:`~wsync_grpc.core.adapter.InPlaceReceive`) take none.
+        :class:`~wsync_grpc.core.engine.InPlaceReceive`) take none.
         """
         return self.engine.receive_buffer_bytes
 
@@ -406,7 +406,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             self.engine.membership.leave()
 
 
-def update_validator(adapter: EngineAdapter) -> UpdateValidator:
+def update_validator(adapter: Engine) -> UpdateValidator:
     """A fresh validator for one update of ``adapter``: its tensors, ties, fused groups and LoRA targets.
 
     Disk updates are allowed (each engine reads where its roots allow); adapter

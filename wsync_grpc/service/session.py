@@ -4,7 +4,7 @@ An :class:`UpdateSession` owns what one update needs: its header; its
 validator, kept for the whole update so that every Update is checked against
 what Prepare and earlier Updates declared; the bucket feed its receivers
 read; its cancel event; one background receiver per worker
-(:class:`~wsync_grpc.worker.receiver.WorkerReceiver`); its progress counters;
+(:class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver`); its progress counters;
 the apply at Complete; and the failure policy.
 
 Failure policy (``docs/architecture.md``, "Invariants"): a failed, timed-out
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from opentelemetry.context import Context
 
-from wsync_grpc.core.adapter import EngineAdapter, PauseMode, RemoteWorkers
+from wsync_grpc.core.engine import Engine, PauseMode, RemoteWorkers
 from wsync_grpc.core.errors import (
     Aborted,
     DeadlineExceeded,
@@ -65,7 +65,7 @@ from wsync_grpc.worker.feed import BucketFeed
 log = logging.getLogger(__name__)
 
 
-def may_step(adapter: EngineAdapter) -> bool:
+def may_step(adapter: Engine) -> bool:
     """Whether requests in flight may still run inference steps: serving, or paused in WAIT mode."""
     return adapter.pause_mode() in (None, PauseMode.WAIT)
 

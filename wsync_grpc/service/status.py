@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import ParamSpec, PauseMode
+from wsync_grpc.core.engine import ParamSpec, PauseMode
 from wsync_grpc.core.errors import WsyncError
 from wsync_grpc.core.layout import ApplyMode, Layout
 from wsync_grpc.core.lifecycle import State

@@ -26,7 +26,7 @@ from pythonjsonlogger.json import JsonFormatter
 from wsync.v1 import generation_pb2, generation_pb2_grpc, weight_sync_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import PauseMode
+from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S
 from wsync_grpc.tools import reload, serve, watch
 from wsync_grpc.tools.common import DEFAULT_PORT, UsageError

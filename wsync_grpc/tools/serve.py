@@ -21,8 +21,8 @@ import grpc
 import torch
 from wsync.v1 import generation_pb2
 
-from wsync_grpc.core.adapter import EngineAdapter
 from wsync_grpc.core.dtypes import parse_dtype
+from wsync_grpc.core.engine import Engine
 from wsync_grpc.service.server import WsyncServer, build_server, stop_on_signals, write_port_file
 from wsync_grpc.tools.common import DEFAULT_PORT, UsageError
 
@@ -36,7 +36,7 @@ _NO_EXTRA: Callable[[grpc.Server], list[str]] | None = None
 
 def _engine(
     args: argparse.Namespace,
-) -> tuple[EngineAdapter, Callable[[], None], Callable[[grpc.Server], list[str]] | None]:
+) -> tuple[Engine, Callable[[], None], Callable[[grpc.Server], list[str]] | None]:
     """The engine ``wsync serve`` runs: ``(adapter, close, extra services to add to the server)``."""
     dtype: torch.dtype = parse_dtype(args.dtype)
     if args.synthetic:

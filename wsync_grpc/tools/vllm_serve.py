@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from wsync_grpc.engines.vllm import BACKEND_NAME, WORKER_EXTENSION
-from wsync_grpc.engines.vllm.adapter import VllmAdapter
+from wsync_grpc.engines.vllm.front import VllmEngine
 from wsync_grpc.service.server import WsyncServer, build_server, write_port_file
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
     srv: WsyncServer | None = None
     try:
         async with build_async_engine_client(args) as client:
-            adapter = await VllmAdapter.create(client)
+            adapter = await VllmEngine.create(client)
             srv = build_server(
                 adapter,
                 host=o.host,
@@ -150,7 +150,7 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
         sock.close()
 
 
-async def _build_and_serve(client: Any, listen_address: str, sock: Any, args: Any, adapter: VllmAdapter) -> Any:
+async def _build_and_serve(client: Any, listen_address: str, sock: Any, args: Any, adapter: VllmEngine) -> Any:
     """vLLM's ``build_and_serve`` (its API server entry point), step by step with vLLM's own functions,
     so that the adapter gets the server's ``OpenAIServingModels``: LoRA adapters load through it and the
     OpenAI API's ``model`` field names them. Returns the shutdown task."""

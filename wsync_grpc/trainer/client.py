@@ -24,7 +24,6 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.planning import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME
-from wsync_grpc.trainer.broadcast import PackBuffers
 from wsync_grpc.trainer.checkpoints import CheckpointUpdates
 from wsync_grpc.trainer.disk import DiskSyncRunner
 from wsync_grpc.trainer.fleet import Fleet
@@ -46,6 +45,7 @@ from wsync_grpc.trainer.results import (
 from wsync_grpc.trainer.settings import Setting, client_settings
 from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest
 from wsync_grpc.trainer.views import ClientViews
+from wsync_grpc.transports.broadcast.sender import PackBuffers
 
 __all__ = ["TrainerClient"]
 

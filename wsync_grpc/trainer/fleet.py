@@ -20,7 +20,7 @@ import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.adapter import PauseMode
+from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.trainer.options import PauseModeName
 from wsync_grpc.trainer.results import EngineCallError, EngineFailure, failure_lines
 from wsync_grpc.trainer.settings import ClientSettings

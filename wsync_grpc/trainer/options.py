@@ -5,7 +5,7 @@ pause modes and backends as strings (the :data:`Layout`, :data:`ApplyMode`,
 :data:`PauseModeName` and :data:`BackendName` literals): they are the values
 of the core's enums (:class:`wsync_grpc.core.layout.Layout`,
 :class:`~wsync_grpc.core.layout.ApplyMode`,
-:class:`~wsync_grpc.core.adapter.PauseMode`), which
+:class:`~wsync_grpc.core.engine.PauseMode`), which
 :mod:`wsync_grpc.wire.convert` maps to the protocol's enums, one map each.
 """
 

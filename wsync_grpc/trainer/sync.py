@@ -3,7 +3,7 @@
 Steps (:meth:`SyncRunner.run`): bucket planning (:class:`~wsync_grpc.trainer.planning.Planner`);
 (re-)initializing a stale group; the streaming Prepare (header, then the bucket messages) to every
 engine at once, each replying once its receivers are armed; the broadcast of every bucket
-(:mod:`wsync_grpc.trainer.broadcast`); Complete everywhere; per-engine results and timings.
+(:mod:`wsync_grpc.transports.broadcast.sender`); Complete everywhere; per-engine results and timings.
 A disk update (:mod:`wsync_grpc.trainer.disk`) shares everything after Prepare.
 
 A staged update commits in two phases, so that the fleet publishes the new
@@ -38,7 +38,6 @@ from wsync_grpc.core import layout as core_layout
 from wsync_grpc.core.layout import Bucket, total_wire_bytes
 from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.group.process_group import WeightSyncGroup
-from wsync_grpc.trainer.broadcast import Broadcast, PackBuffers
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.liveness import Holds
 from wsync_grpc.trainer.membership import Membership
@@ -60,6 +59,7 @@ from wsync_grpc.trainer.results import (
 )
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.tracing import SyncTrace
+from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers
 from wsync_grpc.wire.convert import APPLY_MODES, LAYOUTS, adapter_to_proto, duration
 
 log = logging.getLogger(__name__)
@@ -307,7 +307,15 @@ class SyncRunner:
         Raises:
             SyncError: the trainer's broadcast failed or was cancelled (stage ``"broadcast"``).
         """
-        job = Broadcast(group, buckets, by_name, request.update_id, wire_bytes, request.progress, self._cancel_event)
+        on_sent = None
+        if request.progress is not None:
+            progress, start = request.progress, time.monotonic()
+
+            def on_sent(b: Bucket, sent: int) -> None:
+                elapsed = time.monotonic() - start
+                progress(SyncProgress(request.update_id, b.index + 1, len(buckets), sent, wire_bytes, elapsed))
+
+        job = Broadcast(group, buckets, by_name, on_sent, self._cancel_event)
         try:
             if request.layout == "flattened":
                 return job.flattened(self._buffers.for_update())

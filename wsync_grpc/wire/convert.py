@@ -3,7 +3,7 @@
 The domain enums live in the core (:class:`~wsync_grpc.core.layout.Layout`,
 :class:`~wsync_grpc.core.layout.ApplyMode`,
 :class:`~wsync_grpc.core.layout.Transport`,
-:class:`~wsync_grpc.core.adapter.PauseMode`, the backend names ``"gloo"`` /
+:class:`~wsync_grpc.core.engine.PauseMode`, the backend names ``"gloo"`` /
 ``"nccl"``); each has exactly one map to its proto enum here, and its inverse is
 derived from it. An ``*_UNSPECIFIED`` value means the contract's default; a
 number the contract does not define is refused with INVALID_ARGUMENT
@@ -19,8 +19,8 @@ from typing import TypeVar
 from google.protobuf import duration_pb2
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.adapter import PauseMode
 from wsync_grpc.core.dtypes import dtype_name
+from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport

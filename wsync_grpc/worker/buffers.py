@@ -66,7 +66,7 @@ class BufferPool:
         """A buffer of exactly ``nbytes`` bytes, of its own (not a view of a larger one).
 
         For a tensor an engine will serve from the buffer itself
-        (:class:`~wsync_grpc.core.adapter.StorageSwap`): a larger buffer would stay
+        (:class:`~wsync_grpc.core.engine.StorageSwap`): a larger buffer would stay
         allocated behind it.
         """
         with self._lock:

@@ -1,6 +1,6 @@
 """The reference engine: a Hugging Face causal LM served in-process, with wsync-controlled admission.
 
-:class:`ReferenceEngine` implements :class:`wsync_grpc.core.adapter.EngineAdapter`
+:class:`ReferenceEngine` implements :class:`wsync_grpc.core.engine.Engine`
 for any ``transformers`` causal LM plus its tokenizer (``wsync serve`` uses
 the embedded SmolLM2-135M-Instruct, see :mod:`wsync_grpc.engines.models`). It exists
 so that pause modes and weight swaps are observable in generated text; it is

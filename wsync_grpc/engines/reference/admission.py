@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from wsync_grpc.core.adapter import PauseMode, PauseOutcome
+from wsync_grpc.core.engine import PauseMode, PauseOutcome
 from wsync_grpc.engines.reference.requests import (
     EngineClosed,
     FinishReason,

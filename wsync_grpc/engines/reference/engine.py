@@ -1,4 +1,4 @@
-"""The reference engine: a Hugging Face causal LM and its tokenizer behind :class:`EngineAdapter`.
+"""The reference engine: a Hugging Face causal LM and its tokenizer behind :class:`Engine`.
 
 :class:`ReferenceEngine` serves the model's weights to wsync (specs, aliases,
 loads, version tags) and its generation API (prompts, submit, generate); the
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from wsync_grpc.core.adapter import ParamSpec, PauseMode, PauseOutcome
+from wsync_grpc.core.engine import ParamSpec, PauseMode, PauseOutcome
 from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 from wsync_grpc.engines.reference.admission import Admission
 from wsync_grpc.engines.reference.lora import LoraSlots
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class ReferenceEngine:
     """A causal LM served in-process by one generation thread, admission controlled by wsync.
 
-    Implements :class:`wsync_grpc.core.adapter.EngineAdapter` (structurally). One
+    Implements :class:`wsync_grpc.core.engine.Engine` (structurally). One
     worker: the device the model lives on.
 
     Args:
@@ -98,7 +98,7 @@ class ReferenceEngine:
         lm, tokenizer, name = load_causal_lm(model, dtype)
         return cls(lm, tokenizer, name=name)
 
-    # -- EngineAdapter: weights ---------------------------------------------------------
+    # -- Engine: weights ---------------------------------------------------------
 
     @property
     def name(self) -> str:
@@ -156,7 +156,7 @@ class ReferenceEngine:
         return n
 
     def receive_target(self, worker: int, name: str) -> torch.Tensor | None:
-        """The served tensor of canonical ``name`` (:class:`~wsync_grpc.core.adapter.InPlaceReceive`).
+        """The served tensor of canonical ``name`` (:class:`~wsync_grpc.core.engine.InPlaceReceive`).
 
         Streaming updates receive straight into it: the servicer freezes
         generation (pause KEEP) for the whole of a streaming update, and no
@@ -236,7 +236,7 @@ class ReferenceEngine:
         with self.weights_lock():
             return {n: t.detach().clone() for n, t in self._lora.tensors(name).items()}
 
-    # -- EngineAdapter: admission -------------------------------------------------------
+    # -- Engine: admission -------------------------------------------------------
 
     def pause(self, mode: PauseMode, timeout: float) -> PauseOutcome:
         """Stop admission; abort, drain or freeze the requests in flight per ``mode`` (:meth:`Admission.pause`).

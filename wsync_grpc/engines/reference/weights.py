@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wsync_grpc.core.adapter import ParamSpec
+from wsync_grpc.core.engine import ParamSpec
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ Three parts, in the three kinds of process a vLLM engine runs:
   :mod:`~wsync_grpc.engines.vllm.worker` (the methods the front process calls
   through ``collective_rpc``);
 - the front process (vLLM's OpenAI-compatible API server):
-  :mod:`~wsync_grpc.engines.vllm.adapter` (the servicer's engine adapter over
+  :mod:`~wsync_grpc.engines.vllm.front` (the servicer's engine adapter over
   vLLM's engine client) and :mod:`~wsync_grpc.engines.vllm.server` (one
   command serving ``wsync.v1`` beside vLLM's HTTP API).
 """

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from wsync_grpc.core.adapter import ParamSpec
-from wsync_grpc.worker.checkpoint import checkpoint_files, torch_dtype
+from wsync_grpc.core.engine import ParamSpec
+from wsync_grpc.transports.disk.checkpoint import checkpoint_files, torch_dtype
 
 
 def checkpoint_specs(model_dir: Path, served_dtype: torch.dtype) -> dict[str, ParamSpec]:
@@ -26,7 +26,7 @@ def checkpoint_specs(model_dir: Path, served_dtype: torch.dtype) -> dict[str, Pa
     others keep the checkpoint's dtype. Shapes are the full, unsharded ones.
 
     Raises:
-        NotFound: no safetensors file there (see :func:`~wsync_grpc.worker.checkpoint.checkpoint_files`).
+        NotFound: no safetensors file there (see :func:`~wsync_grpc.transports.disk.checkpoint.checkpoint_files`).
         ValueError: a dtype weight sync does not carry.
     """
     specs: dict[str, ParamSpec] = {}

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from wsync_grpc.core.adapter import ParamSpec
+from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ is loaded (``vllm.distributed.weight_transfer``, selected by
 ``--weight-transfer-config '{"backend": "wsync"}'``). wsync's is
 :class:`WsyncTransferEngine`: it joins the weight-sync group at
 ``rank_offset`` plus the worker's global rank, receives an update's buckets on
-a background thread (:class:`~wsync_grpc.worker.receiver.WorkerReceiver`,
+a background thread (:class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver`,
 the same receiver the reference engine runs) while the worker keeps running
 inference steps, and applies them between two steps through vLLM's
 layerwise reload (``initialize_layerwise_reload`` -> ``model.load_weights``
@@ -36,18 +36,18 @@ from vllm.config import set_current_vllm_config
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from wsync_grpc.core.adapter import WorkerProgress
+from wsync_grpc.core.engine import WorkerProgress
 from wsync_grpc.core.layout import ApplyMode, Layout
+from wsync_grpc.core.messages import bucket_from_msg
 from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, Deadline
-from wsync_grpc.engines.vllm.messages import bucket_from_msg
 from wsync_grpc.engines.vllm.shadow import ShadowUpdate
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group
 from wsync_grpc.group.waits import wait_work
+from wsync_grpc.transports.broadcast.receiver import WorkerReceiver
+from wsync_grpc.transports.disk.receiver import DiskReceiver
 from wsync_grpc.worker.buffers import BufferPool
-from wsync_grpc.worker.disk_receiver import DiskReceiver
 from wsync_grpc.worker.feed import BucketFeed
-from wsync_grpc.worker.receiver import WorkerReceiver
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class WsyncUpdateInfo(WeightTransferUpdateInfo):
     transport, e.g. to compare the two flows side by side.
 
     Attributes:
-        buckets: the chunk's buckets (:func:`~wsync_grpc.engines.vllm.messages.bucket_to_msg`),
+        buckets: the chunk's buckets (:func:`~wsync_grpc.core.messages.bucket_to_msg`),
             each broadcast by rank 0 as one flat ``uint8`` buffer of its ``size_bytes``.
     """
 
@@ -198,13 +198,13 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         """Start receiving an update in the background; return once the first receive is posted.
 
         A disk update (``files``: tensor name -> safetensors file) is read by a
-        :class:`~wsync_grpc.worker.disk_receiver.DiskReceiver` instead, no group needed.
+        :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` instead, no group needed.
         An adapter update (``adapter``, staged) is kept apart from the model until :meth:`take`.
 
         Args:
             layout, apply_mode: :class:`~wsync_grpc.core.layout.Layout` and
                 :class:`~wsync_grpc.core.layout.ApplyMode` values.
-            buckets: the declared buckets (:func:`~wsync_grpc.engines.vllm.messages.bucket_to_msg`).
+            buckets: the declared buckets (:func:`~wsync_grpc.core.messages.bucket_to_msg`).
             closed: no further bucket will be declared.
             timeout_s: bound for the arming, in seconds.
 

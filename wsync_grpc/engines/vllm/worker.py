@@ -6,7 +6,7 @@ use), and the engine client's ``collective_rpc("wsync_...")`` runs a method
 on every worker, between two inference steps, and returns each worker's
 result. These methods are thin: they delegate to the worker's
 :class:`~wsync_grpc.engines.vllm.transfer.WsyncTransferEngine` and return
-msgpack-native values (:mod:`wsync_grpc.engines.vllm.messages`).
+msgpack-native values (:mod:`wsync_grpc.core.messages`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from wsync_grpc.core.dtypes import dtype_name
-from wsync_grpc.engines.vllm.messages import progress_to_msg, tensor_to_msg
+from wsync_grpc.core.messages import progress_to_msg, tensor_to_msg
 from wsync_grpc.engines.vllm.readback import served_tensors
 from wsync_grpc.engines.vllm.transfer import WsyncInitInfo, WsyncTransferEngine
 from wsync_grpc.group.waits import wait_work
@@ -81,7 +81,7 @@ class WsyncWorkerExtension:
         return progress_to_msg(e.progress())
 
     def wsync_take_adapter(self, timeout_s: float) -> list[dict[str, Any]]:
-        """An adapter update's received tensors (:func:`~wsync_grpc.engines.vllm.messages.tensor_to_msg`) from
+        """An adapter update's received tensors (:func:`~wsync_grpc.core.messages.tensor_to_msg`) from
         global rank 0, empty from the others; the update ends on every worker, the model untouched."""
         e = self._wsync()
         return [tensor_to_msg(n, t) for n, t in e.take(timeout_s, keep=e.global_rank == 0)]

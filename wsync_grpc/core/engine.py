@@ -1,7 +1,7 @@
 """The interface between the wsync servicer and the inference engine it lives in.
 
 An engine (the reference engine in :mod:`wsync_grpc.engines.reference`, or an
-adapter for vLLM or SGLang) implements :class:`EngineAdapter`. The servicer
+adapter for vLLM or SGLang) implements :class:`Engine`. The servicer
 only ever talks to the engine through it: which parameters an update may
 carry, how to load received tensors, how to pause and resume admission, how
 to flush caches. Everything here is plain Python and torch; no gRPC.
@@ -74,7 +74,7 @@ class PauseOutcome:
 
 
 @runtime_checkable
-class EngineAdapter(Protocol):
+class Engine(Protocol):
     """What the servicer needs from an inference engine.
 
     Thread-safety: every method may be called from gRPC worker threads and
@@ -190,9 +190,9 @@ class InPlaceReceive(Protocol):
     that holds a single tensor (the trainer sends every tensor of at least
     :data:`wsync_grpc.core.planning.DEFAULT_SOLO_BYTES` alone), the receiver then
     posts the broadcast straight into the served tensor instead of into a
-    receive buffer followed by :meth:`EngineAdapter.load_weights`: no receive
+    receive buffer followed by :meth:`Engine.load_weights`: no receive
     buffer, no copy. The bytes land while the collective runs, without
-    :meth:`EngineAdapter.weights_lock` held, so an engine may offer this only
+    :meth:`Engine.weights_lock` held, so an engine may offer this only
     for tensors nothing reads while it is frozen. A broken update leaves such
     a tensor half written: the engine is then marked dirty and stays paused,
     as after any broken streaming update.
@@ -203,7 +203,7 @@ class InPlaceReceive(Protocol):
 
         The receiver uses it only when it is contiguous, on the worker's
         device, and has exactly the wire dtype and shape of the update's
-        tensor; otherwise it falls back to :meth:`EngineAdapter.load_weights`.
+        tensor; otherwise it falls back to :meth:`Engine.load_weights`.
         """
         ...
 
@@ -214,12 +214,12 @@ class StorageSwap(Protocol):
 
     A staged update keeps the served weights intact until Complete, so it
     receives into buffers and, by default, copies every tensor into the served
-    one after the last byte (:meth:`EngineAdapter.load_weights`): on a CPU host
+    one after the last byte (:meth:`Engine.load_weights`): on a CPU host
     that copy is as slow as the transfer and nothing overlaps it. For a tensor
     that travelled alone (a bucket of its own, see
     :data:`wsync_grpc.core.planning.DEFAULT_SOLO_BYTES`) in exactly the served dtype
     and shape, the receiver allocates an exact-size buffer and, at Complete,
-    under :meth:`EngineAdapter.weights_lock`, hands it to the engine to serve
+    under :meth:`Engine.weights_lock`, hands it to the engine to serve
     from then on. An engine may offer this only where nothing depends on its
     weights' addresses (not under CUDA graphs captured on them) and each
     served tensor is the only one over its memory (no other views of it).
@@ -230,7 +230,7 @@ class StorageSwap(Protocol):
 
         Each tensor is contiguous, on the worker's device, has the served
         tensor's dtype and shape, and belongs to the engine from then on. The
-        caller holds :meth:`EngineAdapter.weights_lock`.
+        caller holds :meth:`Engine.weights_lock`.
 
         Returns:
             The memory the replaced tensors used, as 1-D ``uint8`` tensors over
@@ -263,7 +263,7 @@ class ServedChecksums(Protocol):
     """Optional: an engine that digests its served tensors itself (its workers are other processes).
 
     ``GetWeightChecksums`` then asks it instead of reading every tensor
-    through :meth:`EngineAdapter.get_weight`.
+    through :meth:`Engine.get_weight`.
     """
 
     def weight_checksums(self, names: Sequence[str]) -> list[tuple[str, torch.dtype, tuple[int, ...], str]]:
@@ -279,18 +279,18 @@ class ServedChecksums(Protocol):
 
 @runtime_checkable
 class WeightTarget(Protocol):
-    """What a receiver needs of the model it applies a streaming update to (an :class:`EngineAdapter` is one)."""
+    """What a receiver needs of the model it applies a streaming update to (an :class:`Engine` is one)."""
 
     def weights_lock(self) -> AbstractContextManager[object]:
-        """Held while weights change (see :meth:`EngineAdapter.weights_lock`)."""
+        """Held while weights change (see :meth:`Engine.weights_lock`)."""
         ...
 
     def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy received tensors into the served parameters (see :meth:`EngineAdapter.load_weights`)."""
+        """Copy received tensors into the served parameters (see :meth:`Engine.load_weights`)."""
         ...
 
     def get_weight(self, name: str) -> torch.Tensor:
-        """The served tensor ``name`` (see :meth:`EngineAdapter.get_weight`)."""
+        """The served tensor ``name`` (see :meth:`Engine.get_weight`)."""
         ...
 
 
@@ -323,7 +323,7 @@ class RemoteWorkers(Protocol):
 
     The reference engine's workers are threads of the servicer's process: the
     servicer joins the group and runs a
-    :class:`~wsync_grpc.worker.receiver.WorkerReceiver` per worker itself.
+    :class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver` per worker itself.
     An engine that offers this protocol instead has each worker process join
     the group at ``rank_offset`` plus its global rank, receive in the
     background, and apply between two of its inference steps; the servicer
@@ -362,7 +362,7 @@ class RemoteWorkers(Protocol):
         Args:
             closed: no bucket will be declared after these.
             files: a disk update's tensor name -> safetensors file: each worker reads them
-                (:class:`~wsync_grpc.worker.disk_receiver.DiskReceiver`), no group needed; ``None`` for a broadcast.
+                (:class:`~wsync_grpc.transports.disk.receiver.DiskReceiver`), no group needed; ``None`` for a broadcast.
             timeout_s: bound for the arming, in seconds.
             adapter: the buckets carry a LoRA adapter (staged): the workers keep its
                 tensors apart from the model for :meth:`adapter_from_workers`.

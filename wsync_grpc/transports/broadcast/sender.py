@@ -1,4 +1,4 @@
-"""The trainer's side of an update's data path: every bucket broadcast from rank 0, and progress reports.
+"""The broadcast transport's sending side: every bucket broadcast from the trainer's sending rank.
 
 Two pipelines, one per bucket layout: :meth:`Broadcast.flattened` (one
 broadcast per bucket, the next bucket packed while the current one is on the
@@ -17,7 +17,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +25,6 @@ from wsync_grpc.core.layout import Bucket, TensorSlot
 from wsync_grpc.core.packing import bucket_bytes_view, pack_bucket, wire_tensor
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.group.waits import wait_all, wait_work
-from wsync_grpc.trainer.results import SyncProgress
 
 FLAT_WINDOW = 4
 """Flattened layout: bucket broadcasts the trainer keeps in flight (at most two of them packed)."""
@@ -60,15 +59,14 @@ class PackBuffers:
 
 @dataclass
 class Broadcast:
-    """One update's broadcasts from rank 0, and the progress they report.
+    """One update's broadcasts from the sending rank (the group's rank 0), and the progress they report.
 
     Attributes:
-        group: the trainer's membership of the weight-sync group.
+        group: the sender's membership of the weight-sync group.
         buckets: the planned buckets, in index order.
-        by_name: the trainer's tensors by the names planned.
-        update_id: the update's id, for progress reports.
-        total: bytes the update broadcasts, in bytes.
-        progress: called from this thread once a bucket is on every engine; ``None`` for none.
+        by_name: the sender's tensors by the names planned (only those of ``buckets`` are read).
+        on_sent: called from this thread once a bucket is on every engine, with the bucket and the
+            bytes on every engine so far (bytes); ``None`` for none.
         cancel: set to stop at the next wait (the waits then raise
             :class:`~wsync_grpc.core.errors.Cancelled`).
     """
@@ -76,21 +74,17 @@ class Broadcast:
     group: WeightSyncGroup
     buckets: Sequence[Bucket]
     by_name: Mapping[str, torch.Tensor]
-    update_id: str
-    total: int
-    progress: Callable[[SyncProgress], None] | None
+    on_sent: Callable[[Bucket, int], None] | None
     cancel: threading.Event
     sent: int = 0
     """Bytes on every engine so far, in bytes."""
-    start: float = field(default_factory=time.monotonic)
 
     def _deadline(self) -> float:
         return time.monotonic() + self.group.timeout_s
 
     def _report(self, b: Bucket) -> None:
-        if self.progress is not None:
-            elapsed = time.monotonic() - self.start
-            self.progress(SyncProgress(self.update_id, b.index + 1, len(self.buckets), self.sent, self.total, elapsed))
+        if self.on_sent is not None:
+            self.on_sent(b, self.sent)
 
     def flattened(self, slots: list[torch.Tensor | None]) -> float:
         """One broadcast per bucket, double-buffered: pack k+1 while k is on the wire.

@@ -12,10 +12,10 @@ two buckets; with staged apply every received bucket is kept until Complete.
 
 A bucket holding one tensor (the trainer sends large tensors alone) needs no
 unpacking. With streaming apply on an engine that offers
-:class:`~wsync_grpc.core.adapter.InPlaceReceive` it is received straight into the
+:class:`~wsync_grpc.core.engine.InPlaceReceive` it is received straight into the
 served tensor (no buffer, no copy; such buckets are posted further ahead,
 up to :data:`MAX_POSTED`). With staged apply on an engine that offers
-:class:`~wsync_grpc.core.adapter.StorageSwap` it is received into an exact-size
+:class:`~wsync_grpc.core.engine.StorageSwap` it is received into an exact-size
 buffer that the engine serves from Complete on, and the memory it replaces
 becomes a buffer of the next update.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wsync_grpc.core.adapter import InPlaceReceive, StorageSwap, WeightTarget
+from wsync_grpc.core.engine import InPlaceReceive, StorageSwap, WeightTarget
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import NamedTensors, tensor_views

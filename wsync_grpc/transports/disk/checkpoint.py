@@ -8,7 +8,7 @@ anything that lands outside (``..``, a symlink out, an absolute path
 elsewhere) with PERMISSION_DENIED. :func:`read_checkpoint` then reads only the
 files' headers (names, dtypes, shapes), never a tensor's data, so that the
 update is validated like broadcast metadata before a byte is loaded; the
-tensors are read later by :class:`~wsync_grpc.worker.disk_receiver.DiskReceiver`.
+tensors are read later by :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver`.
 Only safetensors: a pickle checkpoint (``.bin``, ``.pt``...) is refused, never
 opened, since loading one runs whatever code it carries.
 """

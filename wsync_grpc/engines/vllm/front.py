@@ -1,12 +1,12 @@
 """The servicer's engine adapter over a running vLLM engine, in vLLM's front (API server) process.
 
-:class:`VllmAdapter` implements :class:`~wsync_grpc.core.adapter.EngineAdapter`
+:class:`VllmEngine` implements :class:`~wsync_grpc.core.engine.Engine`
 with vLLM's own engine client (``AsyncLLM``): pause and resume are
 ``pause_generation(mode=abort|wait|keep)`` / ``resume_generation``, the cache
 flush is ``reset_prefix_cache``, the weight version is the engine core's
 (``update_weight_version``, the one vLLM stamps on generation outputs). Its
 workers are vLLM's worker processes
-(:class:`~wsync_grpc.core.adapter.RemoteWorkers`): every call to them is
+(:class:`~wsync_grpc.core.engine.RemoteWorkers`): every call to them is
 one ``collective_rpc`` to the methods of
 :class:`~wsync_grpc.engines.vllm.worker.WsyncWorkerExtension`, which vLLM runs
 between two inference steps. The engine client lives on the server's
@@ -26,16 +26,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from wsync_grpc.core.adapter import ParamSpec, PauseMode, PauseOutcome, WorkerProgress
 from wsync_grpc.core.dtypes import parse_dtype
+from wsync_grpc.core.engine import ParamSpec, PauseMode, PauseOutcome, WorkerProgress
 from wsync_grpc.core.errors import GroupError, GroupTimeout
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
 from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 from wsync_grpc.core.membership import GroupParams
+from wsync_grpc.core.messages import buckets_to_msg, progress_from_msg, tensor_from_msg
 from wsync_grpc.core.timeouts import DEFAULT_RPC_TIMEOUT_S, JOIN_OVERRUN_S
 from wsync_grpc.engines.vllm.checkpoint import checkpoint_specs, fused_groups, tied_aliases
 from wsync_grpc.engines.vllm.lora import VllmLoras, lora_linears
-from wsync_grpc.engines.vllm.messages import buckets_to_msg, progress_from_msg, tensor_from_msg
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ RPC_MARGIN_S = 10.0
 """Added to a worker call's own bound before the front gives up on it, in seconds."""
 
 
-class VllmAdapter:
+class VllmEngine:
     """A vLLM engine, as the wsync servicer sees it.
 
     Args:
@@ -71,7 +71,7 @@ class VllmAdapter:
         """Its LoRA adapters (``wsync serve`` hands them vLLM's OpenAI serving models)."""
 
     @classmethod
-    async def create(cls, client: Any) -> VllmAdapter:
+    async def create(cls, client: Any) -> VllmEngine:
         """Ask the workers what they are and build the adapter (call on the client's loop).
 
         Raises:

@@ -1,6 +1,6 @@
 """The disk reader: one thread per engine worker, loading a disk update's buckets from safetensors files.
 
-It stands where a :class:`~wsync_grpc.worker.receiver.WorkerReceiver` stands
+It stands where a :class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver` stands
 for a broadcast, with the same progress attributes, so that the update
 session, Complete's two phases, Cancel, Watch, the checksums and the metrics
 treat a disk update exactly as a broadcast one. Staged apply: every tensor is
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from wsync_grpc.core.adapter import WeightTarget
+from wsync_grpc.core.engine import WeightTarget
 from wsync_grpc.core.errors import Cancelled, Unavailable
 from wsync_grpc.core.layout import ApplyMode, Bucket
 from wsync_grpc.core.packing import NamedTensors
@@ -136,7 +136,7 @@ class DiskReceiver(threading.Thread):
         self.on_event(self)
 
     def apply_swaps(self) -> int:
-        """Nothing to swap: read tensors are copied into the served ones (:meth:`EngineAdapter.load_weights`)."""
+        """Nothing to swap: read tensors are copied into the served ones (:meth:`Engine.load_weights`)."""
         return 0
 
     def release(self, reuse: bool) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from wsync_grpc.core.adapter import WorkerProgress
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
+from wsync_grpc.core.engine import WorkerProgress
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
 from wsync_grpc.core.layout import Bucket, TensorSlot
 
