@@ -9,9 +9,10 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument, Unimplemented
-from wsync_grpc.core.header import UpdateHeader, validate_transport
+from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.validation import PADDING_PER_TENSOR, UpdateValidator
+from wsync_grpc.transports import transport_for
 
 SPECS = {
     "w": ParamSpec("w", torch.float32, (2, 3)),  # 24 bytes
@@ -102,14 +103,37 @@ def test_a_second_header_is_refused() -> None:
 
 
 @pytest.mark.parametrize("transport", [Transport.CUDA_IPC, Transport.DISK])
-def test_transports_not_built_are_unimplemented(transport: Transport) -> None:
+def test_transports_not_offered_are_unimplemented(transport: Transport) -> None:
+    """Without the registry a validator takes broadcasts only; with it, CUDA IPC is refused by its own module."""
     with pytest.raises(Unimplemented) as e:
-        validate_transport(transport)
+        UpdateValidator(SPECS, ALIASES).header_message(header(transport=transport))
     assert e.value.reason == "TRANSPORT_UNIMPLEMENTED"
     assert e.value.metadata == {"transport": f"TRANSPORT_{transport.name}"}
+    assert UpdateValidator(SPECS, ALIASES).header_message(header()).transport is Transport.BROADCAST  # accepted
+
+
+def test_the_registry_has_a_module_for_every_transport_of_the_contract() -> None:
+    for kind in Transport:
+        part = transport_for(kind)
+        assert part.kind is kind
+        assert (kind, part.needs_group, part.engine_builds_buckets) in {
+            (Transport.BROADCAST, True, False),
+            (Transport.DISK, False, True),
+            (Transport.CUDA_IPC, False, False),
+        }
+    with pytest.raises(Unimplemented) as e:
+        transport_for(Transport.CUDA_IPC).check_header(header(transport=Transport.CUDA_IPC))
+    assert (e.value.reason, e.value.metadata) == ("TRANSPORT_UNIMPLEMENTED", {"transport": "TRANSPORT_CUDA_IPC"})
     with pytest.raises(Unimplemented):
-        UpdateValidator(SPECS, ALIASES).header_message(header(transport=transport))
-    validate_transport(Transport.BROADCAST)  # accepted
+        UpdateValidator(SPECS, ALIASES, transports=transport_for).header_message(header(transport=Transport.CUDA_IPC))
+    disk = UpdateValidator(SPECS, ALIASES, transports=transport_for).header_message(
+        header(transport=Transport.DISK, checkpoint_path="ckpt", bucket_count=0, total_bytes=0)
+    )
+    assert (disk.transport, disk.layout) == (Transport.DISK, Layout.INDIVIDUAL)  # each tensor read on its own
+    transport_for(Transport.BROADCAST).check_update()  # an incremental broadcast may declare more
+    for kind in (Transport.DISK, Transport.CUDA_IPC):
+        with pytest.raises(Unimplemented):
+            transport_for(kind).check_update()
 
 
 # --------------------------------------------------------------------- buckets

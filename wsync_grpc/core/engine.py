@@ -1,10 +1,20 @@
 """The interface between the wsync servicer and the inference engine it lives in.
 
-An engine (the reference engine in :mod:`wsync_grpc.engines.reference`, or an
-adapter for vLLM or SGLang) implements :class:`Engine`. The servicer
-only ever talks to the engine through it: which parameters an update may
-carry, how to load received tensors, how to pause and resume admission, how
-to flush caches. Everything here is plain Python and torch; no gRPC.
+Every engine (the tensor and reference engines in :mod:`wsync_grpc.engines`,
+vLLM's front in :mod:`wsync_grpc.engines.vllm.front`) implements :class:`Engine`:
+which parameters an update may carry, how to pause and resume admission, how
+to flush caches, where its workers are. Where the weights live decides the rest,
+and an engine implements only what applies to it:
+
+- weights in this process (threads of the servicer's process are its workers):
+  :class:`WeightTarget` (``load_weights``), with the optional
+  :class:`InPlaceReceive` and :class:`StorageSwap`;
+- weights in other processes (vLLM's workers): :class:`RemoteWorkers`, each
+  worker running :class:`~wsync_grpc.engines.host.WorkerHost`; optionally
+  :class:`ServedChecksums`.
+
+LoRA adapters are :class:`~wsync_grpc.core.lora.LoraAdapters` (the only meaning
+of "adapter" in wsync). Everything here is plain Python and torch; no gRPC.
 """
 
 from __future__ import annotations
@@ -13,13 +23,15 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
+from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.membership import GroupParams
+
+if TYPE_CHECKING:  # core.update reaches this module through core.lora
+    from wsync_grpc.core.update import ReceivePlan
 
 
 class PauseMode(enum.Enum):
@@ -112,22 +124,6 @@ class Engine(Protocol):
         """
         ...
 
-    def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy received tensors into the served parameters of ``worker``.
-
-        Args:
-            worker: index into :meth:`worker_devices`.
-            tensors: ``(canonical name, tensor)`` pairs; each tensor has the
-                parameter's shape and a dtype accepted by
-                :func:`wsync_grpc.core.dtypes.can_convert` (converted on copy).
-
-        Returns:
-            The number of tensors loaded.
-
-        The caller holds :meth:`weights_lock` or has frozen the engine.
-        """
-        ...
-
     def get_weight(self, name: str) -> torch.Tensor:
         """The served tensor ``name`` (canonical or alias), for checksums.
 
@@ -190,7 +186,7 @@ class InPlaceReceive(Protocol):
     that holds a single tensor (the trainer sends every tensor of at least
     :data:`wsync_grpc.core.planning.DEFAULT_SOLO_BYTES` alone), the receiver then
     posts the broadcast straight into the served tensor instead of into a
-    receive buffer followed by :meth:`Engine.load_weights`: no receive
+    receive buffer followed by :meth:`WeightTarget.load_weights`: no receive
     buffer, no copy. The bytes land while the collective runs, without
     :meth:`Engine.weights_lock` held, so an engine may offer this only
     for tensors nothing reads while it is frozen. A broken update leaves such
@@ -203,7 +199,7 @@ class InPlaceReceive(Protocol):
 
         The receiver uses it only when it is contiguous, on the worker's
         device, and has exactly the wire dtype and shape of the update's
-        tensor; otherwise it falls back to :meth:`Engine.load_weights`.
+        tensor; otherwise it falls back to :meth:`WeightTarget.load_weights`.
         """
         ...
 
@@ -214,7 +210,7 @@ class StorageSwap(Protocol):
 
     A staged update keeps the served weights intact until Complete, so it
     receives into buffers and, by default, copies every tensor into the served
-    one after the last byte (:meth:`Engine.load_weights`): on a CPU host
+    one after the last byte (:meth:`WeightTarget.load_weights`): on a CPU host
     that copy is as slow as the transfer and nothing overlaps it. For a tensor
     that travelled alone (a bucket of its own, see
     :data:`wsync_grpc.core.planning.DEFAULT_SOLO_BYTES`) in exactly the served dtype
@@ -279,14 +275,31 @@ class ServedChecksums(Protocol):
 
 @runtime_checkable
 class WeightTarget(Protocol):
-    """What a receiver needs of the model it applies a streaming update to (an :class:`Engine` is one)."""
+    """The weights a receiver loads into: an engine whose weights live in this process, or a worker's model.
+
+    The tensor and reference engines are one (their workers are threads of the
+    servicer's process); so is a vLLM worker's model, loaded by
+    :class:`~wsync_grpc.engines.host.WorkerHost` in that worker's process.
+    """
 
     def weights_lock(self) -> AbstractContextManager[object]:
         """Held while weights change (see :meth:`Engine.weights_lock`)."""
         ...
 
     def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy received tensors into the served parameters (see :meth:`Engine.load_weights`)."""
+        """Copy received tensors into the served parameters of ``worker``.
+
+        Args:
+            worker: index into :meth:`Engine.worker_devices`.
+            tensors: ``(canonical name, tensor)`` pairs; each tensor has the
+                parameter's shape and a dtype accepted by
+                :func:`wsync_grpc.core.dtypes.can_convert` (converted on copy).
+
+        Returns:
+            The number of tensors loaded.
+
+        The caller holds :meth:`weights_lock` or has frozen the engine.
+        """
         ...
 
     def get_weight(self, name: str) -> torch.Tensor:
@@ -295,8 +308,12 @@ class WeightTarget(Protocol):
 
 
 @dataclass(frozen=True)
-class WorkerProgress:
-    """Where one worker's receive of the update in flight stands (:class:`RemoteWorkers`).
+class ReceiverProgress:
+    """Where one worker's receive of the update in flight stands: every receiver's progress, in any process.
+
+    A receiver reports it (:meth:`wsync_grpc.worker.receiver.Receiver.progress`);
+    an engine whose workers are other processes carries it to the front
+    (:meth:`RemoteWorkers.worker_progress`, :func:`~wsync_grpc.core.messages.progress_to_msg`).
 
     Attributes:
         rank: the worker's rank in the weight-sync group (-1 when not a member).
@@ -347,28 +364,15 @@ class RemoteWorkers(Protocol):
         """
         ...
 
-    def arm_workers(
-        self,
-        layout: Layout,
-        apply_mode: ApplyMode,
-        buckets: Sequence[Bucket],
-        closed: bool,
-        timeout_s: float,
-        files: Mapping[str, Path] | None = None,
-        adapter: bool = False,
-    ) -> None:
-        """Every worker starts receiving ``buckets``; returns once every first receive is posted.
+    def arm_workers(self, plan: ReceivePlan) -> None:
+        """Every worker starts receiving ``plan``; returns once every first receive is posted.
 
-        Args:
-            closed: no bucket will be declared after these.
-            files: a disk update's tensor name -> safetensors file: each worker reads them
-                (:class:`~wsync_grpc.transports.disk.receiver.DiskReceiver`), no group needed; ``None`` for a broadcast.
-            timeout_s: bound for the arming, in seconds.
-            adapter: the buckets carry a LoRA adapter (staged): the workers keep its
-                tensors apart from the model for :meth:`adapter_from_workers`.
+        A disk update's workers read ``plan.files`` (no group needed); an
+        adapter's (``plan.payload``) keep its tensors apart from the model for
+        :meth:`adapter_from_workers`.
 
         Raises:
-            Exception: a worker could not arm (not a member, or not within ``timeout_s``).
+            Exception: a worker could not arm (not a member, or not within ``plan.timeout_s`` seconds).
         """
         ...
 
@@ -376,7 +380,7 @@ class RemoteWorkers(Protocol):
         """Feed further buckets of an incremental update to every worker (``closed``: the last ones)."""
         ...
 
-    def worker_progress(self) -> list[WorkerProgress]:
+    def worker_progress(self) -> list[ReceiverProgress]:
         """Each worker's receive progress, in worker order."""
         ...
 

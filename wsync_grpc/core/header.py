@@ -43,11 +43,6 @@ class UpdateHeader:
     adapter: LoraSpec | None = None
 
     @property
-    def disk(self) -> bool:
-        """Whether the engine reads the update from a checkpoint on disk (``TRANSPORT_DISK``)."""
-        return self.transport is Transport.DISK
-
-    @property
     def flattened(self) -> bool:
         """Whether buckets travel as one flat byte buffer each."""
         return self.layout is Layout.FLATTENED
@@ -58,24 +53,20 @@ class UpdateHeader:
         return self.apply_mode is ApplyMode.STREAMING
 
 
-def validate_transport(transport: Transport, allow_disk: bool = False) -> None:
-    """Accept broadcast, and disk where the engine reads checkpoints; refuse the transports not built yet.
-
-    Raises:
-        Unimplemented: CUDA IPC, or disk on an engine without disk updates (reason TRANSPORT_UNIMPLEMENTED).
-    """
-    if transport is Transport.BROADCAST or (transport is Transport.DISK and allow_disk):
-        return
+def transport_unimplemented(transport: Transport) -> Unimplemented:
+    """The error for a transport this engine does not offer (reason TRANSPORT_UNIMPLEMENTED)."""
     name = f"TRANSPORT_{transport.name}"
-    raise Unimplemented(
+    return Unimplemented(
         "TRANSPORT_UNIMPLEMENTED",
         f"transport {name} is not implemented by this engine yet; use TRANSPORT_BROADCAST",
         transport=name,
     )
 
 
-def check_adapter_header(h: UpdateHeader, allow: bool) -> None:
+def check_adapter_header(h: UpdateHeader, allow: bool, from_source: bool) -> None:
     """An adapter update names a valid adapter, applies staged and, sent as buckets, gives its whole spec.
+
+    ``from_source``: the engine reads the adapter from the source the header names (its spec too).
 
     Raises:
         Unimplemented: ADAPTERS_UNIMPLEMENTED (``allow`` is false: the engine serves no adapters).
@@ -91,21 +82,5 @@ def check_adapter_header(h: UpdateHeader, allow: bool) -> None:
         raise InvalidArgument("ADAPTER_NOT_STAGED", "an adapter update applies staged: leave apply_mode unset")
     if h.incremental:
         raise InvalidArgument("NOT_INCREMENTAL_ADAPTER", "an adapter update cannot be incremental")
-    if not h.disk:
+    if not from_source:
         check_spec(h.adapter)
-
-
-def check_disk_header(h: UpdateHeader) -> None:
-    """A disk update's header names a checkpoint and leaves the bucket fields to the engine.
-
-    Raises:
-        InvalidArgument: MISSING_CHECKPOINT_PATH, DISK_HEADER_FIELDS.
-    """
-    if not h.checkpoint_path:
-        raise InvalidArgument("MISSING_CHECKPOINT_PATH", "header.checkpoint_path is required for TRANSPORT_DISK")
-    if h.bucket_count or h.total_bytes or h.incremental:
-        raise InvalidArgument(
-            "DISK_HEADER_FIELDS",
-            "a disk update's buckets come from the checkpoint: header.bucket_count, total_bytes and "
-            "incremental must be 0/false",
-        )

@@ -1,23 +1,27 @@
-"""What the engine's front process and its vLLM workers say to each other, as msgpack-native values.
+"""What an engine's front process and its worker processes say to each other, as msgpack-native values.
 
-vLLM carries a ``collective_rpc``'s arguments and results between its
-processes with msgpack; anything else would need its pickle fallback
-(``VLLM_ALLOW_INSECURE_SERIALIZATION``), which wsync never turns on. So
-buckets, progress and errors cross as plain dicts, lists, strings and
-numbers, built and read here and nowhere else. Pure: no vLLM import.
+Engines whose workers are other processes carry calls between them with
+their own IPC: vLLM's ``collective_rpc`` encodes arguments and results with
+msgpack, and anything else would need its pickle fallback
+(``VLLM_ALLOW_INSECURE_SERIALIZATION``), which wsync never turns on. So receive
+plans, buckets, progress, errors and tensors cross as plain dicts, lists,
+strings, numbers and bytes, built and read here and nowhere else. Pure: no
+engine import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
-from wsync_grpc.core.engine import WorkerProgress
+from wsync_grpc.core.engine import ReceiverProgress
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
-from wsync_grpc.core.layout import Bucket, TensorSlot
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot, Transport
+from wsync_grpc.core.update import Payload, ReceivePlan
 
 
 def bucket_to_msg(b: Bucket) -> dict[str, Any]:
@@ -55,6 +59,43 @@ def bucket_from_msg(m: Mapping[str, Any]) -> Bucket:
 def buckets_to_msg(buckets: Sequence[Bucket]) -> list[dict[str, Any]]:
     """Buckets as a list of :func:`bucket_to_msg` dicts."""
     return [bucket_to_msg(b) for b in buckets]
+
+
+def plan_to_msg(p: ReceivePlan) -> dict[str, Any]:
+    """A receive plan as a msgpack-native dict (inverse: :func:`plan_from_msg`); enums by their values."""
+    return {
+        "transport": p.transport.value,
+        "payload": p.payload.value,
+        "layout": p.layout.value,
+        "apply_mode": p.apply_mode.value,
+        "buckets": buckets_to_msg(p.buckets),
+        "closed": p.closed,
+        "files": {name: str(f) for name, f in p.files.items()},
+        "timeout_s": p.timeout_s,
+    }
+
+
+def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
+    """The receive plan :func:`plan_to_msg` wrote.
+
+    Raises:
+        KeyError, ValueError: not such a message.
+    """
+    return ReceivePlan(
+        transport=Transport(m["transport"]),
+        payload=Payload(m["payload"]),
+        layout=Layout(m["layout"]),
+        apply_mode=ApplyMode(m["apply_mode"]),
+        buckets=tuple(bucket_from_msg(b) for b in m["buckets"]),
+        closed=bool(m["closed"]),
+        files={str(name): Path(f) for name, f in m["files"].items()},
+        timeout_s=float(m["timeout_s"]),
+    )
+
+
+def buckets_from_msg(ms: Sequence[Mapping[str, Any]]) -> list[Bucket]:
+    """The buckets :func:`buckets_to_msg` wrote."""
+    return [bucket_from_msg(m) for m in ms]
 
 
 def tensor_to_msg(name: str, t: torch.Tensor) -> dict[str, Any]:
@@ -101,7 +142,7 @@ def error_from_msg(m: Sequence[str] | None) -> BaseException | None:
     return Cancelled() if cls is Cancelled else cls(message)
 
 
-def progress_to_msg(p: WorkerProgress) -> dict[str, Any]:
+def progress_to_msg(p: ReceiverProgress) -> dict[str, Any]:
     """A worker's progress as a msgpack-native dict (inverse: :func:`progress_from_msg`)."""
     return {
         "rank": p.rank,
@@ -114,10 +155,10 @@ def progress_to_msg(p: WorkerProgress) -> dict[str, Any]:
     }
 
 
-def progress_from_msg(m: Mapping[str, Any]) -> WorkerProgress:
+def progress_from_msg(m: Mapping[str, Any]) -> ReceiverProgress:
     """The progress :func:`progress_to_msg` wrote."""
     last = m.get("last_arrival_at")
-    return WorkerProgress(
+    return ReceiverProgress(
         rank=int(m["rank"]),
         armed=bool(m["armed"]),
         done=bool(m["done"]),

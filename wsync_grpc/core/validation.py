@@ -29,9 +29,10 @@ import torch
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
 from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument
-from wsync_grpc.core.header import UpdateHeader, check_adapter_header, check_disk_header, validate_transport
-from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
+from wsync_grpc.core.header import UpdateHeader, check_adapter_header, transport_unimplemented
+from wsync_grpc.core.layout import Bucket, TensorSlot, Transport
 from wsync_grpc.core.lora import LoraSpec
+from wsync_grpc.core.update import TransportRules
 
 PADDING_PER_TENSOR = 4096
 """Largest padding accepted per tensor in a flattened bucket, in bytes (alignment slack)."""
@@ -87,7 +88,9 @@ class UpdateValidator:
         fused: groups of canonical names an update must carry all or none of
             (:class:`~wsync_grpc.core.engine.FusedGroups`, e.g. vLLM's
             ``qkv_proj`` = ``q_proj`` + ``k_proj`` + ``v_proj``).
-        allow_disk: the engine reads checkpoints from disk (``TRANSPORT_DISK``); else UNIMPLEMENTED.
+        transports: the transport registry (:func:`wsync_grpc.transports.transport_for`): the rules of the
+            header's transport (its header checks; whether the engine builds the buckets from the source the
+            header names); ``None``: broadcast only, any other transport UNIMPLEMENTED.
         adapter_specs: for an engine that serves LoRA adapters, the tensors an adapter of a given spec
             carries (:func:`~wsync_grpc.core.lora.adapter_param_specs`); ``None``: adapter updates are
             UNIMPLEMENTED. An adapter update is validated against these instead of ``specs``.
@@ -98,10 +101,11 @@ class UpdateValidator:
         specs: Mapping[str, ParamSpec],
         aliases: Mapping[str, str],
         fused: Sequence[Sequence[str]] = (),
-        allow_disk: bool = False,
+        transports: Callable[[Transport], TransportRules] | None = None,
         adapter_specs: Callable[[LoraSpec], Mapping[str, ParamSpec]] | None = None,
     ) -> None:
-        self._allow_disk = allow_disk
+        self._transports = transports
+        self._from_source = False
         self._adapter_specs = adapter_specs
         self._declared = _Declared()
         self.header: UpdateHeader | None = None
@@ -146,14 +150,18 @@ class UpdateValidator:
             raise InvalidArgument("DUPLICATE_HEADER", "the Prepare stream carried a second header")
         if not h.weight_version:
             raise InvalidArgument("MISSING_WEIGHT_VERSION", "header.weight_version is required")
-        validate_transport(h.transport, self._allow_disk)
+        if self._transports is not None:
+            rules = self._transports(h.transport)
+            h = rules.check_header(h)
+            self._from_source = rules.engine_builds_buckets
+        elif h.transport is not Transport.BROADCAST:
+            raise transport_unimplemented(h.transport)
         if h.adapter is not None:
-            check_adapter_header(h, self._adapter_specs is not None)
-            if not h.disk:  # a disk adapter's spec is read from its directory first
+            check_adapter_header(h, self._adapter_specs is not None, self._from_source)
+            if not self._from_source:  # an adapter read from a source gets its spec from there first
                 self.use_specs(self.adapter_specs(h.adapter), {})
-        if h.disk:
-            check_disk_header(h)
-            self.header = dataclasses.replace(h, update_id=h.update_id or uuid.uuid4().hex, layout=Layout.INDIVIDUAL)
+        if self._from_source:
+            self.header = dataclasses.replace(h, update_id=h.update_id or uuid.uuid4().hex)
             return self.header
         if h.checkpoint_path:
             raise InvalidArgument(
@@ -325,11 +333,11 @@ class UpdateValidator:
                 "TOTAL_BYTES_MISMATCH",
                 f"the header announced {self.header.total_bytes} bytes but the buckets add up to {self.bytes_declared}",
             )
-        if not self.header.incremental and not self.header.disk:
+        if not self.header.incremental and not self._from_source:
             self.check_fused()
 
-    def disk_buckets(self, specs: Sequence[BucketSpecFields]) -> list[Bucket]:
-        """Validate the buckets a disk update's engine built from the checkpoint's headers, all at once.
+    def source_buckets(self, specs: Sequence[BucketSpecFields]) -> list[Bucket]:
+        """Validate the buckets the engine built from the update's source (a checkpoint's headers), all at once.
 
         The same checks as a broadcast's buckets (:meth:`bucket_messages`) and the fused groups.
 
@@ -337,7 +345,7 @@ class UpdateValidator:
             InvalidArgument: EMPTY_CHECKPOINT (no tensor), and the reasons of
                 :meth:`bucket_messages` and :meth:`check_fused`.
         """
-        assert self.header is not None and self.header.disk
+        assert self.header is not None and self._from_source
         if not specs:
             raise InvalidArgument("EMPTY_CHECKPOINT", "the checkpoint holds no tensor")
         buckets = self.bucket_messages(specs)

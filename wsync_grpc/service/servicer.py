@@ -17,7 +17,6 @@ import functools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import grpc
 from opentelemetry.context import Context
@@ -32,7 +31,6 @@ from wsync_grpc.core.engine import (
     ServedChecksums,
 )
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
-from wsync_grpc.core.header import validate_transport
 from wsync_grpc.core.lifecycle import Event, Lifecycle, Rpc, State, WrongState
 from wsync_grpc.core.lora import LoraAdapters, adapter_param_specs
 from wsync_grpc.core.ownership import DEFAULT_LEASE_TTL_S, describe
@@ -47,7 +45,8 @@ from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.service.status import owner_info, status_response
 from wsync_grpc.service.tracing import server_span
 from wsync_grpc.service.watch import DEFAULT_WATCH_INTERVAL_S, hold, watch_stream
-from wsync_grpc.transports.disk.checkpoint import CheckpointRoots, plan_disk_update
+from wsync_grpc.transports import transport_for
+from wsync_grpc.transports.disk.checkpoint import CheckpointRoots
 from wsync_grpc.wire.convert import PAUSE_MODES, from_proto, seconds, state_to_proto, transport_from_proto
 from wsync_grpc.wire.status import grpc_errors
 
@@ -207,16 +206,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         try:
             validator = update_validator(self.adapter)
             header, buckets = reader.read(validator, request_iterator, context)
-            files: dict[str, Path] = {}
-            if header.disk:  # the buckets come from the checkpoint's headers
-                plan = plan_disk_update(self.checkpoint_roots, header, validator)
-                header, buckets, files = plan.header, plan.buckets, plan.files
-            elif self.lifecycle.origin is not State.READY:
+            transport = transport_for(header.transport)
+            if transport.needs_group and self.lifecycle.origin is not State.READY:
                 raise WrongState(Rpc.PREPARE, self.lifecycle.origin, "a broadcast needs the group: call Init first")
+            planned = transport.plan(header, validator, buckets, self.checkpoint_roots)
             with self._lock:
                 if reader.cancel.is_set():
                     raise cancelled_while_preparing()
-                session = UpdateSession(self.engine, header, validator, buckets, started, files)
+                session = UpdateSession(self.engine, planned, transport, validator, started)
                 session.trace_context = trace_context
                 session.start()
         except BaseException:
@@ -244,7 +241,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             self.lifecycle.check(Rpc.UPDATE)
             upd = self.engine.current(request.update_id)
             upd.check_accepts_buckets()
-            validate_transport(transport_from_proto(request.transport))
+            transport_for(transport_from_proto(request.transport)).check_update()
             if not request.buckets:
                 raise InvalidArgument("EMPTY_UPDATE", "UpdateRequest.buckets is empty")
             upd.declare(request.buckets)
@@ -409,11 +406,12 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 def update_validator(adapter: Engine) -> UpdateValidator:
     """A fresh validator for one update of ``adapter``: its tensors, ties, fused groups and LoRA targets.
 
-    Disk updates are allowed (each engine reads where its roots allow); adapter
-    updates only on an engine that serves adapters (:class:`~wsync_grpc.core.lora.LoraAdapters`).
+    Every registered transport's rules apply (:func:`~wsync_grpc.transports.transport_for`; a disk update
+    reads where the engine's roots allow); adapter updates only on an engine that serves adapters
+    (:class:`~wsync_grpc.core.lora.LoraAdapters`).
     """
     fused = adapter.fused_groups() if isinstance(adapter, FusedGroups) else ()
     specs = None
     if isinstance(adapter, LoraAdapters) and (lora := adapter.lora_linears()):
         specs = functools.partial(adapter_param_specs, lora, max_rank=adapter.lora_max_rank())
-    return UpdateValidator(adapter.parameter_specs(), adapter.aliases(), fused, True, specs)
+    return UpdateValidator(adapter.parameter_specs(), adapter.aliases(), fused, transport_for, specs)

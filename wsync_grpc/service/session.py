@@ -3,9 +3,10 @@
 An :class:`UpdateSession` owns what one update needs: its header; its
 validator, kept for the whole update so that every Update is checked against
 what Prepare and earlier Updates declared; the bucket feed its receivers
-read; its cancel event; one background receiver per worker
-(:class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver`); its progress counters;
-the apply at Complete; and the failure policy.
+read; its cancel event; its receivers, one per worker, made by its transport
+(:mod:`wsync_grpc.transports`) wherever the engine's weights live
+(:mod:`wsync_grpc.service.workers`); its progress counters; the apply of its
+payload at Complete (base weights or a LoRA adapter); and the failure policy.
 
 Failure policy (``docs/architecture.md``, "Invariants"): a failed, timed-out
 or cancelled update is abandoned: its receivers are cancelled, its feed
@@ -27,12 +28,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 from opentelemetry.context import Context
 
-from wsync_grpc.core.engine import Engine, PauseMode, RemoteWorkers
+from wsync_grpc.core.engine import Engine, PauseMode
 from wsync_grpc.core.errors import (
     Aborted,
     DeadlineExceeded,
@@ -42,13 +42,12 @@ from wsync_grpc.core.errors import (
     clip,
     domain_error,
 )
-from wsync_grpc.core.header import UpdateHeader
-from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.lifecycle import Event
+from wsync_grpc.core.lora import LoraAdapters
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
+from wsync_grpc.core.update import Payload, PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
-from wsync_grpc.service.local import LocalReceiver, apply_local, local_receivers
 from wsync_grpc.service.outcome import (
     CompleteResult,
     PrepareResult,
@@ -58,9 +57,11 @@ from wsync_grpc.service.outcome import (
     record_failed,
     verified_result,
 )
-from wsync_grpc.service.remote import ReceiverView, RemoteReceivers
 from wsync_grpc.service.status import Progress
+from wsync_grpc.service.workers import UpdateWorkers, update_workers
+from wsync_grpc.transports import TransportPart
 from wsync_grpc.worker.feed import BucketFeed
+from wsync_grpc.worker.receiver import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +76,17 @@ class UpdateSession:
 
     Args:
         engine: the engine-wide state.
-        header: the validated header.
+        planned: what Prepare settled: the validated header, buckets and their source.
+        transport: the update's transport (:func:`~wsync_grpc.transports.transport_for`).
         validator: the validator that read the Prepare stream (it holds what was declared).
-        buckets: the Prepare stream's buckets.
         started: when the Prepare began, on the monotonic clock (seconds).
-        files: a disk update's tensor name -> safetensors file; ``None`` for a broadcast.
 
     Attributes:
         feed: the declared buckets, read by every receiver; closed at Complete or failure (at once if not incremental).
         cancel: set when the update is abandoned; every receiver's wait ends on it.
+        header: the validated header.
+        payload: base weights or a LoRA adapter.
+        workers: where its receivers run, once :meth:`start` ran.
         receivers: one per worker, in worker order, once :meth:`start` ran.
         tensors: tensors declared so far.
         bytes: bytes declared so far (``size_bytes`` of every bucket), in bytes.
@@ -99,27 +102,27 @@ class UpdateSession:
     def __init__(
         self,
         engine: EngineState,
-        header: UpdateHeader,
+        planned: PlannedUpdate,
+        transport: TransportPart,
         validator: UpdateValidator,
-        buckets: list[Bucket],
         started: float,
-        files: Mapping[str, Path] | None = None,
     ) -> None:
         self.engine = engine
-        self.header = header
+        self.header = header = planned.header
+        self.payload = Payload.of(header)
+        self.transport = transport
         self.validator = validator
+        buckets = planned.buckets
+        self._buckets = tuple(buckets)
+        self._files = planned.files
         self.started = started
         self.feed = BucketFeed()
         self.feed.extend(buckets)
         if not header.incremental:
             self.feed.close()
         self.cancel = threading.Event()
-        self.receivers: list[ReceiverView] = []
-        self.local: list[LocalReceiver] = []
-        """The receivers when they run in this process (the reference engine's; a disk update's readers)."""
-        self.files = files or {}
-        self.remote: RemoteReceivers | None = None
-        """The receivers when they run in the engine's worker processes (:class:`RemoteWorkers`)."""
+        self.workers: UpdateWorkers | None = None
+        self.receivers: Sequence[Receiver] = []
         self.prepared_buckets = len(buckets)
         self.tensors = sum(len(b.tensors) for b in buckets)
         self.bytes = sum(b.size_bytes for b in buckets)
@@ -144,25 +147,29 @@ class UpdateSession:
             self.auto_paused = not eng.adapter.is_paused()
             eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         eng.update = self
-        # An adapter from disk is read here, even when the engine's workers are other processes.
-        if isinstance(eng.adapter, RemoteWorkers) and not (self.header.adapter and self.header.disk):
-            self.remote = RemoteReceivers(
-                eng.adapter,
-                len(eng.membership.devices),
-                self.feed,
-                self.header,
-                eng.membership.group_timeout_s,
-                self.cancel,
-                self._on_receiver_event,
-                self.files if self.header.disk else None,
-            )
-            self.receivers = list(self.remote.receivers)
-            self.remote.start()
-            return
-        self.local = local_receivers(eng, self.header, self.feed, self.files, self.cancel, self._on_receiver_event)
-        self.receivers = list(self.local)
-        for r in self.local:
-            r.start()
+        h = self.header
+        plan = ReceivePlan(
+            transport=h.transport,
+            payload=self.payload,
+            layout=h.layout,
+            apply_mode=h.apply_mode,
+            buckets=self._buckets,
+            closed=self.feed.closed,
+            files=self._files,
+            timeout_s=eng.membership.group_timeout_s,
+        )
+        self.workers = update_workers(
+            eng.adapter,
+            eng.membership,
+            eng.pools,
+            self.transport,
+            plan,
+            self.feed,
+            self.cancel,
+            self._on_receiver_event,
+        )
+        self.receivers = self.workers.receivers
+        self.workers.start()
 
     def wait_armed(self, timeout_s: float) -> None:
         """Wait until every receiver has posted its first receive, at most ``timeout_s`` seconds. Lock not held.
@@ -231,8 +238,8 @@ class UpdateSession:
             InvalidArgument: see :meth:`~wsync_grpc.core.validation.UpdateValidator.bucket_messages`.
         """
         new = self.validator.bucket_messages(specs)
-        if self.remote is not None:
-            self.remote.declare(new, closed=False)
+        if self.workers is not None:
+            self.workers.declare(new, closed=False)
         self.feed.extend(new)
         self.tensors += sum(len(b.tensors) for b in new)
         self.bytes += sum(b.size_bytes for b in new)
@@ -256,8 +263,8 @@ class UpdateSession:
                 except WsyncError as e:
                     self.fail(e)
                     raise
-            if self.remote is not None and not self.feed.closed:
-                self.remote.declare([], closed=True)
+            if self.workers is not None and not self.feed.closed:
+                self.workers.declare([], closed=True)
             self.feed.close()
         if verify_only:
             self.verifying = True
@@ -329,19 +336,14 @@ class UpdateSession:
         t0 = time.monotonic()
         try:
             with eng.adapter.weights_lock():
-                if self.remote is not None:
-                    self.remote.apply(eng.adapter, timeout_s)
-                else:
-                    apply_local(eng.adapter, self.header, self.local)
+                self._apply_payload(timeout_s)
                 if flush_cache:
                     eng.adapter.flush_cache()
-                if self.header.adapter is None:  # an adapter has its own version; the base one stays
-                    eng.adapter.set_weight_version(self.header.weight_version)
         except BaseException as e:
             err = domain_error(e)
             with eng.lock:
                 self.fail(err)
-                if not self.header.streaming and self.header.adapter is None:
+                if not self.header.streaming and self.payload is Payload.WEIGHTS:
                     # A staged apply that broke half-way is as dirty as a streaming one.
                     self._mark_dirty()
             raise err from e
@@ -349,7 +351,7 @@ class UpdateSession:
         with eng.lock:
             for r in self.receivers:
                 r.release(reuse=True)
-            base = self.header.adapter is None  # an adapter neither changes nor cleans the base weights
+            base = self.payload is Payload.WEIGHTS  # an adapter neither changes nor cleans the base weights
             if base:
                 eng.weight_version = self.header.weight_version
                 eng.dirty = False
@@ -361,6 +363,21 @@ class UpdateSession:
             eng.dirty_paused = eng.dirty_paused and not base
             self.ended.set()
         return record_applied(self, applied_result(self, t0, done, flush_cache))
+
+    def _apply_payload(self, timeout_s: float) -> None:
+        """Base weights into the served model (the version published with them), or the LoRA adapter. Weights lock.
+
+        An adapter keeps its own version; the base weights and their version stay.
+        """
+        assert self.workers is not None
+        h = self.header
+        if self.payload is Payload.WEIGHTS:
+            self.workers.apply_weights(timeout_s, h.weight_version)
+            return
+        engine = self.engine.adapter
+        assert isinstance(engine, LoraAdapters) and h.adapter is not None, "validated at Prepare"
+        tensors = self.workers.adapter_tensors(timeout_s)
+        self.receivers[0].tensors_applied = engine.load_adapter(h.adapter, h.weight_version, tensors)
 
     # ----------------------------------------------------------------- progress
 
@@ -417,7 +434,7 @@ class UpdateSession:
         elif self.auto_paused:
             eng.dirty_paused = True  # our own freeze now holds because of the dirt
 
-    def _on_receiver_event(self, r: ReceiverView) -> None:
+    def _on_receiver_event(self, r: Receiver) -> None:
         """A receiver got a bucket or ended: fail the update on an error, move to RECEIVED once all arrived."""
         eng = self.engine
         with eng.lock:

@@ -1,0 +1,87 @@
+"""Transports: one module per way an update's bytes travel, holding what both sides need, and their registry.
+
+Each transport is a :class:`TransportPart` registered under the contract's
+``Transport`` value (:data:`TRANSPORTS`) and imported only when an update asks
+for it:
+
+- ``broadcast`` (:mod:`wsync_grpc.transports.broadcast`): the trainer's rank 0
+  broadcasts every bucket over the weight-sync group (flattened or individual
+  layout); each worker's :class:`~wsync_grpc.transports.broadcast.receiver.BroadcastReceiver`
+  receives it; the sending side is :mod:`wsync_grpc.transports.broadcast.sender`;
+- ``disk`` (:mod:`wsync_grpc.transports.disk`): the engine reads a safetensors
+  checkpoint beneath its roots; the header names it, the engine builds the
+  buckets from its headers, each worker's
+  :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` reads it; the trainer
+  side writes it (:func:`~wsync_grpc.transports.disk.writer.save_checkpoint`);
+- ``cuda_ipc`` (:mod:`wsync_grpc.transports.cuda_ipc`): reserved by the contract,
+  answered UNIMPLEMENTED.
+
+Adding a transport: a module (or package) with its ``PART`` and one line in
+:data:`TRANSPORTS` (``docs/architecture.md``, "How to add a transport").
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Protocol
+
+from wsync_grpc.core.header import UpdateHeader, transport_unimplemented
+from wsync_grpc.core.layout import Bucket, Transport
+from wsync_grpc.core.update import PlannedUpdate, ReceivePlan, TransportRules
+from wsync_grpc.core.validation import UpdateValidator
+from wsync_grpc.transports.disk.checkpoint import CheckpointRoots
+from wsync_grpc.worker.receiver import Receiver, ReceiveSite
+
+TRANSPORTS: Mapping[Transport, str] = {
+    Transport.BROADCAST: "wsync_grpc.transports.broadcast",
+    Transport.DISK: "wsync_grpc.transports.disk",
+    Transport.CUDA_IPC: "wsync_grpc.transports.cuda_ipc",
+}
+"""The contract's ``Transport`` -> the module whose ``PART`` serves it (imported on first use)."""
+
+
+class TransportPart(TransportRules, Protocol):
+    """One transport: its rules (:class:`~wsync_grpc.core.update.TransportRules`), its Prepare, its receivers."""
+
+    def check_update(self) -> None:
+        """Whether ``Update`` may declare further buckets over this transport (an incremental update).
+
+        Raises:
+            Unimplemented: TRANSPORT_UNIMPLEMENTED, it may not.
+        """
+        ...
+
+    def plan(
+        self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], roots: CheckpointRoots
+    ) -> PlannedUpdate:
+        """What Prepare settles once the stream was read and validated: the header, buckets and their source.
+
+        Args:
+            header: the validated header.
+            validator: the update's validator (it holds what the stream declared).
+            buckets: the buckets the stream declared (none when the engine builds them).
+            roots: where the engine may read sources from (``wsync serve --checkpoint-root``).
+
+        Raises:
+            WsyncError: the source cannot be read or does not fit the model (PERMISSION_DENIED, NOT_FOUND,
+                INVALID_ARGUMENT...).
+        """
+        ...
+
+    def receiver(self, site: ReceiveSite, plan: ReceivePlan) -> Receiver:
+        """A receiver (not started) for one worker at ``site``."""
+        ...
+
+
+def transport_for(kind: Transport) -> TransportPart:
+    """The part serving ``kind`` (its module imported on first use).
+
+    Raises:
+        Unimplemented: TRANSPORT_UNIMPLEMENTED, no module serves it.
+    """
+    module = TRANSPORTS.get(kind)
+    if module is None:
+        raise transport_unimplemented(kind)
+    part: TransportPart = importlib.import_module(module).PART
+    return part

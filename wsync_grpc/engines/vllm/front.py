@@ -1,4 +1,4 @@
-"""The servicer's engine adapter over a running vLLM engine, in vLLM's front (API server) process.
+"""The servicer's engine over a running vLLM engine, in vLLM's front (API server) process.
 
 :class:`VllmEngine` implements :class:`~wsync_grpc.core.engine.Engine`
 with vLLM's own engine client (``AsyncLLM``): pause and resume are
@@ -20,20 +20,21 @@ import asyncio
 import contextlib
 import hashlib
 import threading
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from wsync_grpc.core.dtypes import parse_dtype
-from wsync_grpc.core.engine import ParamSpec, PauseMode, PauseOutcome, WorkerProgress
+from wsync_grpc.core.engine import ParamSpec, PauseMode, PauseOutcome, ReceiverProgress
 from wsync_grpc.core.errors import GroupError, GroupTimeout
-from wsync_grpc.core.layout import ApplyMode, Bucket, Layout
+from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 from wsync_grpc.core.membership import GroupParams
-from wsync_grpc.core.messages import buckets_to_msg, progress_from_msg, tensor_from_msg
+from wsync_grpc.core.messages import buckets_to_msg, plan_to_msg, progress_from_msg, tensor_from_msg
 from wsync_grpc.core.timeouts import DEFAULT_RPC_TIMEOUT_S, JOIN_OVERRUN_S
+from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.engines.vllm.checkpoint import checkpoint_specs, fused_groups, tied_aliases
 from wsync_grpc.engines.vllm.lora import VllmLoras, lora_linears
 
@@ -72,7 +73,7 @@ class VllmEngine:
 
     @classmethod
     async def create(cls, client: Any) -> VllmEngine:
-        """Ask the workers what they are and build the adapter (call on the client's loop).
+        """Ask the workers what they are and build the engine (call on the client's loop).
 
         Raises:
             RuntimeError: the engine was not started with the wsync backend and worker extension.
@@ -145,14 +146,6 @@ class VllmEngine:
     def weights_lock(self) -> contextlib.AbstractContextManager[object]:
         """Orders the servicer's weight changes; the workers apply between two steps on their own."""
         return self._lock
-
-    def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Not used: vLLM's workers load what they receive themselves (:meth:`apply_on_workers`).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError("vLLM's workers load their updates themselves")
 
     def get_weight(self, name: str) -> torch.Tensor:
         """The served tensor ``name`` in checkpoint coordinates, gathered from every worker.
@@ -293,20 +286,9 @@ class VllmEngine:
         """Every worker abandons its update and leaves the group."""
         self._rpc("wsync_leave")
 
-    def arm_workers(
-        self,
-        layout: Layout,
-        apply_mode: ApplyMode,
-        buckets: Sequence[Bucket],
-        closed: bool,
-        timeout_s: float,
-        files: Mapping[str, Path] | None = None,
-        adapter: bool = False,
-    ) -> None:
+    def arm_workers(self, plan: ReceivePlan) -> None:
         """Every worker starts its background receive (a disk update's: its read); returns once each is armed."""
-        paths = {n: str(f) for n, f in files.items()} if files is not None else None
-        msgs = buckets_to_msg(buckets)
-        self._rpc("wsync_arm", layout.value, apply_mode.value, msgs, closed, timeout_s, paths, adapter)
+        self._rpc("wsync_arm", plan_to_msg(plan))
 
     def adapter_from_workers(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
         """An adapter update's tensors, from the first worker that received them (every worker then drops its own).
@@ -322,7 +304,7 @@ class VllmEngine:
         """Feed further buckets to every worker."""
         self._rpc("wsync_declare", buckets_to_msg(buckets), closed)
 
-    def worker_progress(self) -> list[WorkerProgress]:
+    def worker_progress(self) -> list[ReceiverProgress]:
         """Each worker's receive progress."""
         return [progress_from_msg(m) for m in self._rpc("wsync_progress")]
 

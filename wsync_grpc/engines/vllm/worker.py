@@ -4,9 +4,10 @@ vLLM mixes a worker extension class into its worker class
 (``ParallelConfig.worker_extension_cls``, the mechanism its RLHF examples
 use), and the engine client's ``collective_rpc("wsync_...")`` runs a method
 on every worker, between two inference steps, and returns each worker's
-result. These methods are thin: they delegate to the worker's
-:class:`~wsync_grpc.engines.vllm.transfer.WsyncTransferEngine` and return
-msgpack-native values (:mod:`wsync_grpc.core.messages`).
+result. These methods are thin: they decode their msgpack-native arguments
+(:mod:`wsync_grpc.core.messages`), delegate to the worker's
+:class:`~wsync_grpc.engines.host.WorkerHost` (held by the
+:class:`~wsync_grpc.engines.vllm.transfer.WsyncTransferEngine`) and encode the result.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from wsync_grpc.core.dtypes import dtype_name
-from wsync_grpc.core.messages import progress_to_msg, tensor_to_msg
+from wsync_grpc.core.messages import buckets_from_msg, plan_from_msg, progress_to_msg, tensor_to_msg
 from wsync_grpc.engines.vllm.readback import served_tensors
 from wsync_grpc.engines.vllm.transfer import WsyncInitInfo, WsyncTransferEngine
 from wsync_grpc.group.waits import wait_work
@@ -56,47 +57,35 @@ class WsyncWorkerExtension:
         """Join the weight-sync group (:class:`~wsync_grpc.engines.vllm.transfer.WsyncInitInfo` fields); its rank."""
         e = self._wsync()
         e.init_transfer_engine(WsyncInitInfo(**params))
-        return e.rank
+        return e.host.rank
 
     def wsync_leave(self) -> None:
         """Abandon any update in flight and leave the group."""
         self._wsync().shutdown()
 
-    def wsync_arm(
-        self,
-        layout: str,
-        apply_mode: str,
-        buckets: list[dict[str, Any]],
-        closed: bool,
-        timeout_s: float,
-        files: dict[str, str] | None = None,
-        adapter: bool = False,
-    ) -> dict[str, Any]:
-        """Start receiving an update (``files``: a disk update's tensor -> file); return this worker's progress.
-
-        ``adapter``: the buckets carry a LoRA adapter, kept apart from the model for :meth:`wsync_take_adapter`.
-        """
-        e = self._wsync()
-        e.arm(layout, apply_mode, buckets, closed, timeout_s, files, adapter)
-        return progress_to_msg(e.progress())
+    def wsync_arm(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """Start receiving an update (a :func:`~wsync_grpc.core.messages.plan_to_msg` plan); this worker's progress."""
+        host = self._wsync().host
+        host.arm(plan_from_msg(plan))
+        return progress_to_msg(host.progress())
 
     def wsync_take_adapter(self, timeout_s: float) -> list[dict[str, Any]]:
         """An adapter update's received tensors (:func:`~wsync_grpc.core.messages.tensor_to_msg`) from
         global rank 0, empty from the others; the update ends on every worker, the model untouched."""
-        e = self._wsync()
-        return [tensor_to_msg(n, t) for n, t in e.take(timeout_s, keep=e.global_rank == 0)]
+        host = self._wsync().host
+        return [tensor_to_msg(n, t) for n, t in host.take(timeout_s, keep=host.global_rank == 0)]
 
     def wsync_declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
         """Feed further buckets of an incremental update."""
-        self._wsync().declare(buckets, closed)
+        self._wsync().host.declare(buckets_from_msg(buckets), closed)
 
     def wsync_progress(self) -> dict[str, Any]:
         """This worker's receive progress."""
-        return progress_to_msg(self._wsync().progress())
+        return progress_to_msg(self._wsync().host.progress())
 
     def wsync_apply(self, timeout_s: float) -> int:
         """Apply the received update between two steps; the number of tensors loaded."""
-        return self._wsync().apply(timeout_s)
+        return self._wsync().host.apply(timeout_s)
 
     def wsync_receive_raw(self, sizes: list[int], timeout_s: float, background: bool = False) -> float:
         """Receive plain broadcasts of ``sizes`` bytes from rank 0 and drop them; the seconds it took.

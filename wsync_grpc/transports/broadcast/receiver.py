@@ -1,4 +1,4 @@
-"""The background receiver: one thread per engine worker, receiving buckets in order.
+"""The broadcast transport's receiving side: one thread per engine worker, receiving buckets in order.
 
 Flattened layout: one broadcast per bucket into a ``uint8`` buffer of
 ``size_bytes``, then viewed as the bucket's tensors. Individual layout: one
@@ -20,7 +20,7 @@ buffer that the engine serves from Complete on, and the memory it replaces
 becomes a buffer of the next update.
 
 Every wait is bounded by the group timeout and interrupted by the cancel
-event; any error is recorded in :attr:`WorkerReceiver.error` and reported
+event; any error is recorded in :attr:`BroadcastReceiver.error` and reported
 through the ``on_event`` callback.
 """
 
@@ -30,19 +30,17 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from wsync_grpc.core.engine import InPlaceReceive, StorageSwap, WeightTarget
+from wsync_grpc.core.engine import InPlaceReceive, StorageSwap
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
-from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot
+from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import NamedTensors, tensor_views
-from wsync_grpc.group.process_group import WeightSyncGroup
+from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
-from wsync_grpc.worker.buffers import BufferPool
-from wsync_grpc.worker.feed import BucketFeed
+from wsync_grpc.worker.receiver import ReceiveSite
 
 log = logging.getLogger(__name__)
 
@@ -87,44 +85,26 @@ class _Posted:
         return self.end == len(self.bucket.tensors)
 
 
-class WorkerReceiver(threading.Thread):
-    """Receives one update's buckets for one worker.
+class BroadcastReceiver(threading.Thread):
+    """Receives one update's buckets for one worker from the weight-sync group (a :class:`Receiver`).
 
     Args:
-        worker: the worker index (the engine adapter's ``worker_devices`` order).
-        group: the worker's weight-sync group membership.
-        adapter: the engine, for streaming apply.
-        feed: the update's buckets.
-        layout: flattened (one broadcast per bucket) or individual (one per tensor).
-        apply_mode: streaming (apply each bucket as it arrives) or staged (keep it for Complete).
-        cancel: set to stop at the next wait.
-        pool: the worker's flat receive buffers.
-        on_event: called from this thread after each received bucket and when
-            the thread ends (successfully or not).
+        site: where it runs (its ``group`` is required: the worker's membership of the weight-sync group).
+        plan: the update (its layout and apply mode; its buckets come through ``site.feed``).
     """
 
-    def __init__(
-        self,
-        *,
-        worker: int,
-        group: WeightSyncGroup,
-        adapter: WeightTarget,
-        feed: BucketFeed,
-        layout: Layout,
-        apply_mode: ApplyMode,
-        cancel: threading.Event,
-        pool: BufferPool,
-        on_event: Callable[[WorkerReceiver], None],
-    ) -> None:
+    def __init__(self, site: ReceiveSite, plan: ReceivePlan) -> None:
+        worker, group = site.worker, site.group
+        assert group is not None, "a broadcast needs the group (TransportPart.needs_group)"
         super().__init__(name=f"wsync-receiver-{worker}", daemon=True)
         self.worker = worker
         self.group = group
-        self.adapter = adapter
-        self.feed = feed
-        self.flattened = layout is Layout.FLATTENED
-        self.streaming = apply_mode is ApplyMode.STREAMING
-        self.cancel = cancel
-        self.on_event = on_event
+        self.target = site.target
+        self.feed = site.feed
+        self.flattened = plan.layout is Layout.FLATTENED
+        self.streaming = plan.streaming
+        self.cancel = site.cancel
+        self.on_event = site.on_event
         self.device = group.device
         self.armed = threading.Event()
         """Set once the first receive is posted (or nothing is declared yet)."""
@@ -138,14 +118,14 @@ class WorkerReceiver(threading.Thread):
         self.last_arrival_at: float | None = None
         self.staged: list[NamedTensors] = []
         """Staged apply: per received bucket (individual layout: per chunk), the (canonical name, tensor) pairs."""
-        self.pool = pool
+        self.pool = site.pool
         self._held: list[torch.Tensor] = []  # staged: flat buffers behind self.staged
         self.wrote_served = False
         """Whether a receive was posted straight into a served tensor (it may be half written)."""
         self.tensors_direct = 0
         """Tensors received straight into the served ones (counted in :attr:`tensors_applied` too)."""
-        self._in_place = adapter if self.streaming and isinstance(adapter, InPlaceReceive) else None
-        self._swap = adapter if not self.streaming and isinstance(adapter, StorageSwap) else None
+        self._in_place = site.target if self.streaming and isinstance(site.target, InPlaceReceive) else None
+        self._swap = site.target if not self.streaming and isinstance(site.target, StorageSwap) else None
         self.swaps: list[tuple[str, torch.Tensor]] = []
         """Staged apply on a :class:`StorageSwap` engine: ``(canonical name, tensor)`` to serve as they are."""
         self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
@@ -160,7 +140,7 @@ class WorkerReceiver(threading.Thread):
             self._receive_all()
         except BaseException as e:
             if not isinstance(e, (GroupError, GroupTimeout, Cancelled)):  # reported as such, without a traceback
-                log.exception("receiver of worker %d failed", self.worker)
+                log.exception("broadcast receiver of worker %d failed", self.worker)
             self.error = e
         finally:
             self.armed.set()
@@ -253,7 +233,7 @@ class WorkerReceiver(threading.Thread):
         """Whether the lone tensor ``t`` can be received into a buffer the engine then serves (staged apply)."""
         if self._swap is None or t is None or not t.load:
             return False
-        served = self.adapter.get_weight(t.canonical)
+        served = self.target.get_weight(t.canonical)
         return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self.device
 
     def _post(self, bucket: Bucket, start: int) -> _Posted:
@@ -300,8 +280,8 @@ class WorkerReceiver(threading.Thread):
         direct = sum(posted.direct)
         if self.streaming:
             if named:
-                with self.adapter.weights_lock():
-                    self.tensors_applied += self.adapter.load_weights(self.worker, named)
+                with self.target.weights_lock():
+                    self.tensors_applied += self.target.load_weights(self.worker, named)
             self.tensors_applied += direct
             self.tensors_direct += direct
             if self.flattened and not direct:

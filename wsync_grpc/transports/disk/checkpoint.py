@@ -31,6 +31,7 @@ from wsync_grpc.core.errors import InvalidArgument, NotFound, PermissionDenied
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.lora import LoraSpec, lora_spec_from_config
+from wsync_grpc.core.update import PlannedUpdate
 from wsync_grpc.core.validation import UpdateValidator
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -302,22 +303,7 @@ def adapter_checkpoint(path: Path, name: str, roots: CheckpointRoots | None = No
     return spec, checkpoint_files(path / ADAPTER_FILE, roots)
 
 
-@dataclass(frozen=True)
-class DiskPlan:
-    """What a disk update's Prepare found: its header (an adapter's spec completed), buckets and files.
-
-    Attributes:
-        header: the header, with ``adapter`` read from ``adapter_config.json`` for an adapter.
-        buckets: the validated buckets.
-        files: tensor name -> the file holding it.
-    """
-
-    header: UpdateHeader
-    buckets: list[Bucket]
-    files: dict[str, Path]
-
-
-def plan_disk_update(roots: CheckpointRoots, header: UpdateHeader, validator: UpdateValidator) -> DiskPlan:
+def plan_disk_update(roots: CheckpointRoots, header: UpdateHeader, validator: UpdateValidator) -> PlannedUpdate:
     """A disk update's buckets, validated, and where each tensor is: everything Prepare does before loading.
 
     Resolves ``header.checkpoint_path`` inside ``roots``, lists its files (an
@@ -339,5 +325,5 @@ def plan_disk_update(roots: CheckpointRoots, header: UpdateHeader, validator: Up
     else:
         files = checkpoint_files(path, roots)
     tensors = read_checkpoint(files)
-    buckets = validator.disk_buckets(bucket_specs(tensors))
-    return DiskPlan(header, buckets, files_of(buckets, tensors))
+    buckets = validator.source_buckets(bucket_specs(tensors))
+    return PlannedUpdate(header, buckets, files_of(buckets, tensors))

@@ -1,7 +1,6 @@
-"""The disk reader: one thread per engine worker, loading a disk update's buckets from safetensors files.
+"""The disk transport's receiving side: one thread per engine worker, loading a disk update's buckets from files.
 
-It stands where a :class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver` stands
-for a broadcast, with the same progress attributes, so that the update
+It is a :class:`~wsync_grpc.worker.receiver.Receiver` as the broadcast's is, so that the update
 session, Complete's two phases, Cancel, Watch, the checksums and the metrics
 treat a disk update exactly as a broadcast one. Staged apply: every tensor is
 copied out of the file (the file may be overwritten afterwards) and kept
@@ -15,59 +14,41 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
-from wsync_grpc.core.engine import WeightTarget
 from wsync_grpc.core.errors import Cancelled, Unavailable
-from wsync_grpc.core.layout import ApplyMode, Bucket
+from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.packing import NamedTensors
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
-from wsync_grpc.worker.feed import BucketFeed
+from wsync_grpc.core.update import ReceivePlan
+from wsync_grpc.worker.receiver import ReceiveSite
 
 log = logging.getLogger(__name__)
 
 
 class DiskReceiver(threading.Thread):
-    """Reads one disk update's buckets for one worker.
+    """Reads one disk update's buckets for one worker (a :class:`~wsync_grpc.worker.receiver.Receiver`).
 
     Args:
-        worker: the worker index (the engine adapter's ``worker_devices`` order).
-        device: the worker's device; tensors are moved there as they are read.
-        adapter: the engine, for streaming apply.
-        feed: the update's buckets (closed: a disk update declares them all at Prepare).
-        files: tensor name -> the safetensors file holding it.
-        apply_mode: streaming (load each bucket as it is read) or staged (keep it for Complete).
-        cancel: set to stop before the next tensor.
-        on_event: called from this thread after each bucket and when the thread ends.
+        site: where it runs (no group needed); tensors are moved to ``site.device`` as they are read.
+        plan: the update: its apply mode and ``files`` (tensor name -> the safetensors file holding it); its
+            buckets come through ``site.feed``, closed (a disk update declares them all at Prepare).
     """
 
-    def __init__(
-        self,
-        *,
-        worker: int,
-        device: torch.device,
-        adapter: WeightTarget,
-        feed: BucketFeed,
-        files: Mapping[str, Path],
-        apply_mode: ApplyMode,
-        cancel: threading.Event,
-        on_event: Callable[[DiskReceiver], None],
-    ) -> None:
-        super().__init__(name=f"wsync-disk-reader-{worker}", daemon=True)
-        self.worker = worker
-        self.device = device
-        self.adapter = adapter
-        self.feed = feed
-        self.files = files
-        self.streaming = apply_mode is ApplyMode.STREAMING
-        self.cancel = cancel
-        self.on_event = on_event
+    def __init__(self, site: ReceiveSite, plan: ReceivePlan) -> None:
+        super().__init__(name=f"wsync-disk-reader-{site.worker}", daemon=True)
+        self.worker = site.worker
+        self.device = site.device
+        self.target = site.target
+        self.feed = site.feed
+        self.files = plan.files
+        self.streaming = plan.streaming
+        self.cancel = site.cancel
+        self.on_event = site.on_event
         self.armed = threading.Event()
         """Set when the thread starts (a disk read needs nothing posted first)."""
         self.done = threading.Event()
@@ -126,8 +107,8 @@ class DiskReceiver(threading.Thread):
             named.append((t.canonical, tensor))
         if self.streaming:
             self.wrote_served = True
-            with self.adapter.weights_lock():
-                self.tensors_applied += self.adapter.load_weights(self.worker, named)
+            with self.target.weights_lock():
+                self.tensors_applied += self.target.load_weights(self.worker, named)
         else:
             self.staged.append(named)
         self.last_arrival_at = time.monotonic()
@@ -136,7 +117,7 @@ class DiskReceiver(threading.Thread):
         self.on_event(self)
 
     def apply_swaps(self) -> int:
-        """Nothing to swap: read tensors are copied into the served ones (:meth:`Engine.load_weights`)."""
+        """Nothing to swap: read tensors are copied into the served ones (:meth:`WeightTarget.load_weights`)."""
         return 0
 
     def release(self, reuse: bool) -> None:

@@ -1,0 +1,324 @@
+"""The worker host: wsync's side of an engine whose weights live in worker processes (vLLM's; SGLang's next).
+
+One :class:`WorkerHost` per worker process. It joins the weight-sync group at
+``rank_offset`` plus the worker's global rank, arms the update's receiver (made
+by the update's transport, :func:`~wsync_grpc.transports.transport_for`, from
+the :class:`~wsync_grpc.core.update.ReceivePlan` the front sent), reports its
+progress, applies what it received between two of the engine's steps, hands a
+LoRA adapter's tensors back to the front, and abandons an update or leaves the
+group on request. Nothing here knows the engine: what loads weights into the
+worker's model is the engine's glue, a :class:`ModelGlue` (vLLM's:
+:mod:`wsync_grpc.engines.vllm.transfer`). The engine's front drives the host
+through its own IPC (vLLM's ``collective_rpc``, :mod:`wsync_grpc.engines.vllm.worker`)
+with the msgpack-native messages of :mod:`wsync_grpc.core.messages`.
+
+Not thread-safe: every method runs on the worker's main thread, between two
+of its steps; only the receiver (and a staged update's preparation) run beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+from wsync_grpc.core.engine import ReceiverProgress
+from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.membership import GroupParams
+from wsync_grpc.core.timeouts import Deadline
+from wsync_grpc.core.update import Payload, ReceivePlan
+from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group
+from wsync_grpc.transports import transport_for
+from wsync_grpc.worker.buffers import BufferPool
+from wsync_grpc.worker.feed import BucketFeed
+from wsync_grpc.worker.receiver import Receiver, ReceiveSite, receiver_progress
+
+log = logging.getLogger(__name__)
+
+Swap = Callable[[], None]
+"""Puts weights prepared beside the live model into service (between two steps)."""
+
+
+class ModelGlue(Protocol):
+    """What a worker host needs of the engine's model in one worker process (the engine's glue)."""
+
+    def begin_reload(self) -> None:
+        """Start loading checkpoint-format tensors into the live model (between two steps, or frozen)."""
+        ...
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint-format ``(name, tensor)`` pairs (a reload is in progress)."""
+        ...
+
+    def end_reload(self) -> None:
+        """Finish the reload: the model serves what was loaded (processed as at load time)."""
+        ...
+
+    def prepare(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Swap | None:
+        """Staged: build the served form of ``tensors`` beside the live model, off the step loop.
+
+        Returns:
+            The swap that puts it into service at apply; ``None`` when this engine prepares
+            nothing beside the model (the apply then reloads).
+
+        Raises:
+            Exception: the preparation failed; the apply then reloads (not the update's failure).
+        """
+        ...
+
+
+class _ModelTarget:
+    """The worker's model as a receiver's streaming target (:class:`~wsync_grpc.core.engine.WeightTarget`).
+
+    Loads go through the glue inside the reload the update began; the tensors
+    are copied first, because an engine may keep a layer's loads until all of
+    its tensors arrived, and the receiver reuses its buffers at once.
+    """
+
+    def __init__(self, glue: ModelGlue) -> None:
+        self._glue = glue
+        self._lock = threading.Lock()
+
+    def weights_lock(self) -> contextlib.AbstractContextManager[object]:
+        return self._lock
+
+    def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        owned = [(n, t.clone()) for n, t in tensors]
+        self._glue.load(owned)
+        return len(owned)
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        raise KeyError(name)
+
+
+class WorkerHost:
+    """One worker process's member of the weight-sync group and host of the update in flight.
+
+    Args:
+        glue: how the engine loads weights into this worker's model.
+        device: the worker's device.
+        global_rank: the worker's rank among all the engine's workers (data-parallel replicas included).
+    """
+
+    def __init__(self, glue: ModelGlue, device: torch.device, global_rank: int) -> None:
+        self.glue = glue
+        self.device = device
+        self.global_rank = global_rank
+        self.group: WeightSyncGroup | None = None
+        self.rank = -1
+        self.receiver: Receiver | None = None
+        self.plan: ReceivePlan | None = None
+        self.feed = BucketFeed()
+        self.cancel = threading.Event()
+        self.pool = BufferPool(device, keep=True)
+        self._reloading = False
+        self._swap: Swap | None = None
+        self._preparer: threading.Thread | None = None
+
+    # --------------------------------------------------------------- group
+
+    def join(self, params: GroupParams) -> int:
+        """Join the weight-sync group at ``params.rank_offset`` + this worker's global rank; return that rank.
+
+        Blocks until the group formed, at most ``params.timeout_s`` seconds.
+
+        Raises:
+            GroupTimeout, GroupError, ValueError: see :func:`~wsync_grpc.group.process_group.join_group`.
+        """
+        self.leave()
+        rank = params.rank_offset + self.global_rank
+        self.group = join_group(
+            master_address=params.master_address,
+            master_port=params.master_port,
+            rank=rank,
+            world_size=params.world_size,
+            group_name=params.group_name or DEFAULT_GROUP_NAME,
+            backend=params.backend,
+            device=self.device,
+            timeout_s=params.timeout_s,
+        )
+        self.rank = rank
+        log.info("worker %d joined weight-sync group at rank %d of %d", self.global_rank, rank, params.world_size)
+        return rank
+
+    def leave(self) -> None:
+        """Abandon any update in flight and leave the group. Idempotent."""
+        self.abandon()
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    # -------------------------------------------------------------- update
+
+    def arm(self, plan: ReceivePlan) -> None:
+        """Start receiving ``plan`` in the background; return once the first receive is posted.
+
+        Streaming: a reload begins (the front has frozen the engine). Staged base
+        weights: once every bucket arrived they are prepared beside the model
+        (:meth:`ModelGlue.prepare`). A LoRA adapter is kept apart until :meth:`take`.
+
+        Raises:
+            RuntimeError: the transport needs the group and this worker is not a member, or an update is
+                in flight.
+            TimeoutError: not armed within ``plan.timeout_s`` seconds.
+            Unimplemented: a transport not built.
+        """
+        transport = transport_for(plan.transport)
+        if self.group is None and transport.needs_group:
+            raise RuntimeError("this worker is not a member of a weight-sync group")
+        if self.receiver is not None:
+            raise RuntimeError("an update is already in flight on this worker")
+        self.plan = plan
+        self.feed = BucketFeed()
+        self.feed.extend(list(plan.buckets))
+        if plan.closed:
+            self.feed.close()
+        self.cancel = threading.Event()
+        if plan.streaming:
+            self._begin_reload()
+        site = ReceiveSite(
+            self.global_rank,
+            self.device,
+            _ModelTarget(self.glue),
+            self.feed,
+            self.cancel,
+            lambda r: None,
+            self.group if transport.needs_group else None,
+            self.pool,
+        )
+        self.receiver = transport.receiver(site, plan)
+        self.receiver.start()
+        self._swap = None
+        self._preparer = None
+        if not plan.streaming and plan.payload is Payload.WEIGHTS:
+            self._preparer = threading.Thread(target=self._prepare, name="wsync-prepare", daemon=True)
+            self._preparer.start()
+        if not self.receiver.armed.wait(Deadline(plan.timeout_s).left()):
+            raise TimeoutError(f"the receiver was not armed within {plan.timeout_s:g} s")
+
+    def declare(self, buckets: Sequence[Bucket], closed: bool) -> None:
+        """Feed further buckets of an incremental update (and close the feed when ``closed``)."""
+        self.feed.extend(list(buckets))
+        if closed:
+            self.feed.close()
+
+    def _prepare(self) -> None:
+        """Staged: once every bucket arrived, prepare the served form beside the model (its own thread).
+
+        A failure here is not the update's: :meth:`apply` then reloads between two steps.
+        """
+        r = self.receiver
+        assert r is not None
+        r.done.wait()
+        if r.error is not None or self.cancel.is_set():
+            return
+        t0 = time.monotonic()
+        try:
+            self._swap = self.glue.prepare([pair for named in r.staged for pair in named])
+        except Exception:
+            log.exception("preparing the update beside the model failed; it is applied by a reload")
+            return
+        log.debug("update prepared beside the model in %.3f s", time.monotonic() - t0)
+
+    def progress(self) -> ReceiverProgress:
+        """Where this worker's receive stands (all zero with no update in flight).
+
+        Staged: ``done`` once the received weights are also prepared beside the
+        model, so that the apply at Complete is only the swap.
+        """
+        r = self.receiver
+        if r is None:
+            return ReceiverProgress(self.rank, False, False, 0, 0, None, None)
+        p = receiver_progress(r, self.rank)
+        prepared = self._preparer is None or not self._preparer.is_alive()
+        return ReceiverProgress(
+            p.rank, p.armed, p.done and prepared, p.buckets_done, p.bytes_done, p.last_arrival_at, p.error
+        )
+
+    def apply(self, timeout_s: float) -> int:
+        """Apply the received update (between two steps); return the tensors loaded.
+
+        Staged: the prepared weights swapped in, or one reload of every received
+        tensor. Streaming: the reload begun at :meth:`arm` is finished.
+
+        Raises:
+            RuntimeError: no update, or its receive failed or has not ended within ``timeout_s`` seconds.
+        """
+        r = self._received(timeout_s)
+        assert self.plan is not None
+        try:
+            if self._preparer is not None:
+                self._preparer.join(Deadline(timeout_s).left())
+            if self._swap is not None:
+                self._swap()
+                r.tensors_applied = sum(len(named) for named in r.staged)
+            elif not self.plan.streaming:
+                self._begin_reload()
+                for named in r.staged:
+                    self.glue.load(named)
+                    r.tensors_applied += len(named)
+            if self._reloading:
+                self._end_reload()
+        finally:
+            self._swap = None
+            r.release(reuse=True)
+            self.receiver = None
+        return r.tensors_applied
+
+    def take(self, timeout_s: float, keep: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """An adapter update's received tensors, copied to the CPU (none unless ``keep``); the update ends.
+
+        The model is untouched.
+
+        Raises:
+            RuntimeError: no update, or its receive failed or has not ended within ``timeout_s`` seconds.
+        """
+        r = self._received(timeout_s)
+        try:
+            return [(n, t.detach().to("cpu", copy=True)) for named in r.staged for n, t in named] if keep else []
+        finally:
+            r.release(reuse=True)
+            self.receiver = None
+
+    def _received(self, timeout_s: float) -> Receiver:
+        """The receiver of the update in flight, once every bucket arrived.
+
+        Raises:
+            RuntimeError: no update, or its receive failed or has not ended within ``timeout_s`` seconds.
+        """
+        r = self.receiver
+        if r is None:
+            raise RuntimeError("no update in flight on this worker")
+        if not r.done.wait(Deadline(timeout_s).left()) or r.error is not None:
+            raise RuntimeError(f"the receive has not completed: {r.error or 'still receiving'}")
+        return r
+
+    def abandon(self) -> None:
+        """Stop the update in flight, if any: cancel its receive and end a streaming reload. Idempotent."""
+        r = self.receiver
+        if r is None:
+            return
+        self.cancel.set()
+        self.feed.close()
+        ended = r.done.wait(5.0)
+        if self._preparer is not None:
+            self._preparer.join(timeout=60.0)  # it reads the received buffers
+        self._swap = None
+        # A receive may still be posted into these buffers unless the thread ended.
+        r.release(reuse=ended and r.error is None)
+        self.receiver = None
+        if self._reloading:
+            self._end_reload()
+
+    def _begin_reload(self) -> None:
+        self.glue.begin_reload()
+        self._reloading = True
+
+    def _end_reload(self) -> None:
+        self._reloading = False
+        self.glue.end_reload()

@@ -1,0 +1,119 @@
+"""The receiver contract: what every transport's receiver offers, wherever it runs, and where it runs.
+
+A transport (:mod:`wsync_grpc.transports`) makes one :class:`Receiver` per
+worker for an update (:meth:`~wsync_grpc.transports.TransportPart.receiver`): a
+thread that takes the update's bytes off its transport (the group's broadcasts,
+a checkpoint's files) and applies them (streaming) or keeps them for Complete
+(staged). It runs wherever the weights live: in the servicer's process for the
+tensor and reference engines, inside an engine's worker process for vLLM
+(:class:`~wsync_grpc.engines.host.WorkerHost`), and the front then follows it
+through a stand-in with the same attributes (:mod:`wsync_grpc.service.workers`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from wsync_grpc.core.engine import ReceiverProgress, WeightTarget
+from wsync_grpc.core.packing import NamedTensors
+from wsync_grpc.group.process_group import WeightSyncGroup
+from wsync_grpc.worker.buffers import BufferPool
+from wsync_grpc.worker.feed import BucketFeed
+
+
+class Receiver(Protocol):
+    """One worker's receive of one update, as the update's owner reads it.
+
+    Attributes:
+        worker: the worker index (the engine's ``worker_devices`` order).
+        armed: set once its first receive is posted (or nothing is declared yet, or nothing needs posting).
+        done: set when it ended: every bucket arrived, or it failed.
+        error: why it failed (``GroupError``, ``GroupTimeout``, ``Cancelled``, ``Unavailable``...); ``None`` while
+            it has not.
+        buckets_done: buckets received.
+        bytes_done: bytes received, in bytes.
+        tensors_applied: tensors loaded into the served weights (streaming as they arrive; staged at apply).
+        wrote_served: whether it began writing into the served weights (they may be half written).
+        last_arrival_at: when the last bucket arrived, on the host's monotonic clock (seconds); ``None`` before.
+        staged: staged apply: per received bucket (or chunk), its ``(canonical name, tensor)`` pairs.
+    """
+
+    worker: int
+    armed: threading.Event
+    done: threading.Event
+    error: BaseException | None
+    buckets_done: int
+    bytes_done: int
+    tensors_applied: int
+    wrote_served: bool
+    last_arrival_at: float | None
+    staged: list[NamedTensors]
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound of one wait of this receiver (the group's per-collective timeout), in seconds."""
+        ...
+
+    def start(self) -> None:
+        """Start receiving, on a thread of its own."""
+        ...
+
+    def apply_swaps(self) -> int:
+        """Staged apply: hand buffers the engine serves as they are over to it; the tensors swapped.
+
+        The caller holds the engine's weights lock (see
+        :class:`~wsync_grpc.core.engine.StorageSwap`); 0 where nothing was received so.
+        """
+        ...
+
+    def release(self, reuse: bool) -> None:
+        """Let go of what it received (after apply, or when the update is abandoned).
+
+        Args:
+            reuse: return its buffers to the pool; only when nothing can still write into them.
+        """
+        ...
+
+
+@dataclass
+class ReceiveSite:
+    """Where one worker's receiver runs, and what it may use there.
+
+    Attributes:
+        worker: the worker index (the engine's ``worker_devices`` order, or a vLLM worker's global rank).
+        device: the worker's device; received tensors live there.
+        target: the weights a streaming update loads into (the engine, or a worker's model).
+        feed: the update's buckets, read in order.
+        cancel: set when the update is abandoned; the receiver stops at its next wait.
+        on_event: called from the receiver's thread after each bucket and when it ends.
+        group: the worker's membership of the weight-sync group; ``None`` where it has none (a disk update
+            needs none).
+        pool: the worker's flat receive buffers (kept between updates or not).
+    """
+
+    worker: int
+    device: torch.device
+    target: WeightTarget
+    feed: BucketFeed
+    cancel: threading.Event
+    on_event: Callable[[Receiver], None]
+    group: WeightSyncGroup | None
+    pool: BufferPool
+
+
+def receiver_progress(r: Receiver, rank: int = -1) -> ReceiverProgress:
+    """The progress ``r``'s attributes say, at group rank ``rank`` (-1: not a member)."""
+    return ReceiverProgress(
+        rank=rank,
+        armed=r.armed.is_set(),
+        done=r.done.is_set(),
+        buckets_done=r.buckets_done,
+        bytes_done=r.bytes_done,
+        last_arrival_at=r.last_arrival_at,
+        error=r.error,
+    )
