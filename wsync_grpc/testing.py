@@ -6,7 +6,7 @@
   return an :class:`EngineProcess`: its address, its process, its output, a graceful
   :meth:`~EngineProcess.stop`. A process that exits before it is ready, or is not ready in
   time, fails the start at once with the tail of its output (:class:`EngineStartError`).
-- :func:`in_process_server` serves an engine adapter on a loopback port in this process and
+- :func:`in_process_server` serves an engine on a loopback port in this process and
   yields a stub connected to it.
 - :func:`join_as_trainer` initializes an engine and joins its group as rank 0 from this
   process, for driving the RPCs by hand.
@@ -309,9 +309,9 @@ def stop_all(engines: Sequence[EngineProcess], grace_s: float = 10.0) -> None:
 
 @contextmanager
 def in_process_server(
-    adapter: Engine, *, stop_grace_s: float = 0.5, **build_server_kwargs: Any
+    engine: Engine, *, stop_grace_s: float = 0.5, **build_server_kwargs: Any
 ) -> Iterator[tuple[WsyncServer, weight_sync_pb2_grpc.WeightSyncServiceStub]]:
-    """Serve ``adapter`` in this process; yield the server and a stub on an insecure channel to it.
+    """Serve ``engine`` in this process; yield the server and a stub on an insecure channel to it.
 
     ``build_server_kwargs`` go to :func:`~wsync_grpc.service.server.build_server` (a loopback port
     chosen by the OS unless ``port`` is given; a TLS server needs a channel of your own). At the
@@ -320,7 +320,7 @@ def in_process_server(
     Raises:
         RuntimeError: the port could not be bound.
     """
-    srv = build_server(adapter, **build_server_kwargs)
+    srv = build_server(engine, **build_server_kwargs)
     channel = grpc.insecure_channel(srv.address)
     try:
         yield srv, weight_sync_pb2_grpc.WeightSyncServiceStub(channel)

@@ -17,12 +17,12 @@ from wsync_grpc.core.lora import LoraAdapters, check_name
 from wsync_grpc.service.engine_state import EngineState
 
 
-def list_adapters(adapter: Engine) -> pb.ListAdaptersResponse:
+def list_adapters(engine: Engine) -> pb.ListAdaptersResponse:
     """``ListAdaptersResponse``: ``supported`` false on an engine without adapters."""
-    if not isinstance(adapter, LoraAdapters) or not adapter.lora_linears():
+    if not isinstance(engine, LoraAdapters) or not engine.lora_linears():
         return pb.ListAdaptersResponse(supported=False)
     out = pb.ListAdaptersResponse(supported=True)
-    for a in adapter.adapters():
+    for a in engine.adapters():
         out.adapters.add(
             name=a.name,
             version=a.version,
@@ -34,7 +34,7 @@ def list_adapters(adapter: Engine) -> pb.ListAdaptersResponse:
     return out
 
 
-def unload_adapter(engine: EngineState, request: pb.UnloadAdapterRequest) -> pb.UnloadAdapterResponse:
+def unload_adapter(state: EngineState, request: pb.UnloadAdapterRequest) -> pb.UnloadAdapterResponse:
     """Remove adapter ``request.name`` under the engine's weights lock; idempotent.
 
     Raises:
@@ -42,19 +42,19 @@ def unload_adapter(engine: EngineState, request: pb.UnloadAdapterRequest) -> pb.
         FailedPrecondition: NOT_OWNER; ADAPTER_UPDATE_IN_FLIGHT (an update of that adapter is in flight).
     """
     name = check_name(request.name)
-    adapter = engine.adapter
-    with engine.lock:
-        engine.check_owner(request.owner, "UnloadAdapter")
-        engine.lifecycle.check(Rpc.UNLOAD_ADAPTER)
-        upd = engine.update
+    engine = state.engine
+    with state.lock:
+        state.check_owner(request.owner, "UnloadAdapter")
+        state.lifecycle.check(Rpc.UNLOAD_ADAPTER)
+        upd = state.update
         if upd is not None and upd.header.adapter is not None and upd.header.adapter.name == name:
             raise FailedPrecondition(
                 "ADAPTER_UPDATE_IN_FLIGHT", f"an update of adapter {name!r} is in flight; cancel it first"
             )
-        if not isinstance(adapter, LoraAdapters):
+        if not isinstance(engine, LoraAdapters):
             return pb.UnloadAdapterResponse(was_loaded=False)
-        with adapter.weights_lock():
-            removed = adapter.unload_adapter(name)
+        with engine.weights_lock():
+            removed = engine.unload_adapter(name)
     if removed is None:
         return pb.UnloadAdapterResponse(was_loaded=False)
     return pb.UnloadAdapterResponse(was_loaded=True, version=removed[0], aborted_requests=removed[1])

@@ -2,7 +2,7 @@
 
 :class:`EngineState` is shared by the servicer and the update in flight
 (:class:`~wsync_grpc.service.session.UpdateSession`) and guarded by one
-re-entrant lock. Locking order: that lock first, then the adapter's own
+re-entrant lock. Locking order: that lock first, then the engine's own
 (admission, weights lock); never the other way round.
 """
 
@@ -31,13 +31,13 @@ class EngineState:
     """The engine-wide state of the weight-sync service, guarded by :attr:`lock`.
 
     Args:
-        adapter: the engine.
+        engine: the engine.
         keep_buffers: keep receive buffers between updates (see
             :class:`~wsync_grpc.worker.buffers.BufferPool`); ``None``: on CPU
             workers only.
 
     Attributes:
-        adapter: the engine.
+        engine: the engine.
         lifecycle: the lifecycle state machine.
         lock: the re-entrant lock that guards everything here.
         membership: the workers' membership of the weight-sync group.
@@ -54,15 +54,15 @@ class EngineState:
         metrics: the engine's Prometheus metrics (:mod:`wsync_grpc.service.metrics`), served when asked.
     """
 
-    def __init__(self, adapter: Engine, keep_buffers: bool | None = None) -> None:
-        self.adapter = adapter
+    def __init__(self, engine: Engine, keep_buffers: bool | None = None) -> None:
+        self.engine = engine
         self.lifecycle = Lifecycle()
         self.lock = threading.RLock()
-        specs = adapter.parameter_specs()
-        devices = list(adapter.worker_devices())
-        self.membership = Membership(devices, adapter if isinstance(adapter, RemoteWorkers) else None)
+        specs = engine.parameter_specs()
+        devices = list(engine.worker_devices())
+        self.membership = Membership(devices, engine if isinstance(engine, RemoteWorkers) else None)
         self.pools = [BufferPool(d, d.type == "cpu" if keep_buffers is None else keep_buffers) for d in devices]
-        self.facts = EngineFacts.of(adapter.name, specs, len(devices))
+        self.facts = EngineFacts.of(engine.name, specs, len(devices))
         self.weight_version = ""
         self.dirty = False
         self.dirty_paused = False
@@ -128,10 +128,10 @@ class EngineState:
         """Everything GetStatus reports, read under the lock."""
         with self.lock:
             state = self.lifecycle.state
-            paused = self.adapter.is_paused()
-            mode = self.adapter.pause_mode()
+            paused = self.engine.is_paused()
+            mode = self.engine.pause_mode()
             progress = self.update.progress() if self.update is not None else None
-            running, waiting = self.adapter.request_counts()
+            running, waiting = self.engine.request_counts()
             return StatusSnapshot(
                 state=state,
                 paused=paused,
@@ -157,25 +157,25 @@ class EngineState:
         ``timeout_s`` seconds.
 
         Returns:
-            Whether the engine was paused already, the adapter's outcome, and the mode in force.
+            Whether the engine was paused already, the engine's outcome, and the mode in force.
 
         Raises:
             DeadlineExceeded: DRAIN_TIMEOUT; the engine stays paused.
         """
         with self.lock:
-            already = self.adapter.is_paused()
+            already = self.engine.is_paused()
             if self.update is not None:
                 self.update.auto_paused = False  # the operator's pause now holds after the update
             self.dirty_paused = False
         try:
-            outcome = self.adapter.pause(mode, timeout_s)
+            outcome = self.engine.pause(mode, timeout_s)
         except TimeoutError as e:
             raise DeadlineExceeded(
                 "DRAIN_TIMEOUT",
                 f"requests in flight did not finish within {timeout_s:g} s; the engine stays paused "
                 f"and they keep running (Pause with mode ABORT ends them): {e}",
             ) from None
-        return already, outcome, self.adapter.pause_mode() or mode
+        return already, outcome, self.engine.pause_mode() or mode
 
     def resume(self, force: bool) -> tuple[bool, int]:
         """An operator's resume: admit requests again.
@@ -200,8 +200,8 @@ class EngineState:
                     "a failed update left the weights half-updated; run a complete update, "
                     "or Resume with force = true to serve them anyway",
                 )
-            was_paused = self.adapter.is_paused()
-            resumed = self.adapter.resume() if was_paused else 0
+            was_paused = self.engine.is_paused()
+            resumed = self.engine.resume() if was_paused else 0
             self.dirty_paused = False
             if self.dirty:
                 log.warning("resumed with dirty weights (forced by the operator)")

@@ -113,7 +113,7 @@ def record_applied(s: UpdateSession, result: CompleteResult) -> CompleteResult:
     if s.verified:
         phases["verify"] = result.verify_seconds
     phases["apply"] = result.apply_seconds
-    s.engine.metrics.update_applied(phases, result.total_seconds, sum(r.bytes_done for r in s.receivers))
+    s.state.metrics.update_applied(phases, result.total_seconds, sum(r.bytes_done for r in s.receivers))
     return result
 
 
@@ -121,7 +121,7 @@ def record_failed(s: UpdateSession, err: WsyncError) -> None:
     """Count failed update ``s`` in the engine's metrics (cancelled when ``err`` says it was asked for)."""
     cancelled = err.reason in ("UPDATE_CANCELLED", "SHUTDOWN")
     received = sum(r.bytes_done for r in s.receivers)
-    s.engine.metrics.update_failed(err.reason, cancelled, time.monotonic() - s.started, received)
+    s.state.metrics.update_failed(err.reason, cancelled, time.monotonic() - s.started, received)
 
 
 def progress_of(s: UpdateSession) -> Progress:

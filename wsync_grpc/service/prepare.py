@@ -1,11 +1,15 @@
-"""Reading one Prepare call's client stream: a header, then bucket specs, each validated as it arrives.
+"""Reading one Prepare stream: a header, then bucket specs, each validated as it arrives.
 
-Reading the stream blocks until the client's next message, so a watchdog
-thread cancels the RPC (which ends the read) when the stream stalls longer
-than the stall timeout or when Cancel sets the reader's cancel event; a
-stuck trainer cannot hold the engine in PREPARING. The validation itself is
+Reading the stream blocks until the caller's next message, so a watchdog
+thread stops the stream (which ends the read) when it stalls longer than the
+stall timeout or when Cancel sets the reader's cancel event; a stuck trainer
+cannot hold the engine in PREPARING. The validation itself is
 :class:`~wsync_grpc.core.validation.UpdateValidator`'s, and the reader hands
 that validator on to the update, which keeps it for every later Update.
+
+Protocol-agnostic: the stream is one of :data:`PrepareMessage` values (the
+servicer converts ``wsync.v1.PrepareRequest`` messages into them at the edge),
+and stopping it is a callable the edge supplies (gRPC: cancel the call).
 """
 
 from __future__ import annotations
@@ -13,21 +17,46 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-
-import grpc
-from wsync.v1 import weight_sync_pb2 as pb
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from wsync_grpc.core.errors import Aborted, DeadlineExceeded, InvalidArgument, WsyncError
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import Bucket
-from wsync_grpc.core.validation import UpdateValidator
-from wsync_grpc.wire.convert import header_from_proto
+from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 
 log = logging.getLogger(__name__)
 
 WATCHDOG_POLL_S = 0.05
 """How often the watchdog checks for a stall or a cancel, in seconds."""
+
+
+@dataclass(frozen=True)
+class HeaderMessage:
+    """A Prepare stream's header.
+
+    Attributes:
+        owner: who sends the update (``PrepareHeader.owner``), checked before anything else.
+        header: the header in domain terms, converted when called (after the owner check).
+    """
+
+    owner: str
+    header: Callable[[], UpdateHeader]
+
+
+@dataclass(frozen=True)
+class BucketsMessage:
+    """Bucket specs of a Prepare stream (one ``bucket``, or a ``buckets`` batch; empty: an empty batch)."""
+
+    specs: Sequence[BucketSpecFields]
+
+
+PrepareMessage = HeaderMessage | BucketsMessage
+"""One message of a Prepare stream, as the engine side reads it."""
+
+
+class StreamBroken(Exception):
+    """The caller's stream ended before its end (the caller went away, or the stream was stopped)."""
 
 
 def cancelled_while_preparing() -> Aborted:
@@ -61,29 +90,33 @@ class PrepareReader:
         self._stalled = threading.Event()
 
     def read(
-        self, validator: UpdateValidator, stream: Iterator[pb.PrepareRequest], context: grpc.ServicerContext
+        self, validator: UpdateValidator, stream: Iterator[PrepareMessage], stop_stream: Callable[[], None]
     ) -> tuple[UpdateHeader, list[Bucket]]:
         """Read ``stream`` to its end, validating with ``validator``; return the header and buckets.
 
         ``validator`` is a fresh one for the engine's model; afterwards it
         holds what the stream declared, and the update keeps it.
 
+        Args:
+            stop_stream: ends the stream (its iteration then raises :class:`StreamBroken`); called by the
+                watchdog on a stall or a cancel.
+
         Raises:
             InvalidArgument: a message the contract does not allow (MISSING_HEADER,
                 EMPTY_MESSAGE, UNKNOWN_ENUM_VALUE...) or metadata that does not fit
                 the model (see :class:`~wsync_grpc.core.validation.UpdateValidator`).
             Unimplemented: a transport not built yet.
-            Aborted: UPDATE_CANCELLED (Cancel was called) or STREAM_BROKEN (the client went away).
+            Aborted: UPDATE_CANCELLED (Cancel was called) or STREAM_BROKEN (the caller went away).
             DeadlineExceeded: PREPARE_STALLED, the stream sent nothing for ``stall_timeout_s``.
         """
         self.validator = validator
         self._last_message = time.monotonic()
-        threading.Thread(target=self._watch, args=(context,), name="wsync-prepare-watchdog", daemon=True).start()
+        threading.Thread(target=self._watch, args=(stop_stream,), name="wsync-prepare-watchdog", daemon=True).start()
         try:
             for msg in stream:
                 self._last_message = time.monotonic()
                 self._message(msg)
-        except grpc.RpcError as e:  # the client went away mid-stream, or the watchdog cancelled the call
+        except StreamBroken as e:  # the caller went away mid-stream, or the watchdog stopped it
             raise self._broken(e) from None
         finally:
             self._read_done.set()
@@ -91,38 +124,34 @@ class PrepareReader:
         assert validator.header is not None
         return validator.header, self._buckets
 
-    def _watch(self, context: grpc.ServicerContext) -> None:
-        """Cancel the RPC once the stream stalls or the update is cancelled; end with the read."""
+    def _watch(self, stop_stream: Callable[[], None]) -> None:
+        """Stop the stream once it stalls or the update is cancelled; end with the read."""
         while not self._read_done.wait(WATCHDOG_POLL_S):
             if time.monotonic() - self._last_message > self.stall_timeout_s:
                 self._stalled.set()
             if self._stalled.is_set() or self.cancel.is_set():
-                context.cancel()  # type: ignore[no-untyped-call]
+                stop_stream()
                 return
 
-    def _message(self, msg: pb.PrepareRequest) -> None:
+    def _message(self, msg: PrepareMessage) -> None:
         v = self.validator
         assert v is not None
         if self.cancel.is_set():
             raise cancelled_while_preparing()
-        kind = msg.WhichOneof("kind")
-        if kind == "header":
+        if isinstance(msg, HeaderMessage):
             if self._on_owner is not None and v.header is None:
-                self._on_owner(msg.header.owner)
-            self.update_id = v.header_message(header_from_proto(msg.header)).update_id
-        elif kind in ("bucket", "buckets"):
-            if v.header is None:
-                raise InvalidArgument("MISSING_HEADER", "a bucket arrived before the header")
-            specs = [msg.bucket] if kind == "bucket" else msg.buckets.buckets
-            if not specs:
-                raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried an empty bucket batch")
-            v.check_more_buckets(len(self._buckets) + len(specs))
-            self._buckets.extend(v.bucket_messages(specs))
-        else:
-            raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried neither header nor bucket")
+                self._on_owner(msg.owner)
+            self.update_id = v.header_message(msg.header()).update_id
+            return
+        if v.header is None:
+            raise InvalidArgument("MISSING_HEADER", "a bucket arrived before the header")
+        if not msg.specs:
+            raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried an empty bucket batch")
+        v.check_more_buckets(len(self._buckets) + len(msg.specs))
+        self._buckets.extend(v.bucket_messages(msg.specs))
 
-    def _broken(self, e: grpc.RpcError) -> WsyncError:
-        """Why the stream ended early: cancelled, stalled, or broken by the client."""
+    def _broken(self, e: StreamBroken) -> WsyncError:
+        """Why the stream ended early: cancelled, stalled, or broken by the caller."""
         if self.cancel.is_set():
             return cancelled_while_preparing()
         if self._stalled.is_set():

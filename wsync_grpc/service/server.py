@@ -134,7 +134,7 @@ down to one a second (gRPC's A8 client-side keepalive)."""
 
 
 def build_server(
-    adapter: Engine,
+    engine: Engine,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -147,10 +147,10 @@ def build_server(
     metrics_port: int | None = None,
     checkpoint_roots: Sequence[str] = (),
 ) -> WsyncServer:
-    """Start a server for ``adapter`` on ``host:port`` (port 0 = any free port).
+    """Start a server for ``engine`` on ``host:port`` (port 0 = any free port).
 
     Args:
-        adapter: the engine.
+        engine: the engine.
         host: bind address; loopback by default.
         port: TCP port; 0 picks a free one (see :attr:`WsyncServer.port`).
         max_workers: gRPC handler threads (each RPC holds one while it runs;
@@ -176,7 +176,7 @@ def build_server(
     creds = (
         grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())]) if tls_cert and tls_key else None
     )
-    servicer = WeightSyncServicer(adapter, checkpoint_roots=checkpoint_roots)
+    servicer = WeightSyncServicer(engine, checkpoint_roots=checkpoint_roots)
     # First, so that calls the token check refuses are counted too.
     interceptors: list[_Interceptor] = [RpcMetrics(servicer.engine.metrics)]
     interceptors += [_TokenAuth(token)] if token else []
@@ -201,7 +201,7 @@ def build_server(
     metrics_http = servicer.engine.metrics.serve(metrics_host, metrics_port) if metrics_port is not None else None
     server.start()
     shown = host if ":" not in host else f"[{host}]"
-    log.info("wsync serving %s on %s:%d", adapter.name, shown, bound)
+    log.info("wsync serving %s on %s:%d", engine.name, shown, bound)
     return WsyncServer(server, bound, f"{shown}:{bound}", servicer, health_servicer, metrics_http)
 
 

@@ -66,16 +66,16 @@ from wsync_grpc.worker.receiver import Receiver
 log = logging.getLogger(__name__)
 
 
-def may_step(adapter: Engine) -> bool:
+def may_step(engine: Engine) -> bool:
     """Whether requests in flight may still run inference steps: serving, or paused in WAIT mode."""
-    return adapter.pause_mode() in (None, PauseMode.WAIT)
+    return engine.pause_mode() in (None, PauseMode.WAIT)
 
 
 class UpdateSession:
     """One update in flight on one engine.
 
     Args:
-        engine: the engine-wide state.
+        state: the engine-wide state.
         planned: what Prepare settled: the validated header, buckets and their source.
         transport: the update's transport (:func:`~wsync_grpc.transports.transport_for`).
         validator: the validator that read the Prepare stream (it holds what was declared).
@@ -101,13 +101,13 @@ class UpdateSession:
 
     def __init__(
         self,
-        engine: EngineState,
+        state: EngineState,
         planned: PlannedUpdate,
         transport: TransportPart,
         validator: UpdateValidator,
         started: float,
     ) -> None:
-        self.engine = engine
+        self.state = state
         self.header = header = planned.header
         self.payload = Payload.of(header)
         self.transport = transport
@@ -139,13 +139,13 @@ class UpdateSession:
 
     def start(self) -> None:
         """Freeze the engine for a streaming update, become the engine's update, start the receivers. Lock held."""
-        eng = self.engine
-        if self.header.streaming and may_step(eng.adapter):
+        eng = self.state
+        if self.header.streaming and may_step(eng.engine):
             # Streaming apply changes weights bucket by bucket: freeze requests
             # between two steps until Complete. A WAIT pause does not stop the
             # requests it is draining (or failed to drain): freeze them too.
-            self.auto_paused = not eng.adapter.is_paused()
-            eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
+            self.auto_paused = not eng.engine.is_paused()
+            eng.engine.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         eng.update = self
         h = self.header
         plan = ReceivePlan(
@@ -159,7 +159,7 @@ class UpdateSession:
             timeout_s=eng.membership.group_timeout_s,
         )
         self.workers = update_workers(
-            eng.adapter,
+            eng.engine,
             eng.membership,
             eng.pools,
             self.transport,
@@ -196,11 +196,11 @@ class UpdateSession:
         """
         if self.error is not None:
             raise self.error
-        self.engine.lifecycle.fire(Event.ARMED)
+        self.state.lifecycle.fire(Event.ARMED)
         self.armed_at = time.monotonic()
         # Receivers may have finished already (tiny updates): re-check.
         if self.receivers and all(r.buckets_done == len(self.feed) for r in self.receivers):
-            self.engine.lifecycle.fire_if(Event.ALL_RECEIVED)
+            self.state.lifecycle.fire_if(Event.ALL_RECEIVED)
         h = self.header
         result = PrepareResult(
             h.update_id, self.prepared_buckets, self.tensors, self.bytes, self.armed_at - self.started
@@ -243,7 +243,7 @@ class UpdateSession:
         self.feed.extend(new)
         self.tensors += sum(len(b.tensors) for b in new)
         self.bytes += sum(b.size_bytes for b in new)
-        self.engine.lifecycle.fire(Event.MORE_BUCKETS)
+        self.state.lifecycle.fire(Event.MORE_BUCKETS)
 
     # ----------------------------------------------------------------- Complete
 
@@ -292,10 +292,10 @@ class UpdateSession:
             if r.error is not None:
                 self.fail(domain_error(r.error, Phase.RECEIVE, timeout_s=r.timeout_s))
                 break
-        with self.engine.lock:
+        with self.state.lock:
             if self.error is not None:
                 raise self.error
-            self.engine.lifecycle.fire_if(Event.ALL_RECEIVED)
+            self.state.lifecycle.fire_if(Event.ALL_RECEIVED)
 
     def verify(self, timeout_s: float) -> CompleteResult:
         """The first phase of a two-phase Complete: wait for every bucket, apply nothing. Lock not held.
@@ -309,12 +309,12 @@ class UpdateSession:
         """
         t0 = time.monotonic()
         self.wait_received(timeout_s)
-        with self.engine.lock:
+        with self.state.lock:
             if self.error is not None:
                 raise self.error
             self.verified = True
             self.verify_s = time.monotonic() - t0
-            return verified_result(self, self.engine.weight_version, time.monotonic())
+            return verified_result(self, self.state.weight_version, time.monotonic())
 
     def complete(self, timeout_s: float, flush_cache: bool) -> CompleteResult:
         """Wait for every bucket (at most ``timeout_s`` seconds), apply, publish the weight version. Lock not held.
@@ -325,20 +325,20 @@ class UpdateSession:
         """
         deadline = Deadline(timeout_s)
         self.wait_received(deadline.left())
-        with self.engine.lock:
+        with self.state.lock:
             if self.error is not None:
                 raise self.error
-            self.engine.lifecycle.fire(Event.APPLY)
+            self.state.lifecycle.fire(Event.APPLY)
         return self._apply(flush_cache, deadline.left(minimum=1.0))
 
     def _apply(self, flush_cache: bool, timeout_s: float) -> CompleteResult:
-        eng = self.engine
+        eng = self.state
         t0 = time.monotonic()
         try:
-            with eng.adapter.weights_lock():
+            with eng.engine.weights_lock():
                 self._apply_payload(timeout_s)
                 if flush_cache:
-                    eng.adapter.flush_cache()
+                    eng.engine.flush_cache()
         except BaseException as e:
             err = domain_error(e)
             with eng.lock:
@@ -359,7 +359,7 @@ class UpdateSession:
             eng.update = None
             eng.lifecycle.fire(Event.APPLIED)
             if self.auto_paused or (base and eng.dirty_paused):
-                eng.adapter.resume()
+                eng.engine.resume()
             eng.dirty_paused = eng.dirty_paused and not base
             self.ended.set()
         return record_applied(self, applied_result(self, t0, done, flush_cache))
@@ -374,7 +374,7 @@ class UpdateSession:
         if self.payload is Payload.WEIGHTS:
             self.workers.apply_weights(timeout_s, h.weight_version)
             return
-        engine = self.engine.adapter
+        engine = self.state.engine
         assert isinstance(engine, LoraAdapters) and h.adapter is not None, "validated at Prepare"
         tensors = self.workers.adapter_tensors(timeout_s)
         self.receivers[0].tensors_applied = engine.load_adapter(h.adapter, h.weight_version, tensors)
@@ -393,7 +393,7 @@ class UpdateSession:
         Idempotent, and a no-op once the update is no longer the engine's
         update (applied, or failed already). Takes the lock.
         """
-        eng = self.engine
+        eng = self.state
         with eng.lock:
             if self.error is not None or eng.update is not self:
                 return
@@ -422,21 +422,21 @@ class UpdateSession:
                 self._mark_dirty()
                 log.error("streaming update failed half-way: weights are dirty, the engine stays paused")
             elif self.auto_paused:
-                eng.adapter.resume()
+                eng.engine.resume()
 
     def _mark_dirty(self) -> None:
         """Flag half-updated weights and keep the engine paused until an update succeeds. Lock held."""
-        eng = self.engine
+        eng = self.state
         eng.dirty = True
-        if may_step(eng.adapter):  # serving, or a WAIT pause whose requests still run
-            eng.dirty_paused = not eng.adapter.is_paused()
-            eng.adapter.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
+        if may_step(eng.engine):  # serving, or a WAIT pause whose requests still run
+            eng.dirty_paused = not eng.engine.is_paused()
+            eng.engine.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         elif self.auto_paused:
             eng.dirty_paused = True  # our own freeze now holds because of the dirt
 
     def _on_receiver_event(self, r: Receiver) -> None:
         """A receiver got a bucket or ended: fail the update on an error, move to RECEIVED once all arrived."""
-        eng = self.engine
+        eng = self.state
         with eng.lock:
             if eng.update is not self or r not in self.receivers:
                 return

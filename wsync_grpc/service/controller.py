@@ -1,0 +1,385 @@
+"""The update controller: one engine's weight-sync lifecycle over domain values, whatever the protocol.
+
+:class:`UpdateController` owns what an update needs beyond one RPC: the
+engine-wide state (:class:`~wsync_grpc.service.engine_state.EngineState`:
+lifecycle, membership, ownership, buffers), the Prepare stream being read, and
+the update in flight (:class:`~wsync_grpc.service.session.UpdateSession`). Its
+methods are the contract's Init, Leave, Prepare, Update, Complete and Cancel
+and the checksums, taking and returning domain values and raising domain
+errors (:mod:`wsync_grpc.core.errors`); the gRPC servicer
+(:mod:`wsync_grpc.service.servicer`) converts messages to and from them, in
+the role KServe's ``DataPlane`` plays under its gRPC servicer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from opentelemetry.context import Context
+
+from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.engine import Engine, FusedGroups, ServedChecksums
+from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
+from wsync_grpc.core.layout import Transport
+from wsync_grpc.core.lifecycle import Event, Rpc, State, WrongState
+from wsync_grpc.core.lora import LoraAdapters, adapter_param_specs
+from wsync_grpc.core.membership import GroupParams
+from wsync_grpc.core.ownership import describe
+from wsync_grpc.core.timeouts import DEFAULT_PREPARE_TIMEOUT_S
+from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
+from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.outcome import CompleteResult, PrepareResult
+from wsync_grpc.service.prepare import PrepareMessage, PrepareReader, cancelled_while_preparing
+from wsync_grpc.service.session import UpdateSession
+from wsync_grpc.transports import transport_for
+from wsync_grpc.transports.disk.checkpoint import CheckpointRoots
+
+log = logging.getLogger(__name__)
+
+Checksum = tuple[str, torch.dtype, tuple[int, ...], str]
+"""``(name as asked, served dtype, shape, hex SHA-256 of its C-contiguous bytes)``."""
+
+
+@dataclass(frozen=True)
+class InitOutcome:
+    """What Init did (``wsync.v1.InitResponse``).
+
+    Attributes:
+        already_joined: the engine was a member of this very group already (Init is idempotent).
+        join_seconds: how long the join took, in seconds (0 when already joined).
+    """
+
+    already_joined: bool
+    join_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    """What Cancel did (``wsync.v1.CancelResponse``).
+
+    Attributes:
+        cancelled: an update (or a Prepare being read) was abandoned.
+        update_id: its id; empty when none was, or when a Prepare's header had not arrived yet.
+        state: the lifecycle state afterwards.
+    """
+
+    cancelled: bool
+    update_id: str
+    state: State
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What Update did (``wsync.v1.UpdateResponse``): the update's buckets and bytes declared so far."""
+
+    update_id: str
+    bucket_count: int
+    total_bytes: int
+
+
+class UpdateController:
+    """One engine's weight-sync lifecycle (the protocol-agnostic side of ``wsync.v1.WeightSyncService``).
+
+    Args:
+        engine: the engine.
+        prepare_timeout_s: bound on arming the receivers at Prepare, and on the silence between two
+            messages of a Prepare stream, in seconds (a stream that stalls longer is stopped). Read at
+            each Prepare.
+        keep_buffers: keep receive buffers between updates (see
+            :class:`~wsync_grpc.worker.buffers.BufferPool`); ``None``: on CPU workers only.
+        checkpoint_roots: directories disk updates may read checkpoints from; empty: disk updates are
+            refused with PERMISSION_DENIED.
+
+    Attributes:
+        state: the engine-wide state; its lock guards every method's changes.
+
+    Raises:
+        ValueError: a checkpoint root that is not a directory.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S,
+        keep_buffers: bool | None = None,
+        checkpoint_roots: Sequence[str] = (),
+    ) -> None:
+        self.engine = engine
+        self.checkpoint_roots = CheckpointRoots(checkpoint_roots)
+        self.prepare_timeout_s = prepare_timeout_s
+        self.state = EngineState(engine, keep_buffers)
+        self._lock = self.state.lock
+        self._preparing: PrepareReader | None = None  # the Prepare stream being read, in PREPARING
+
+    # --------------------------------------------------------------- Init/Leave
+
+    def init(self, params: GroupParams, owner: str, ttl_s: float, force: bool) -> InitOutcome:
+        """Make ``owner`` the owner and join the group ``params`` describe (see ``InitRequest``).
+
+        Raises:
+            FailedPrecondition: NOT_OWNER, WRONG_STATE.
+            AlreadyExists: GROUP_MISMATCH (joined with other parameters by the same owner).
+            WsyncError: the join failed (JOIN_TIMEOUT, GROUP_ERROR...); the engine is UNINITIALIZED again.
+        """
+        st, m = self.state, self.state.membership
+        with self._lock:
+            previous = st.ownership.owner
+            changed = st.claim(owner, "Init", ttl_s, force)
+            if changed and force and previous is not None:
+                self._cancel_in_flight("", f"the engine was taken over from {describe(previous)} (forced)")
+            if st.lifecycle.check(Rpc.INIT) == State.READY:
+                if params == m.params:
+                    return InitOutcome(already_joined=True)
+                if not changed:
+                    raise AlreadyExists(
+                        "GROUP_MISMATCH",
+                        f"already joined group {m.params.group_name if m.params else ''!r} with other "
+                        "parameters; call Leave first",
+                    )
+                m.leave()  # the previous owner is gone: its group goes with it
+                st.lifecycle.fire(Event.LEAVE)
+            st.lifecycle.fire(Event.JOIN)
+            st.failed_update = None
+        start = time.monotonic()
+        try:
+            groups = m.join(params)
+        except BaseException as e:
+            err = domain_error(e, Phase.JOIN)
+            with self._lock:
+                st.lifecycle.fire(Event.JOIN_FAILED)
+                st.record_error(err)
+            raise err from e
+        with self._lock:
+            m.joined(params, groups)
+            st.lifecycle.fire(Event.JOINED)
+        return InitOutcome(already_joined=False, join_seconds=time.monotonic() - start)
+
+    def leave(self, owner: str, force: bool) -> bool:
+        """Leave the weight-sync group (idempotent); whether the engine was a member.
+
+        Raises:
+            FailedPrecondition: NOT_OWNER (unless ``force``), WRONG_STATE (an update in flight).
+        """
+        st = self.state
+        with self._lock:
+            if force:
+                self._force_away(owner, "Leave")
+            else:
+                st.check_owner(owner, "Leave")
+            state = st.lifecycle.check(Rpc.LEAVE)
+            if st.ownership.owner == owner:
+                st.ownership.expire()  # the owner left: its lease lives only while it keeps it alive
+            if state == State.UNINITIALIZED:
+                return False
+            was_member = st.membership.leave()
+            st.lifecycle.fire(Event.LEAVE)
+            return was_member
+
+    def _force_away(self, caller: str, what: str) -> None:
+        """An operator's force: the live owner, if another caller, loses the engine. Lock held."""
+        lost = self.state.ownership.force_release(caller, self.state.update is not None)
+        if lost is not None:
+            log.warning("%s with force: %s loses the engine", what, describe(lost))
+
+    # ------------------------------------------------------ Prepare/Update/Complete
+
+    def prepare(
+        self, stream: Iterator[PrepareMessage], stop_stream: Callable[[], None], trace_context: Context | None
+    ) -> PrepareResult:
+        """Read, validate and arm one update; return once every receiver is armed.
+
+        Args:
+            stream: the Prepare stream's messages (a header first).
+            stop_stream: ends ``stream`` (on a stall, or a Cancel while it is read).
+            trace_context: the OpenTelemetry context of the Prepare's span, kept by the update.
+
+        Raises:
+            WsyncError: see :meth:`~wsync_grpc.service.prepare.PrepareReader.read`,
+                :meth:`~wsync_grpc.transports.TransportPart.plan` and
+                :meth:`~wsync_grpc.service.session.UpdateSession.wait_armed`; WRONG_STATE for a transport that
+                needs the group before Init.
+        """
+        started = time.monotonic()
+        st = self.state
+        with self._lock:
+            st.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
+            reader = self._preparing = PrepareReader(self.prepare_timeout_s, self._claim_for_prepare)
+        try:
+            validator = update_validator(self.engine)
+            header, buckets = reader.read(validator, stream, stop_stream)
+            transport = transport_for(header.transport)
+            if transport.needs_group and st.lifecycle.origin is not State.READY:
+                raise WrongState(Rpc.PREPARE, st.lifecycle.origin, "a broadcast needs the group: call Init first")
+            planned = transport.plan(header, validator, buckets, self.checkpoint_roots)
+            with self._lock:
+                if reader.cancel.is_set():
+                    raise cancelled_while_preparing()
+                session = UpdateSession(st, planned, transport, validator, started)
+                session.trace_context = trace_context
+                session.start()
+        except BaseException:
+            with self._lock:
+                self._preparing = None
+                if st.lifecycle.state == State.PREPARING:
+                    st.lifecycle.fire(Event.REJECTED)
+            raise
+        session.wait_armed(self.prepare_timeout_s)
+        with self._lock:
+            self._preparing = None
+            return session.armed()
+
+    def _claim_for_prepare(self, owner: str) -> None:
+        """The Prepare header named ``owner``: it must own the engine, or the engine must have no live owner."""
+        with self._lock:
+            self.state.claim(owner, "Prepare")
+
+    def update(
+        self, owner: str, update_id: str, transport: Transport, specs: Sequence[BucketSpecFields]
+    ) -> UpdateOutcome:
+        """Declare further buckets of the incremental update ``update_id``.
+
+        Raises:
+            FailedPrecondition: NOT_OWNER, WRONG_STATE, NO_UPDATE, UPDATE_ID_MISMATCH, NOT_INCREMENTAL, COMPLETING.
+            Unimplemented: TRANSPORT_UNIMPLEMENTED (a transport whose buckets cannot be declared).
+            InvalidArgument: EMPTY_UPDATE, and what the validator refuses.
+        """
+        st = self.state
+        with self._lock:
+            st.check_owner(owner, "Update")
+            st.lifecycle.check(Rpc.UPDATE)
+            upd = st.current(update_id)
+            upd.check_accepts_buckets()
+            transport_for(transport).check_update()
+            if not specs:
+                raise InvalidArgument("EMPTY_UPDATE", "UpdateRequest.buckets is empty")
+            upd.declare(specs)
+            return UpdateOutcome(upd.header.update_id, len(upd.feed), upd.bytes)
+
+    def begin_complete(
+        self, owner: str, update_id: str, timeout_s: Callable[[float], float], verify_only: bool
+    ) -> tuple[UpdateSession, float]:
+        """Start Complete on update ``update_id``: no bucket may be declared any more.
+
+        Args:
+            timeout_s: the caller's bound on the wait, in seconds, given the engine's default (the group
+                timeout); it may raise to refuse a bad duration before anything changes.
+
+        Returns:
+            The update, and the bound of :meth:`finish_complete`'s wait, in seconds.
+
+        Raises:
+            FailedPrecondition: NOT_OWNER, WRONG_STATE, NO_UPDATE, UPDATE_ID_MISMATCH.
+            WsyncError: in FAILED, the error that ended update ``update_id``.
+            Aborted: COMPLETE_IN_PROGRESS.
+        """
+        st = self.state
+        with self._lock:
+            st.check_owner(owner, "Complete")
+            if st.lifecycle.check(Rpc.COMPLETE) == State.FAILED:
+                raise st.failure_of(update_id)
+            upd = st.current(update_id)
+            timeout = timeout_s(st.membership.group_timeout_s)
+            upd.begin_complete(verify_only)
+        return upd, timeout
+
+    @staticmethod
+    def finish_complete(upd: UpdateSession, timeout_s: float, verify_only: bool, flush_cache: bool) -> CompleteResult:
+        """Wait for every bucket (at most ``timeout_s`` seconds), then verify only, or apply and publish.
+
+        Raises:
+            DeadlineExceeded: RECEIVE_TIMEOUT.
+            WsyncError: the receive or the apply failed (the update has failed).
+        """
+        return upd.verify(timeout_s) if verify_only else upd.complete(timeout_s, flush_cache)
+
+    def cancel(self, owner: str, update_id: str, reason: str, force: bool) -> CancelOutcome:
+        """Abandon the update in flight (idempotent); ``update_id`` empty: whatever is in flight.
+
+        Raises:
+            FailedPrecondition: NOT_OWNER (unless ``force``), WRONG_STATE (while applying).
+        """
+        st = self.state
+        with self._lock:
+            if not force:
+                st.check_owner(owner, "Cancel")
+            state = st.lifecycle.check(Rpc.CANCEL)
+            outcome = self._cancel_in_flight(update_id, reason, state)
+            if force:
+                self._force_away(owner, "Cancel")
+            return outcome
+
+    def _cancel_in_flight(self, update_id: str, reason: str, state: State | None = None) -> CancelOutcome:
+        """Abandon the update in flight (``update_id``: only if it names it; ``""``: any). Lock held."""
+        lifecycle = self.state.lifecycle
+        state = lifecycle.state if state is None else state
+        reader = self._preparing
+        err = Aborted("UPDATE_CANCELLED", f"the update was cancelled: {reason}")
+        if state == State.PREPARING and reader is not None:
+            # update_id naming another update (or given before the header told us
+            # this one's) leaves the Prepare alone, as it leaves an armed update alone.
+            if update_id and update_id != reader.update_id:
+                return CancelOutcome(False, "", state)
+            reader.cancel.set()
+            if self.state.update is not None:  # the stream was read and the receivers are being armed
+                self.state.update.fail(err)
+            return CancelOutcome(True, reader.update_id or "", lifecycle.state)
+        upd = self.state.update
+        if upd is None or (update_id and update_id != upd.header.update_id):
+            return CancelOutcome(False, "", state)
+        upd.fail(err)
+        return CancelOutcome(True, upd.header.update_id, lifecycle.state)
+
+    # ------------------------------------------------------------------- checks
+
+    def checksums(self, names: Sequence[str]) -> tuple[str, list[Checksum]]:
+        """SHA-256 of each served tensor (every one when ``names`` is empty), read between two steps.
+
+        Returns:
+            The weight version served while they were read, and one :data:`Checksum` per name.
+
+        Raises:
+            InvalidArgument: UNKNOWN_TENSOR.
+        """
+        specs = self.engine.parameter_specs()
+        aliases = self.engine.aliases()
+        names = list(names) or list(specs)
+        for n in names:
+            if aliases.get(n, n) not in specs:
+                raise InvalidArgument(
+                    "UNKNOWN_TENSOR", f"tensor {n[:120]!r} is not a parameter of the served model", tensor=n[:120]
+                )
+        if isinstance(self.engine, ServedChecksums):
+            return self.state.weight_version, self.engine.weight_checksums(names)
+        with self.engine.weights_lock():
+            out: list[Checksum] = []
+            for n in names:
+                t = self.engine.get_weight(n)
+                out.append((n, t.dtype, tuple(t.shape), tensor_sha256(t)))
+            return self.state.weight_version, out
+
+    def shutdown(self) -> None:
+        """Cancel any update in flight and leave the group (server shutdown)."""
+        with self._lock:
+            if self.state.update is not None:
+                self.state.update.fail(Aborted("SHUTDOWN", "the engine is shutting down"))
+            self.state.membership.leave()
+
+
+def update_validator(engine: Engine) -> UpdateValidator:
+    """A fresh validator for one update of ``engine``: its tensors, ties, fused groups and LoRA targets.
+
+    Every registered transport's rules apply (:func:`~wsync_grpc.transports.transport_for`; a disk update
+    reads where the engine's roots allow); adapter updates only on an engine that serves adapters
+    (:class:`~wsync_grpc.core.lora.LoraAdapters`).
+    """
+    fused = engine.fused_groups() if isinstance(engine, FusedGroups) else ()
+    specs = None
+    if isinstance(engine, LoraAdapters) and (lora := engine.lora_linears()):
+        specs = functools.partial(adapter_param_specs, lora, max_rank=engine.lora_max_rank())
+    return UpdateValidator(engine.parameter_specs(), engine.aliases(), fused, transport_for, specs)
