@@ -29,7 +29,6 @@ from wsync_grpc.service.adapters import list_adapters, unload_adapter
 from wsync_grpc.service.controller import CancelOutcome, UpdateController
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.lease import DEFAULT_KEEPALIVE_INTERVAL_S, keepalive_stream, open_keepalive
-from wsync_grpc.service.outcome import trace_receive
 from wsync_grpc.service.prepare import BucketsMessage, HeaderMessage, PrepareMessage, StreamBroken
 from wsync_grpc.service.status import owner_info, status_response
 from wsync_grpc.service.tracing import server_span
@@ -184,7 +183,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         with server_span(f"wsync.engine.{phase}", context, update_id=upd.header.update_id):
             result = self.controller.finish_complete(upd, timeout, request.verify_only, request.flush_cache)
         if request.verify_only or not upd.verified:  # every bucket arrived in this call: trace the receive
-            trace_receive(upd)
+            upd.trace_receive()
         return pb.CompleteResponse(**dataclasses.asdict(result))
 
     @grpc_errors

@@ -48,16 +48,9 @@ from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
 from wsync_grpc.core.update import Payload, PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
-from wsync_grpc.service.outcome import (
-    CompleteResult,
-    PrepareResult,
-    applied_result,
-    progress_of,
-    record_applied,
-    record_failed,
-    verified_result,
-)
+from wsync_grpc.service.outcome import CompleteResult, PrepareResult, last_arrival
 from wsync_grpc.service.status import Progress
+from wsync_grpc.service.tracing import record_span
 from wsync_grpc.service.workers import UpdateWorkers, update_workers
 from wsync_grpc.transports import TransportPart
 from wsync_grpc.worker.feed import BucketFeed
@@ -314,7 +307,7 @@ class UpdateSession:
                 raise self.error
             self.verified = True
             self.verify_s = time.monotonic() - t0
-            return verified_result(self, self.state.weight_version, time.monotonic())
+            return self._verified_result(time.monotonic())
 
     def complete(self, timeout_s: float, flush_cache: bool) -> CompleteResult:
         """Wait for every bucket (at most ``timeout_s`` seconds), apply, publish the weight version. Lock not held.
@@ -362,7 +355,9 @@ class UpdateSession:
                 eng.engine.resume()
             eng.dirty_paused = eng.dirty_paused and not base
             self.ended.set()
-        return record_applied(self, applied_result(self, t0, done, flush_cache))
+        result = self._applied_result(t0, done, flush_cache)
+        self._record_applied(result)
+        return result
 
     def _apply_payload(self, timeout_s: float) -> None:
         """Base weights into the served model (the version published with them), or the LoRA adapter. Weights lock.
@@ -382,8 +377,100 @@ class UpdateSession:
     # ----------------------------------------------------------------- progress
 
     def progress(self) -> Progress:
-        """Where the update stands (the slowest worker's counts). Lock held."""
-        return progress_of(self)
+        """Where the update stands (the slowest worker's counts; sizes in bytes, times in seconds). Lock held."""
+        h = self.header
+        return Progress(
+            update_id=h.update_id,
+            weight_version=h.weight_version,
+            layout=h.layout,
+            apply_mode=h.apply_mode,
+            buckets_expected=len(self.feed),
+            buckets_received=min((r.buckets_done for r in self.receivers), default=0),
+            bytes_expected=self.bytes,
+            bytes_received=min((r.bytes_done for r in self.receivers), default=0),
+            elapsed_seconds=time.monotonic() - self.started,
+            incremental=h.incremental,
+        )
+
+    # ----------------------------------------------------------------- results
+
+    def _result(
+        self, done: float, *, version: str, applied: int, apply_s: float, flushed: bool, verified_only: bool
+    ) -> CompleteResult:
+        """What the update reports at ``done`` (monotonic seconds); the keywords are what differs between replies."""
+        armed = self.armed_at or self.started
+        r0 = self.receivers[0] if self.receivers else None
+        return CompleteResult(
+            update_id=self.header.update_id,
+            weight_version=version,
+            bucket_count=r0.buckets_done if r0 else 0,
+            tensor_count=applied,
+            bytes_received=r0.bytes_done if r0 else 0,
+            receive_seconds=max(0.0, last_arrival(self.receivers, done) - armed),
+            apply_seconds=apply_s,
+            total_seconds=done - self.started,
+            cache_flushed=flushed,
+            verified_only=verified_only,
+            prepare_seconds=armed - self.started,
+            verify_seconds=self.verify_s,
+        )
+
+    def _verified_result(self, done: float) -> CompleteResult:
+        """The result of the update verified at ``done`` (monotonic seconds): the served version is unchanged."""
+        log.info(
+            "update %s verified: every bucket arrived; waiting for the applying Complete", clip(self.header.update_id)
+        )
+        served = self.state.weight_version
+        return self._result(done, version=served, applied=0, apply_s=0.0, flushed=False, verified_only=True)
+
+    def _applied_result(self, t0: float, done: float, flush_cache: bool) -> CompleteResult:
+        """The result of the update applied from ``t0`` to ``done`` (monotonic seconds), logged."""
+        applied = self.receivers[0].tensors_applied if self.receivers else 0
+        result = self._result(
+            done,
+            version=self.header.weight_version,
+            applied=applied,
+            apply_s=done - t0,
+            flushed=flush_cache,
+            verified_only=False,
+        )
+        log.info(
+            "update %s applied: version %s, %d tensors, %d bytes, %.3f s total",
+            clip(result.update_id),
+            clip(result.weight_version),
+            result.tensor_count,
+            result.bytes_received,
+            result.total_seconds,
+        )
+        return result
+
+    def _record_applied(self, result: CompleteResult) -> None:
+        """Count the applied update in the engine's metrics (its phases, in seconds)."""
+        phases = {"prepare": result.prepare_seconds, "receive": result.receive_seconds}
+        if self.verified:
+            phases["verify"] = result.verify_seconds
+        phases["apply"] = result.apply_seconds
+        self.state.metrics.update_applied(phases, result.total_seconds, sum(r.bytes_done for r in self.receivers))
+
+    def _record_failed(self, err: WsyncError) -> None:
+        """Count the failed update in the engine's metrics (cancelled when ``err`` says it was asked for)."""
+        cancelled = err.reason in ("UPDATE_CANCELLED", "SHUTDOWN")
+        received = sum(r.bytes_done for r in self.receivers)
+        self.state.metrics.update_failed(err.reason, cancelled, time.monotonic() - self.started, received)
+
+    def trace_receive(self) -> None:
+        """Record the ``wsync.engine.receive`` span: armed receivers to the last bucket's arrival."""
+        if self.trace_context is None or self.armed_at is None or not self.receivers:
+            return
+        last = last_arrival(self.receivers, self.armed_at)
+        record_span(
+            "wsync.engine.receive",
+            self.trace_context,
+            self.armed_at,
+            last,
+            update_id=self.header.update_id,
+            buckets=len(self.feed),
+        )
 
     # ------------------------------------------------------------------ failure
 
@@ -410,7 +497,7 @@ class UpdateSession:
             eng.failed_update = self
             eng.record_error(err, self.header.update_id)
             self.ended.set()
-            record_failed(self, err)
+            self._record_failed(err)
             log.warning(
                 "update %s (version %s) failed: %s %s",
                 clip(self.header.update_id),
