@@ -212,7 +212,8 @@ def register_engine(plugin: EnginePlugin, *, replace: bool = False) -> None:
 
     Raises:
         TypeError: ``plugin`` is not an :class:`EngineFactory` or :class:`EngineServer`.
-        ValueError: its name is empty or holds white space, or another engine has it (and not ``replace``).
+        ValueError: its name is empty or holds white space, its help is not one line, or another engine
+            has its name (and not ``replace``).
     """
     _load()
     _register(plugin, replace=replace)
@@ -307,6 +308,9 @@ def _register(plugin: EnginePlugin, *, replace: bool) -> None:
     name = getattr(plugin, "name", "")
     if not isinstance(name, str) or not name or any(c.isspace() for c in name):
         raise ValueError(f"{plugin!r}: an engine's name is a non-empty word, not {name!r}")
+    text = getattr(plugin, "help", None)
+    if not isinstance(text, str) or not text or "\n" in text:
+        raise ValueError(f"engine {name!r}: its help is one line of text, not {text!r}")
     if name in _registry and not replace:
         raise ValueError(f"an engine named {name!r} is registered already ({type(_registry[name]).__qualname__})")
     _registry[name] = plugin
