@@ -1,4 +1,4 @@
-"""``wsync serve --engine vllm``: one vLLM engine serving ``wsync.v1`` beside its OpenAI-compatible HTTP API.
+"""``wsync serve --engine vllm``'s server: one vLLM engine serving ``wsync.v1`` beside its OpenAI-compatible HTTP API.
 
 This is vLLM's own API server (``vllm.entrypoints.openai.api_server``: the
 same argument parser, engine client, FastAPI app and uvicorn loop), started
@@ -16,14 +16,13 @@ import asyncio
 import json
 import logging
 import shlex
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from wsync_grpc.engines.vllm import BACKEND_NAME, WORKER_EXTENSION
 from wsync_grpc.engines.vllm.front import VllmEngine
-from wsync_grpc.service.server import WsyncServer, build_server, write_port_file
+from wsync_grpc.service.server import WsyncServer, write_port_file
+from wsync_grpc.tools.engines.registry import ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -34,32 +33,18 @@ class VllmServeOptions:
 
     Attributes:
         model: the Hugging Face checkpoint directory vLLM loads (safetensors).
-        host, port: the wsync gRPC server's bind address and TCP port (0 = any free one).
+        server: the weight-sync server beside vLLM's (address, token, TLS, port file, metrics, ...).
         http_host, http_port: vLLM's HTTP API's bind address and TCP port.
         tensor_parallel_size: vLLM's ``--tensor-parallel-size``.
         vllm_args: further vLLM engine arguments, as one shell-quoted string (e.g. ``"--enforce-eager"``).
-        token, tls_cert, tls_key: the gRPC server's bearer token and TLS files (see ``build_server``).
-        port_file: where to write the gRPC port once serving.
-        grace: seconds in-flight RPCs get at shutdown.
-        metrics_host, metrics_port: wsync's Prometheus ``/metrics`` endpoint (``None``: not served).
-        checkpoint_roots: directories disk updates may read checkpoints from (``--checkpoint-root``).
     """
 
     model: str
-    host: str = "127.0.0.1"
-    port: int = 0
+    server: ServerOptions = field(default_factory=ServerOptions)
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     tensor_parallel_size: int = 1
     vllm_args: str = ""
-    token: str | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    port_file: Path | None = None
-    grace: float = 5.0
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None
-    checkpoint_roots: Sequence[str] = ()
 
 
 def vllm_argv(o: VllmServeOptions) -> list[str]:
@@ -118,17 +103,7 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
     try:
         async with build_async_engine_client(args) as client:
             adapter = await VllmEngine.create(client)
-            srv = build_server(
-                adapter,
-                host=o.host,
-                port=o.port,
-                token=o.token,
-                tls_cert=o.tls_cert,
-                tls_key=o.tls_key,
-                metrics_host=o.metrics_host,
-                metrics_port=o.metrics_port,
-                checkpoint_roots=o.checkpoint_roots,
-            )
+            srv = o.server.start(adapter)
             specs = adapter.parameter_specs()
             log.info(
                 "vLLM engine %s: %d checkpoint tensors, %d worker(s); wsync.v1 on %s, HTTP on %s",
@@ -142,11 +117,11 @@ async def _serve(o: VllmServeOptions, args: Any) -> None:
             shutdown = await _build_and_serve(client, listen_address, sock, args, adapter)
             ready.cancel()
             # HTTP has stopped (SIGINT/SIGTERM): stop wsync before the engine goes.
-            await asyncio.get_running_loop().run_in_executor(None, srv.stop, o.grace)
+            await asyncio.get_running_loop().run_in_executor(None, srv.stop, o.server.grace)
         await shutdown
     finally:
         if srv is not None:
-            srv.stop(o.grace)
+            srv.stop(o.server.grace)
         sock.close()
 
 
@@ -202,12 +177,5 @@ async def _when_http_listens(o: VllmServeOptions, grpc_port: int) -> None:
         writer.close()
         break
     log.info("serving: wsync.v1 on port %d, HTTP on port %d", grpc_port, o.http_port)
-    if o.port_file is not None:
-        write_port_file(o.port_file, grpc_port)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m wsync_grpc.tools.vllm_serve``: the same as ``wsync serve --engine vllm``."""
-    from wsync_grpc.tools.cli import main as cli_main
-
-    return cli_main(["serve", "--engine", "vllm", *(argv or [])])
+    if o.server.port_file is not None:
+        write_port_file(o.server.port_file, grpc_port)
