@@ -339,13 +339,15 @@ class RemoteWorkers(Protocol):
     """Optional: an engine whose workers are other processes (vLLM's), where the receivers run.
 
     The reference engine's workers are threads of the servicer's process: the
-    servicer joins the group and runs a
-    :class:`~wsync_grpc.transports.broadcast.receiver.WorkerReceiver` per worker itself.
-    An engine that offers this protocol instead has each worker process join
-    the group at ``rank_offset`` plus its global rank, receive in the
-    background, and apply between two of its inference steps; the servicer
-    drives them through these calls and polls their progress. Each call
-    reaches every worker and returns once all have answered.
+    servicer joins the group and runs each worker's receiver itself (one made by
+    the update's transport, :mod:`wsync_grpc.transports`). An engine that offers
+    this protocol instead has each worker process run a
+    :class:`~wsync_grpc.engines.host.WorkerHost`, which joins the group at
+    ``rank_offset`` plus its global rank, receives in the background, and
+    applies between two of its inference steps; the servicer drives them
+    through these calls (the messages of :mod:`wsync_grpc.core.messages`) and
+    polls their progress. Each call reaches every worker and returns once all
+    have answered.
     """
 
     def join_workers(self, params: GroupParams) -> None:
