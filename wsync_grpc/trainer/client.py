@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 import grpc
 import torch
@@ -48,7 +48,7 @@ from wsync_grpc.trainer.protocol import UpdateProtocol
 from wsync_grpc.trainer.request import UpdateRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.sender import BroadcastSender
-from wsync_grpc.trainer.settings import Setting, client_settings
+from wsync_grpc.trainer.settings import ClientSettings, client_settings
 from wsync_grpc.trainer.source import NamedTensors
 from wsync_grpc.trainer.sync import SyncRunner
 from wsync_grpc.trainer.views import (
@@ -66,11 +66,37 @@ __all__ = ["TrainerClient"]
 
 R = TypeVar("R")
 V = TypeVar("V")
+T = TypeVar("T")
 
 
 def _per_target(replies: Mapping[str, R], view: Callable[[R], V]) -> dict[str, V]:
     """target -> ``view(reply)``, in the replies' (target) order."""
     return {t: view(r) for t, r in replies.items()}
+
+
+class _HasSettings(Protocol):
+    _settings: ClientSettings
+
+
+class Setting(Generic[T]):
+    """A public attribute of :class:`TrainerClient`: reads and writes the same-named field of its ``ClientSettings``."""
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any] | None = None) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, obj: _HasSettings, owner: type[Any] | None = None) -> T: ...
+
+    def __get__(self, obj: _HasSettings | None, owner: type[Any] | None = None) -> Setting[T] | T:
+        if obj is None:
+            return self
+        return cast(T, getattr(obj._settings, self._name))
+
+    def __set__(self, obj: _HasSettings, value: T) -> None:
+        setattr(obj._settings, self._name, value)
 
 
 class TrainerClient:
