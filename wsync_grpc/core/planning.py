@@ -4,7 +4,7 @@
 dtype, global shape) into the update's :class:`~wsync_grpc.core.layout.Bucket`
 list without touching any tensor's bytes; :func:`plan_buckets` does the same
 for ``named_parameters()`` / ``state_dict()`` pairs, after
-:func:`unique_tensors` dropped tied duplicates by storage (only metadata is
+:func:`unique_tensors` dropped tied duplicates by address (only metadata is
 read, so ``meta`` tensors can be planned too). The defaults
 here are what :class:`~wsync_grpc.trainer.client.TrainerClient` plans with;
 ``BENCHMARKS.md`` shows how they were chosen. Sizes are in bytes throughout.
@@ -96,17 +96,6 @@ def _align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
-def _identity(t: torch.Tensor, shape: tuple[int, ...]) -> tuple[object, ...] | None:
-    """A key equal for two tensors that are the same bytes (tied weights), or None."""
-    if t.is_meta or t.numel() == 0:
-        return None
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
-        return None
-    return (t.device, ptr, t.storage_offset(), shape, t.stride(), t.dtype)
-
-
 class TensorMeta(NamedTuple):
     """What planning needs of one tensor: its name, dtype and global shape; none of its bytes.
 
@@ -124,29 +113,45 @@ class TensorMeta(NamedTuple):
     shape: tuple[int, ...]
 
 
-def unique_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """``named_tensors`` in order, tied or duplicated tensors kept once, under their first name.
+new_meta = tuple.__new__
+"""Builds a :class:`TensorMeta` from its three fields without ``NamedTuple``'s Python-level ``__new__``
+(``unique_tensors`` builds one per tensor at every sync)."""
 
-    Two tensors are the same when they share storage, storage offset, shape, stride and dtype
-    (``state_dict()`` lists a tied ``lm_head.weight`` and ``model.embed_tokens.weight`` as the same
-    tensor); ``meta``, empty and storage-less tensors are never merged. Only metadata is read.
+
+def unique_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[TensorMeta, torch.Tensor]]:
+    """Each tensor of ``named_tensors`` with its metadata, in order, tied or duplicated tensors kept once.
+
+    Two tensors are the same when they start at the same address on the same device with the same
+    shape, stride and dtype (``state_dict()`` lists a tied ``lm_head.weight`` and
+    ``model.embed_tokens.weight`` as the same tensor): the first name is kept. ``meta``, empty and
+    storage-less tensors are never merged. Only metadata is read, once per tensor (a large MoE has
+    100k of them and a trainer does this at every sync).
 
     Raises:
         ValueError: a name appears twice.
     """
-    out: list[tuple[str, torch.Tensor]] = []
+    out: list[tuple[TensorMeta, torch.Tensor]] = []
     seen_names: set[str] = set()
-    seen_tensors: set[tuple[object, ...]] = set()
+    at: dict[int, list[tuple[object, ...]]] = {}  # address -> the tensors kept that start there
     for name, tensor in named_tensors:
         if name in seen_names:
             raise ValueError(f"tensor name {name!r} appears twice")
         seen_names.add(name)
-        key = _identity(tensor, tuple(tensor.shape))
-        if key is not None:
-            if key in seen_tensors:
+        dtype, shape = tensor.dtype, tensor.shape  # a torch.Size is a tuple of ints
+        try:
+            ptr = tensor.data_ptr()  # 0 for meta tensors
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+            ptr = 0
+        if ptr and 0 not in shape:
+            key = (tensor.get_device(), shape, tensor.stride(), dtype)
+            kept = at.get(ptr)
+            if kept is None:
+                at[ptr] = [key]
+            elif key in kept:
                 continue  # tied: kept under its first name
-            seen_tensors.add(key)
-        out.append((name, tensor))
+            else:
+                kept.append(key)
+        out.append((new_meta(TensorMeta, (name, dtype, shape)), tensor))
     return out
 
 
@@ -167,10 +172,10 @@ def plan_buckets(
     ``alignment`` and its element size; when it would end past
     ``bucket_bytes`` a new bucket starts. A tensor larger than
     ``bucket_bytes`` gets a bucket of its own. Only metadata is read (dtype,
-    shape, storage), so ``meta`` tensors can be planned too.
+    shape, address), so ``meta`` tensors can be planned too.
 
-    Tied or duplicated tensors, i.e. the same storage, storage offset, shape,
-    stride and dtype (``state_dict()`` lists a tied ``lm_head.weight`` and
+    Tied or duplicated tensors, i.e. the same address, shape, stride and
+    dtype on the same device (:func:`unique_tensors`; ``state_dict()`` lists a tied ``lm_head.weight`` and
     ``model.embed_tokens.weight`` as the same tensor), are planned once,
     under the first name; engines resolve tied aliases themselves.
 
@@ -213,7 +218,7 @@ def plan_buckets(
             non-positive ``bucket_bytes`` or ``alignment``, a non-floating
             ``dtype``, or a dtype weight sync does not support.
     """
-    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in unique_tensors(named_tensors)]
+    metas = [meta for meta, _tensor in unique_tensors(named_tensors)]
     limits = {"max_spec_bytes": max_spec_bytes, "ramp_bytes": ramp_bytes, "solo_bytes": solo_bytes}
     return plan_metadata(metas, bucket_bytes, alignment, dtype, **limits)
 

@@ -65,8 +65,8 @@ class NamedTensors:
 
     The pairs are read once, at the first :meth:`metadata` (so an iterator such as
     ``model.named_parameters()`` is consumed once, when the update plans); only references are
-    kept, nothing is copied. Tied or duplicated tensors (same storage, offset, shape, stride and
-    dtype: :func:`~wsync_grpc.core.planning.unique_tensors`) are sent once, under their first name.
+    kept, nothing is copied. Tied or duplicated tensors (same address, shape, stride and dtype:
+    :func:`~wsync_grpc.core.planning.unique_tensors`) are sent once, under their first name.
 
     Args:
         named_tensors: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()``.
@@ -85,8 +85,8 @@ class NamedTensors:
         """
         if self._by_name is None:
             unique = unique_tensors(self._pairs)
-            self._by_name = dict(unique)
-            self._metadata = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in unique]
+            self._by_name = {meta.name: t for meta, t in unique}
+            self._metadata = [meta for meta, _t in unique]
         return self._metadata
 
     def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
