@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from wsync_grpc.core.planning import unique_tensors
 from wsync_grpc.trainer.options import apply_mode_name, layout_name
 from wsync_grpc.trainer.protocol import UpdateProtocol
 from wsync_grpc.trainer.request import UpdateRequest
@@ -44,24 +45,15 @@ def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory
 
     Tensors sharing memory (tied embeddings) are written once, under their
     first name, as :meth:`~wsync_grpc.trainer.client.TrainerClient.sync` sends
-    them. Tensors are detached, made contiguous and moved to CPU. The file is
-    written beside its final name and renamed into place, so an engine never
-    reads half of it.
+    them (:func:`~wsync_grpc.core.planning.unique_tensors`). Tensors are
+    detached, made contiguous and moved to CPU. The file is written beside its
+    final name and renamed into place, so an engine never reads half of it.
 
     Raises:
         ValueError: no tensors, or a name given twice.
         OSError: the directory cannot be written.
     """
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    for name, t in named_tensors:
-        if name in out:
-            raise ValueError(f"tensor {name!r} is given twice")
-        key = (t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(), t.numel(), tuple(t.shape))
-        if t.numel() and key in seen:
-            continue  # a tied tensor, already written under its first name
-        seen.add(key)
-        out[name] = t.detach().to("cpu").contiguous()
+    out = {meta.name: t.detach().to("cpu").contiguous() for meta, t in unique_tensors(named_tensors)}
     if not out:
         raise ValueError("nothing to save: no tensors given")
     d = Path(directory)
