@@ -41,9 +41,10 @@ from support import ENV, ROOT
 from wsync.v1 import generation_pb2, generation_pb2_grpc, weight_sync_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.lifecycle import State
 from wsync_grpc.engines.reference import ReferenceEngine
 from wsync_grpc.testing import EngineProcess, spawn_engine
-from wsync_grpc.trainer import ApplyMode, PauseModeName, TrainerClient
+from wsync_grpc.trainer import ApplyMode, PauseModeName, PauseResult, ResumeResult, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
 pytest.importorskip("transformers")
@@ -70,8 +71,8 @@ class Sync:
     weights: str  # "A" or "B"
     pause: PauseModeName | None
     apply: ApplyMode
-    pause_reply: pb.PauseResponse | None
-    resume_reply: pb.ResumeResponse | None
+    pause_reply: PauseResult | None
+    resume_reply: ResumeResult | None
 
 
 @dataclasses.dataclass
@@ -304,7 +305,7 @@ def run_syncs_under_load(fx: Fixture, cycles: int) -> None:
         assert not any(t.is_alive() for t in threads), "a generation request hung"
         status = trainer.status()[fx.target]
         assert status.weight_version == syncs[-1].version and status.updates_completed == len(syncs)
-        assert status.state == pb.LIFECYCLE_STATE_READY and not status.paused and not status.dirty
+        assert status.state is State.READY and not status.paused and not status.dirty
     channel.close()
 
     # Every request completed or was reported aborted; none failed.

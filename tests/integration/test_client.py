@@ -25,6 +25,8 @@ import pytest
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.engine import PauseMode
+from wsync_grpc.core.lifecycle import State
 from wsync_grpc.engines import synthetic
 from wsync_grpc.testing import EngineProcess, child_env, free_port, spawn_engine, spawn_process, stop_all
 from wsync_grpc.trainer import (
@@ -178,7 +180,7 @@ def assert_serves(client: TrainerClient, tensors: dict[str, torch.Tensor], versi
         assert sums == expected, f"{target} does not serve the trainer's bytes"
     for target, st in client.status().items():
         assert st.weight_version == version, target
-        assert st.state == pb.LIFECYCLE_STATE_READY, target
+        assert st.state is State.READY, target
     alias = client.checksums(["lm_head.weight"])
     for target, r in alias.items():
         assert r.checksums[0].sha256 == expected["model.embed_tokens.weight"], target
@@ -237,8 +239,8 @@ def test_sync_bit_exact_mixed_dtypes_tied_embeddings(
     # Leaving the with-block left the group on every engine.
     with TrainerClient(targets) as probe:
         for st in probe.status().values():
-            assert st.state == pb.LIFECYCLE_STATE_UNINITIALIZED
-            assert not st.HasField("group")
+            assert st.state is State.UNINITIALIZED
+            assert st.group is None
 
 
 def test_dtype_conversion_on_request(mixed_pair: list[EngineProcess]) -> None:
@@ -272,7 +274,7 @@ def test_cli_engines_synthetic_model(cli_pair: list[EngineProcess]) -> None:
     with TrainerClient(targets) as client:
         replies = client.init()
         assert [list(r.group.ranks) for r in replies.values()] == [[1], [2]]
-        assert all(r.group.backend == pb.BACKEND_GLOO for r in replies.values())
+        assert all(r.group.backend == "gloo" for r in replies.values())
         assert client.init() == replies, "init on a healthy client is a no-op"
         res = client.sync(tensors.items(), "step-1", flush_cache=True)
         assert all(r.cache_flushed for r in res.engines.values())
@@ -289,7 +291,7 @@ def test_fan_out_helpers(cli_pair: list[EngineProcess]) -> None:
     targets = [e.target for e in cli_pair]
     with TrainerClient(targets) as client:
         paused = client.pause("keep")
-        assert set(paused) == set(targets) and all(r.mode == pb.PAUSE_MODE_KEEP for r in paused.values())
+        assert set(paused) == set(targets) and all(r.mode is PauseMode.KEEP for r in paused.values())
         again = client.pause("abort")
         assert all(r.already_paused for r in again.values())
         assert all(st.paused for st in client.status().values())
@@ -297,11 +299,11 @@ def test_fan_out_helpers(cli_pair: list[EngineProcess]) -> None:
         assert not any(r.was_paused for r in client.resume().values())
         assert not any(r.cancelled for r in client.cancel().values()), "nothing in flight"
         client.init()
-        assert all(st.state == pb.LIFECYCLE_STATE_READY for st in client.status().values())
+        assert all(st.state is State.READY for st in client.status().values())
         left = client.leave()
         assert all(r.was_member for r in left.values())
         assert client.needs_init and client.group is None
-        assert all(st.state == pb.LIFECYCLE_STATE_UNINITIALIZED for st in client.status().values())
+        assert all(st.state is State.UNINITIALIZED for st in client.status().values())
         with pytest.raises(EngineCallError) as info:
             client.checksums(["no.such.tensor"])
         assert set(info.value.failures) == set(targets)
@@ -341,7 +343,7 @@ def test_stale_membership_is_replaced_on_init(cli_pair: list[EngineProcess]) -> 
             first.kill()
             first.wait(10)
             deadline = time.monotonic() + 5
-            while any(st.HasField("owner") for st in second.status().values()):  # released at once
+            while any(st.owner is not None for st in second.status().values()):  # released at once
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             # No Leave from the first: the engines stay READY in a group whose trainer is gone.
@@ -384,9 +386,10 @@ def test_one_engine_rejects_metadata(tmp_path: Path) -> None:
             assert served(client) == before
             st = client.status()
             assert {s.weight_version for s in st.values()} == {"v1"}
-            assert st[plain].state == pb.LIFECYCLE_STATE_READY
-            assert st[extra].state == pb.LIFECYCLE_STATE_FAILED and not st[extra].HasField("group")
-            assert st[extra].last_error.reason == "UPDATE_CANCELLED"
+            assert st[plain].state is State.READY
+            assert st[extra].state is State.FAILED and st[extra].group is None
+            last_error = st[extra].last_error
+            assert last_error is not None and last_error.reason == "UPDATE_CANCELLED"
 
             # The next sync re-initializes everything by itself.
             v3 = trainer_tensors(seed=32)
@@ -444,8 +447,9 @@ def test_engine_killed_mid_broadcast(tmp_path: Path) -> None:
         with TrainerClient([survivor.target]) as alone:
             st = alone.status()[survivor.target]
             # Cancelled (FAILED), then left by the first client's close().
+            assert st.last_error is not None
             assert st.last_error.reason == "UPDATE_CANCELLED" and st.weight_version == ""
-            assert st.state in (pb.LIFECYCLE_STATE_FAILED, pb.LIFECYCLE_STATE_UNINITIALIZED)
+            assert st.state in (State.FAILED, State.UNINITIALIZED)
             assert served(alone)[survivor.target] == before, "staged apply: old weights intact"
             fresh = trainer_tensors(seed=41, specs=big)
             alone.sync(fresh.items(), "after-crash")

@@ -231,12 +231,12 @@ def test_engine_killed_mid_streaming_sync_leaves_survivor_dirty_and_paused(tmp_p
         with TrainerClient([survivor.target], group_timeout_s=group_timeout, rpc_timeout_s=10) as alone:
             st = alone.status()[survivor.target]
             # Cancelled (FAILED), then left by the first client's close().
-            assert st.state in (pb.LIFECYCLE_STATE_FAILED, pb.LIFECYCLE_STATE_UNINITIALIZED), st
+            assert st.state in (State.FAILED, State.UNINITIALIZED), st
             # Half-updated (the first bucket was applied): flagged, kept paused, version unchanged.
             after = {c.name: c.sha256 for c in alone.checksums()[survivor.target].checksums}
             assert after != before, "the first streamed bucket was applied"
             assert st.dirty and st.paused and st.weight_version == "", st
-            assert st.last_error.reason in ("UPDATE_CANCELLED", "PEER_LOST"), st.last_error
+            assert st.last_error is not None and st.last_error.reason in ("UPDATE_CANCELLED", "PEER_LOST"), st
             stub = alone.stubs[survivor.target]
             with pytest.raises(grpc.RpcError) as e:
                 stub.Resume(pb.ResumeRequest(), timeout=10)

@@ -29,9 +29,10 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.lifecycle import State
 from wsync_grpc.engines import synthetic
 from wsync_grpc.testing import EngineProcess, spawn_engine
-from wsync_grpc.trainer import SyncError, SyncProgress, TrainerClient
+from wsync_grpc.trainer import EngineStatus, SyncError, SyncProgress, TrainerClient
 
 GROUP_TIMEOUT_S = 60.0
 BOUND_S = 2.0
@@ -85,7 +86,7 @@ def kill_and_wait_for_the_end(trainer: subprocess.Popen[str], stub: Any) -> tupl
     return st, time.monotonic() - killed
 
 
-def served(target: str) -> tuple[pb.GetStatusResponse, dict[str, str]]:
+def served(target: str) -> tuple[EngineStatus, dict[str, str]]:
     with TrainerClient([target], rpc_timeout_s=30) as c:
         return c.status()[target], {x.name: x.sha256 for x in c.checksums()[target].checksums}
 
@@ -330,6 +331,6 @@ def test_a_trainer_killed_while_the_engine_reads_a_checkpoint(tmp_path: Path, mo
         assert mid_read >= 2, f"only {mid_read} of 4 kills landed inside the read"
         status, sums = served(engine.target)
         assert status.weight_version == "old" and not status.dirty and not status.paused and sums == old
-        assert status.state == pb.LIFECYCLE_STATE_UNINITIALIZED
+        assert status.state is State.UNINITIALIZED
     finally:
         engine.stop()

@@ -13,8 +13,10 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.errors import InvalidArgument
+from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.lifecycle import State
+from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME
@@ -30,6 +32,7 @@ from wsync_grpc.wire.convert import (
     duration,
     from_proto,
     header_from_proto,
+    header_to_proto,
     seconds,
     state_to_proto,
     transport_from_proto,
@@ -142,6 +145,44 @@ def test_a_header_keeps_its_fields() -> None:
     assert (h.update_id, h.weight_version, h.bucket_count, h.total_bytes) == ("u", "v7", 3, 1 << 40)
     assert h.layout is Layout.INDIVIDUAL and h.apply_mode is ApplyMode.STREAMING and h.incremental
     assert not h.flattened and h.streaming
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        UpdateHeader("u", "v1", Layout.FLATTENED, ApplyMode.STAGED, 3, 4096, False),
+        UpdateHeader("u2", "v2", Layout.INDIVIDUAL, ApplyMode.STREAMING, 1 << 20, 1 << 40, True),
+        UpdateHeader(
+            "u3",
+            "v3",
+            Layout.INDIVIDUAL,
+            ApplyMode.STAGED,
+            0,
+            0,
+            False,
+            transport=Transport.DISK,
+            checkpoint_path="ckpt/step-3",
+            adapter=LoraSpec("sql", 0, 0.0),
+        ),
+        UpdateHeader(
+            "u4",
+            "v4",
+            Layout.FLATTENED,
+            ApplyMode.STAGED,
+            2,
+            512,
+            False,
+            adapter=LoraSpec("math", 8, 16.0, ("q_proj", "v_proj")),
+        ),
+    ],
+    ids=["flattened", "individual-streaming", "disk-adapter", "broadcast-adapter"],
+)
+def test_a_header_round_trips_through_its_proto(header: UpdateHeader) -> None:
+    msg = header_to_proto(header, owner="trainer-1")
+    assert msg.owner == "trainer-1"
+    assert msg.layout != 0 and msg.apply_mode != 0 and msg.transport != 0, "every enum written explicitly"
+    assert header_from_proto(msg) == header
+    assert header_to_proto(header_from_proto(msg), owner="trainer-1") == msg
 
 
 @pytest.mark.parametrize("field", ["layout", "apply_mode", "transport"])

@@ -1,8 +1,11 @@
 """Bucket planning: which tensors travel in which bucket, at which byte offset (pure torch metadata, no I/O).
 
-:func:`plan_buckets` turns ``named_parameters()`` / ``state_dict()`` into the
-update's :class:`~wsync_grpc.core.layout.Bucket` list; only metadata is read
-(dtype, shape, storage), so ``meta`` tensors can be planned too. The defaults
+:func:`plan_metadata` turns the tensors' metadata (:class:`TensorMeta`: name,
+dtype, global shape) into the update's :class:`~wsync_grpc.core.layout.Bucket`
+list without touching any tensor's bytes; :func:`plan_buckets` does the same
+for ``named_parameters()`` / ``state_dict()`` pairs, after
+:func:`unique_tensors` dropped tied duplicates by address (only metadata is
+read, so ``meta`` tensors can be planned too). The defaults
 here are what :class:`~wsync_grpc.trainer.client.TrainerClient` plans with;
 ``BENCHMARKS.md`` shows how they were chosen. Sizes are in bytes throughout.
 """
@@ -93,15 +96,63 @@ def _align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
-def _identity(t: torch.Tensor, shape: tuple[int, ...]) -> tuple[object, ...] | None:
-    """A key equal for two tensors that are the same bytes (tied weights), or None."""
-    if t.is_meta or t.numel() == 0:
-        return None
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
-        return None
-    return (t.device, ptr, t.storage_offset(), shape, t.stride(), t.dtype)
+class TensorMeta(NamedTuple):
+    """What planning needs of one tensor: its name, dtype and global shape; none of its bytes.
+
+    For a plain tensor the shape is its own; for a tensor sharded over ranks (an FSDP2 ``DTensor``) it
+    is the global (unsharded) shape, so that every rank plans the same buckets without gathering.
+
+    Attributes:
+        name: the name it is sent under (Hugging Face naming).
+        dtype: its dtype before any wire conversion.
+        shape: its global shape; ``()`` for a scalar.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+new_meta = tuple.__new__
+"""Builds a :class:`TensorMeta` from its three fields without ``NamedTuple``'s Python-level ``__new__``
+(``unique_tensors`` builds one per tensor at every sync)."""
+
+
+def unique_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[TensorMeta, torch.Tensor]]:
+    """Each tensor of ``named_tensors`` with its metadata, in order, tied or duplicated tensors kept once.
+
+    Two tensors are the same when they start at the same address on the same device with the same
+    shape, stride and dtype (``state_dict()`` lists a tied ``lm_head.weight`` and
+    ``model.embed_tokens.weight`` as the same tensor): the first name is kept. ``meta``, empty and
+    storage-less tensors are never merged. Only metadata is read, once per tensor (a large MoE has
+    100k of them and a trainer does this at every sync).
+
+    Raises:
+        ValueError: a name appears twice.
+    """
+    out: list[tuple[TensorMeta, torch.Tensor]] = []
+    seen_names: set[str] = set()
+    at: dict[int, list[tuple[object, ...]]] = {}  # address -> the tensors kept that start there
+    for name, tensor in named_tensors:
+        if name in seen_names:
+            raise ValueError(f"tensor name {name!r} appears twice")
+        seen_names.add(name)
+        dtype, shape = tensor.dtype, tensor.shape  # a torch.Size is a tuple of ints
+        try:
+            ptr = tensor.data_ptr()  # 0 for meta tensors
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+            ptr = 0
+        if ptr and 0 not in shape:
+            key = (tensor.get_device(), shape, tensor.stride(), dtype)
+            kept = at.get(ptr)
+            if kept is None:
+                at[ptr] = [key]
+            elif key in kept:
+                continue  # tied: kept under its first name
+            else:
+                kept.append(key)
+        out.append((new_meta(TensorMeta, (name, dtype, shape)), tensor))
+    return out
 
 
 def plan_buckets(
@@ -121,10 +172,10 @@ def plan_buckets(
     ``alignment`` and its element size; when it would end past
     ``bucket_bytes`` a new bucket starts. A tensor larger than
     ``bucket_bytes`` gets a bucket of its own. Only metadata is read (dtype,
-    shape, storage), so ``meta`` tensors can be planned too.
+    shape, address), so ``meta`` tensors can be planned too.
 
-    Tied or duplicated tensors, i.e. the same storage, storage offset, shape,
-    stride and dtype (``state_dict()`` lists a tied ``lm_head.weight`` and
+    Tied or duplicated tensors, i.e. the same address, shape, stride and
+    dtype on the same device (:func:`unique_tensors`; ``state_dict()`` lists a tied ``lm_head.weight`` and
     ``model.embed_tokens.weight`` as the same tensor), are planned once,
     under the first name; engines resolve tied aliases themselves.
 
@@ -167,8 +218,37 @@ def plan_buckets(
             non-positive ``bucket_bytes`` or ``alignment``, a non-floating
             ``dtype``, or a dtype weight sync does not support.
     """
+    metas = [meta for meta, _tensor in unique_tensors(named_tensors)]
+    limits = {"max_spec_bytes": max_spec_bytes, "ramp_bytes": ramp_bytes, "solo_bytes": solo_bytes}
+    return plan_metadata(metas, bucket_bytes, alignment, dtype, **limits)
+
+
+def plan_metadata(
+    metas: Iterable[TensorMeta],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    alignment: int = DEFAULT_ALIGNMENT,
+    dtype: torch.dtype | None = None,
+    *,
+    max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
+    ramp_bytes: int = 0,
+    solo_bytes: int = 0,
+) -> list[Bucket]:
+    """Plan the buckets of one update from its tensors' metadata alone (see :func:`plan_buckets`).
+
+    Args:
+        metas: the tensors to send, in order, ties already resolved (each tensor once); shapes are
+            global shapes.
+        bucket_bytes, alignment, dtype, max_spec_bytes, ramp_bytes, solo_bytes: as for
+            :func:`plan_buckets`.
+
+    Returns:
+        The buckets, indexed from 0; ``[]`` when there is nothing to send.
+
+    Raises:
+        ValueError: as for :func:`plan_buckets`.
+    """
     _check_plan_args(bucket_bytes, alignment, dtype, max_spec_bytes, ramp_bytes, solo_bytes)
-    entries = _wire_entries(named_tensors, alignment, dtype)
+    entries = _wire_entries(metas, alignment, dtype)
     packer = _Packer(bucket_bytes, max_spec_bytes, ramp_bytes, sum(e.nbytes for e in entries))
     for e in entries:
         if 0 < solo_bytes <= e.nbytes:
@@ -222,10 +302,8 @@ class _Entry(NamedTuple):
     spec_bytes: int
 
 
-def _wire_entries(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], alignment: int, dtype: torch.dtype | None
-) -> list[_Entry]:
-    """Pass 1: what goes on the wire, in order, tied duplicates dropped.
+def _wire_entries(metas: Iterable[TensorMeta], alignment: int, dtype: torch.dtype | None) -> list[_Entry]:
+    """Pass 1: what goes on the wire, in order.
 
     The loop runs once per tensor (100k of them in a large MoE), so per-dtype work is cached.
 
@@ -234,24 +312,17 @@ def _wire_entries(
     """
     entries: list[_Entry] = []
     seen_names: set[str] = set()
-    seen_tensors: set[tuple[object, ...]] = set()
     wire_info: dict[torch.dtype, tuple[torch.dtype, int, int]] = {}  # dtype -> (wire dtype, size, offset step)
-    for name, tensor in named_tensors:
+    for name, tdtype, shape in metas:
         if name in seen_names:
             raise ValueError(f"tensor name {name!r} appears twice")
         seen_names.add(name)
-        shape = tuple(tensor.shape)
-        key = _identity(tensor, shape)
-        if key is not None:
-            if key in seen_tensors:
-                continue  # tied: already planned under its first name
-            seen_tensors.add(key)
-        info = wire_info.get(tensor.dtype)
+        info = wire_info.get(tdtype)
         if info is None:
-            wire = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+            wire = dtype if dtype is not None and tdtype.is_floating_point else tdtype
             dtype_name(wire)  # ValueError for dtypes weight sync does not carry
             esize = element_size(wire)
-            info = wire_info[tensor.dtype] = (wire, esize, math.lcm(alignment, esize))
+            info = wire_info[tdtype] = (wire, esize, math.lcm(alignment, esize))
         wire, esize, step = info
         entries.append(_Entry(name, wire, shape, math.prod(shape) * esize, step, _spec_bytes_bound(name, len(shape))))
     return entries

@@ -1,12 +1,17 @@
 """The trainer side of wsync: :class:`TrainerClient` pushes weights into inference engines.
 
-:class:`TrainerClient` (:mod:`.client`) adds to the generated stub what every
-trainer would otherwise rewrite, one module per part: forming the group with
-the trainer as rank 0 (:mod:`.membership`); one update and its failure
-protocol (:mod:`.sync`), its bucket plan (:mod:`.planning`) and broadcasts
-(:mod:`.broadcast`); calls fanned out to every engine (:mod:`.fleet`);
-results and errors (:mod:`.results`); settings (:mod:`.settings`) and the
-option literals with their protocol enums (:mod:`.options`).
+:class:`TrainerClient` (:mod:`.client`) is one facade over the parts every
+trainer would otherwise rewrite, one module per concept: where the weights
+come from (:mod:`.source`: names, dtypes and global shapes to plan with,
+tensors per bucket while sending) and which trainer rank sends which bytes
+(:mod:`.sender`); forming the group with the trainer's ranks first
+(:mod:`.membership`); one update as the client was asked for it
+(:mod:`.request`), its bucket plan (:mod:`.planning`), its calls over every
+engine and failure protocol (:mod:`.protocol`), run as a broadcast
+(:mod:`.sync`) or a disk read (:mod:`.disk`); calls fanned out to every engine
+(:mod:`.fleet`); results and errors (:mod:`.results`) and the typed views of
+the operator calls (:mod:`.views`); settings (:mod:`.settings`) and the option
+literals with their one conversion into the core's enums (:mod:`.options`).
 """
 
 from wsync_grpc.trainer.client import TrainerClient
@@ -30,6 +35,23 @@ from wsync_grpc.trainer.results import (
     SyncProgress,
     SyncResult,
 )
+from wsync_grpc.trainer.sender import BroadcastSender, Sender
+from wsync_grpc.trainer.source import NamedTensors, TensorMeta, WeightSource
+from wsync_grpc.trainer.views import (
+    CancelResult,
+    Checksums,
+    EngineError,
+    EngineGroup,
+    EngineInfo,
+    EngineOwner,
+    EngineStatus,
+    InitResult,
+    LeaveResult,
+    PauseResult,
+    ResumeResult,
+    TensorChecksum,
+    UpdateInFlight,
+)
 
 __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
@@ -38,15 +60,33 @@ __all__ = [
     "TRAINER",
     "ApplyMode",
     "BackendName",
+    "BroadcastSender",
+    "CancelResult",
+    "Checksums",
     "ClientError",
     "EngineCallError",
+    "EngineError",
     "EngineFailure",
+    "EngineGroup",
+    "EngineInfo",
+    "EngineOwner",
+    "EngineStatus",
     "EngineSyncResult",
     "InitError",
+    "InitResult",
     "Layout",
+    "LeaveResult",
+    "NamedTensors",
     "PauseModeName",
+    "PauseResult",
+    "ResumeResult",
+    "Sender",
     "SyncError",
     "SyncProgress",
     "SyncResult",
+    "TensorChecksum",
+    "TensorMeta",
     "TrainerClient",
+    "UpdateInFlight",
+    "WeightSource",
 ]

@@ -1,7 +1,10 @@
-"""The trainer side of wsync: :class:`TrainerClient`, one facade over the modules of :mod:`wsync_grpc.trainer`.
+"""The trainer side of wsync: :class:`TrainerClient`, one facade over the parts of :mod:`wsync_grpc.trainer`.
 
-The client itself holds the settings, the lock that runs init, sync and leave
-one at a time, and the context manager; every call is delegated.
+The client builds its parts explicitly (settings, fleet, leases, sender,
+membership, the update protocol and its two runners, metrics), holds the lock
+that runs init, sync and leave one at a time, and converts the caller's values
+once (option strings into the core's enums, replies into the typed views of
+:mod:`wsync_grpc.trainer.views`); every call is delegated to one part.
 
 Units: sizes in bytes, times in seconds, throughputs in GB/s (10^9 bytes per second).
 """
@@ -13,19 +16,20 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry
-from wsync.v1 import weight_sync_pb2 as pb
+from wsync.v1 import weight_sync_pb2_grpc
 
+from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.core.planning import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES
-from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME
-from wsync_grpc.trainer.checkpoints import CheckpointUpdates
-from wsync_grpc.trainer.disk import DiskSyncRunner
+from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup
+from wsync_grpc.trainer.adapters import adapter_tensors
+from wsync_grpc.trainer.disk import DiskSyncRunner, save_checkpoint
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -36,22 +40,67 @@ from wsync_grpc.trainer.options import (
     ApplyMode,
     BackendName,
     Layout,
-    check_request,
+    PauseModeName,
+    check_version,
+    pause_mode_of,
 )
-from wsync_grpc.trainer.results import (
-    SyncProgress,
-    SyncResult,
+from wsync_grpc.trainer.protocol import UpdateProtocol
+from wsync_grpc.trainer.request import UpdateRequest
+from wsync_grpc.trainer.results import SyncProgress, SyncResult
+from wsync_grpc.trainer.sender import BroadcastSender
+from wsync_grpc.trainer.settings import ClientSettings, client_settings
+from wsync_grpc.trainer.source import NamedTensors
+from wsync_grpc.trainer.sync import SyncRunner
+from wsync_grpc.trainer.views import (
+    CancelResult,
+    Checksums,
+    EngineStatus,
+    InitResult,
+    LeaveResult,
+    PauseResult,
+    ResumeResult,
 )
-from wsync_grpc.trainer.settings import Setting, client_settings
-from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest
-from wsync_grpc.trainer.views import ClientViews
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 
 __all__ = ["TrainerClient"]
 
+R = TypeVar("R")
+V = TypeVar("V")
+T = TypeVar("T")
 
-class TrainerClient(ClientViews, CheckpointUpdates):
-    """Drives one or more engines from the trainer, which is rank 0 of the weight-sync group.
+
+def _per_target(replies: Mapping[str, R], view: Callable[[R], V]) -> dict[str, V]:
+    """target -> ``view(reply)``, in the replies' (target) order."""
+    return {t: view(r) for t, r in replies.items()}
+
+
+class _HasSettings(Protocol):
+    _settings: ClientSettings
+
+
+class Setting(Generic[T]):
+    """A public attribute of :class:`TrainerClient`: reads and writes the same-named field of its ``ClientSettings``."""
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any] | None = None) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, obj: _HasSettings, owner: type[Any] | None = None) -> T: ...
+
+    def __get__(self, obj: _HasSettings | None, owner: type[Any] | None = None) -> Setting[T] | T:
+        if obj is None:
+            return self
+        return cast(T, getattr(obj._settings, self._name))
+
+    def __set__(self, obj: _HasSettings, value: T) -> None:
+        setattr(obj._settings, self._name, value)
+
+
+class TrainerClient:
+    """Drives one or more engines from the trainer, whose one process is rank 0 of the weight-sync group.
 
     Nothing touches the network in the constructor; the group is formed by
     :meth:`init`, or lazily by the first :meth:`sync`. Use it as a context
@@ -186,14 +235,121 @@ class TrainerClient(ClientViews, CheckpointUpdates):
         self._op_lock = threading.Lock()
         self._cancel_event = threading.Event()
         self._leases = Leases(self._fleet.engines, owner, self._fleet.metadata)
-        self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases)
-        self._buffers = PackBuffers(keep_buffers, self._settings.device)
+        self._sender = BroadcastSender(PackBuffers(keep_buffers, self._settings.device))
+        self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases, self._sender)
         self._metrics = TrainerMetrics(metrics_registry)
-        parts = (self._fleet, self._membership, self._settings, self._cancel_event, self._buffers, self._metrics)
-        self._sync = SyncRunner(*parts)
-        self._disk = DiskSyncRunner(*parts)
+        calls = UpdateProtocol(
+            self._fleet, self._membership, self._settings, self._cancel_event, self._sender, self._metrics
+        )
+        self._sync = SyncRunner(calls, self._settings, self._sender, self._cancel_event)
+        self._disk = DiskSyncRunner(calls)
 
-    def cancel(self, reason: str = "cancelled by the trainer") -> dict[str, pb.CancelResponse]:
+    # ------------------------------------------------------------------ what the client shows
+
+    @property
+    def targets(self) -> list[str]:
+        """The engines' addresses, in rank order."""
+        return [e.target for e in self._fleet.engines]
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """The registry of the client's Prometheus metrics (serve it with ``prometheus_client``)."""
+        return self._metrics.registry
+
+    @property
+    def owner(self) -> str:
+        """The client's name as the engines' owner."""
+        return self._fleet.owner
+
+    @property
+    def stubs(self) -> dict[str, weight_sync_pb2_grpc.WeightSyncServiceStub]:
+        """target -> the generated stub on the client's channel, for calls the client does not wrap (raw protobuf)."""
+        return {e.target: e.stub for e in self._fleet.engines}
+
+    @property
+    def call_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The metadata (token) to pass along with calls made on :attr:`stubs`."""
+        return self._fleet.metadata
+
+    @property
+    def needs_init(self) -> bool:
+        """Whether the next :meth:`sync` (re-)initializes the group first."""
+        return self._membership.needs_init
+
+    @property
+    def group(self) -> WeightSyncGroup | None:
+        """The trainer's membership of the weight-sync group (rank 0), ``None`` before :meth:`init`."""
+        return self._membership.group
+
+    @property
+    def workers(self) -> dict[str, int]:
+        """target -> workers, as of the last :meth:`init` (0 before it)."""
+        return {e.target: e.workers for e in self._fleet.engines}
+
+    @property
+    def rank_offsets(self) -> dict[str, int]:
+        """target -> group rank of the engine's first worker, as of the last :meth:`init` (0 before it)."""
+        return {e.target: e.rank_offset for e in self._fleet.engines}
+
+    @property
+    def world_size(self) -> int:
+        """The trainer's rank (1) plus every engine's workers, as of the last :meth:`init` (1 before it)."""
+        return self._membership.world_size
+
+    @property
+    def port(self) -> int | None:
+        """The TCP port of the trainer's store in the current group; ``None`` when not joined."""
+        return self._membership.port
+
+    # ------------------------------------------------------------------ operator calls (any thread)
+
+    def status(self) -> dict[str, EngineStatus]:
+        """``GetStatus`` on every engine: target -> :class:`~wsync_grpc.trainer.views.EngineStatus`.
+
+        Raises:
+            EngineCallError: some engine did not answer.
+        """
+        return _per_target(self._fleet.status(), EngineStatus.from_proto)
+
+    def pause(self, mode: PauseModeName = "abort", timeout: float | None = None) -> dict[str, PauseResult]:
+        """``Pause`` every engine: target -> :class:`~wsync_grpc.trainer.views.PauseResult`
+        (how many requests were aborted/drained/frozen).
+
+        Args:
+            mode: ``"abort"`` (end requests in flight), ``"wait"`` (drain them) or ``"keep"``
+                (freeze them until resume), as vLLM's ``/pause?mode=``.
+            timeout: drain bound of ``"wait"``, in seconds; ``None`` = the engine's default (60 s).
+
+        Raises:
+            ValueError: unknown mode.
+            EngineCallError: some engine failed (e.g. DEADLINE_EXCEEDED when the drain timed out).
+        """
+        return _per_target(self._fleet.pause(pause_mode_of(mode), timeout), PauseResult.from_proto)
+
+    def resume(self, force: bool = False) -> dict[str, ResumeResult]:
+        """``Resume`` every engine: target -> :class:`~wsync_grpc.trainer.views.ResumeResult`.
+
+        Args:
+            force: resume even an engine whose weights a failed update left dirty (half-updated).
+
+        Raises:
+            EngineCallError: some engine refused (e.g. FAILED_PRECONDITION ENGINE_DIRTY).
+        """
+        return _per_target(self._fleet.resume(force), ResumeResult.from_proto)
+
+    def checksums(self, names: Iterable[str] = ()) -> dict[str, Checksums]:
+        """``GetWeightChecksums`` on every engine: target -> :class:`~wsync_grpc.trainer.views.Checksums`
+        (the SHA-256 of each served tensor).
+
+        Args:
+            names: tensors to digest; empty (default) = every tensor.
+
+        Raises:
+            EngineCallError: some engine failed (e.g. INVALID_ARGUMENT UNKNOWN_TENSOR).
+        """
+        return _per_target(self._fleet.checksums(names), Checksums.from_proto)
+
+    def cancel(self, reason: str = "cancelled by the trainer") -> dict[str, CancelResult]:
         """Cancel whatever update is in flight on every engine, and interrupt a :meth:`sync` in flight.
 
         Engines that had an update in flight abandon it, go to FAILED and leave the group (the client
@@ -203,25 +359,27 @@ class TrainerClient(ClientViews, CheckpointUpdates):
         Args:
             reason: recorded in the engines' ``last_error``.
         Returns:
-            target -> reply (``cancelled`` is False where nothing was in flight).
+            target -> :class:`~wsync_grpc.trainer.views.CancelResult` (``cancelled`` is False where
+            nothing was in flight).
 
         Raises:
             EngineCallError: some engine failed (e.g. FAILED_PRECONDITION while applying).
         """
         self._cancel_event.set()
-        return self._membership.cancel_updates(reason)
+        return _per_target(self._membership.cancel_updates(reason), CancelResult.from_proto)
 
-    def leave(self) -> dict[str, pb.LeaveResponse]:
+    def leave(self) -> dict[str, LeaveResult]:
         """Every engine leaves the group, and so does the trainer; the next :meth:`sync` re-inits.
 
         Returns:
-            target -> reply (``was_member`` is False where it was not a member).
+            target -> :class:`~wsync_grpc.trainer.views.LeaveResult` (``was_member`` is False where it
+            was not a member).
 
         Raises:
             EngineCallError: some engine failed (FAILED_PRECONDITION with an update in flight: cancel first).
         """
         with self._op_lock:
-            return self._membership.leave()
+            return _per_target(self._membership.leave(), LeaveResult.from_proto)
 
     def close(self) -> None:
         """Leave the group (engines and trainer, best effort) and close the channels. Idempotent.
@@ -233,7 +391,7 @@ class TrainerClient(ClientViews, CheckpointUpdates):
         self._membership.closed = True
         with self._op_lock:
             self._membership.leave_on_close()
-            self._buffers.release()
+            self._sender.release()
         self._leases.close()  # the engines release the lease at once
         self._fleet.close()
 
@@ -245,7 +403,7 @@ class TrainerClient(ClientViews, CheckpointUpdates):
     ) -> None:
         self.close()
 
-    def init(self, *, force: bool = False) -> dict[str, pb.InitResponse]:
+    def init(self, *, force: bool = False) -> dict[str, InitResult]:
         """Form the weight-sync group: every engine's workers plus the trainer as rank 0.
 
         Steps (:meth:`Membership.form <wsync_grpc.trainer.membership.Membership.form>`):
@@ -257,7 +415,7 @@ class TrainerClient(ClientViews, CheckpointUpdates):
         Without ``force``, an initialized, healthy client returns its membership without any call.
 
         Returns:
-            target -> ``InitResponse`` (the group as each engine joined it).
+            target -> :class:`~wsync_grpc.trainer.views.InitResult` (the group as each engine joined it).
 
         Raises:
             InitError: an engine failed (status, cleanup or Init), the
@@ -267,7 +425,7 @@ class TrainerClient(ClientViews, CheckpointUpdates):
             ClientError: the client was closed.
         """
         with self._op_lock:
-            return self._membership.init(force)
+            return _per_target(self._membership.init(force), InitResult.from_proto)
 
     def sync(
         self,
@@ -337,20 +495,140 @@ class TrainerClient(ClientViews, CheckpointUpdates):
             RuntimeError: another ``sync`` is running in this client.
             ClientError: the client was closed.
         """
-        check_request(weight_version, layout, apply_mode)
-        request = UpdateRequest(
-            weight_version=weight_version,
-            layout=layout,
-            apply_mode=apply_mode,
-            bucket_bytes=bucket_bytes or self._settings.bucket_bytes,
+        request = UpdateRequest.broadcast(
+            weight_version,
+            layout,
+            apply_mode,
+            bucket_bytes or self._settings.bucket_bytes,
             dtype=dtype,
             flush_cache=flush_cache,
             progress=progress,
-            update_id=update_id or uuid.uuid4().hex,
+            update_id=update_id,
             on_phase=on_phase,
         )
         with self._exclusive():
-            return self._sync.run(named_tensors, request)
+            return self._sync.run(NamedTensors(named_tensors), request)
+
+    def sync_from_disk(
+        self,
+        checkpoint_path: str | os.PathLike[str],
+        weight_version: str,
+        *,
+        apply_mode: ApplyMode = "staged",
+        flush_cache: bool = False,
+        update_id: str | None = None,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> SyncResult:
+        """Have every engine load the safetensors checkpoint at ``checkpoint_path`` as ``weight_version``.
+
+        SGLang's ``update_weights_from_disk`` and vLLM's ``reload_weights``, as
+        one committed update (:mod:`wsync_grpc.trainer.disk`): a header-only
+        ``Prepare`` (``TRANSPORT_DISK``) everywhere, each engine validating
+        every tensor from the files' headers before reading any; then, as for
+        :meth:`sync`, ``Complete(verify_only)`` everywhere and the applying
+        ``Complete`` only once every engine holds the whole checkpoint. No
+        group is formed (no Init): each engine reads the files itself, inside
+        the roots its operator allowed (``wsync serve --checkpoint-root``).
+
+        Args:
+            checkpoint_path: a directory (with ``model.safetensors.index.json``,
+                or ``*.safetensors`` files) or one ``.safetensors`` file, as the
+                engines see it; relative paths are taken under each engine's
+                first checkpoint root.
+            weight_version, apply_mode, flush_cache, update_id, on_phase: as for :meth:`sync`
+                (``on_phase`` gets ``"prepared"``, ``"verified"``, ``"applied"``).
+
+        Returns:
+            A :class:`SyncResult` (``wire_bytes`` 0; ``payload_bytes`` the checkpoint's tensors, in bytes).
+
+        Raises:
+            ValueError: empty ``weight_version`` or path, or a bad ``apply_mode``.
+            SyncError: some engine refused or failed (PERMISSION_DENIED for a path outside its
+                roots, NOT_FOUND, INVALID_ARGUMENT for a pickle file or tensors that do not fit
+                its model...); the update was cancelled everywhere.
+            RuntimeError: another sync is running in this client.
+        """
+        request = UpdateRequest.disk(
+            checkpoint_path, weight_version, apply_mode, flush_cache=flush_cache, update_id=update_id, on_phase=on_phase
+        )
+        with self._exclusive():
+            return self._disk.run(request)
+
+    def save_and_sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        directory: str | os.PathLike[str],
+        weight_version: str,
+        *,
+        engine_path: str | None = None,
+        **kwargs: Any,
+    ) -> SyncResult:
+        """Save ``named_tensors`` as ``directory/model.safetensors``, then :meth:`sync_from_disk` it.
+
+        Args:
+            named_tensors: as for :meth:`sync` (tied tensors are written once).
+            directory: where to write, on a disk the engines see too.
+            weight_version: as for :meth:`sync`.
+            engine_path: the directory as the engines see it; ``None`` = ``directory``.
+            kwargs: further arguments of :meth:`sync_from_disk`.
+
+        Raises:
+            as :func:`~wsync_grpc.trainer.disk.save_checkpoint` and :meth:`sync_from_disk`.
+        """
+        save_checkpoint(named_tensors, directory)
+        return self.sync_from_disk(engine_path if engine_path is not None else directory, weight_version, **kwargs)
+
+    def sync_adapter(
+        self,
+        adapter: Any,
+        name: str,
+        version: str,
+        *,
+        update_id: str | None = None,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> SyncResult:
+        """Load (or replace) LoRA adapter ``name`` as ``version`` on every engine, as one committed update.
+
+        Generation requests then name it (``GenerateRequest.adapter``); a
+        replaced adapter never computes another token for anyone (requests
+        running with it recompute their context with the new one). Each engine
+        validates the adapter against its base model (target modules, shapes,
+        rank) before anything changes; a bad one is refused with
+        ``INVALID_ARGUMENT`` and the old one keeps serving.
+
+        Args:
+            adapter: a PEFT directory as the engines see it (``save_pretrained``'s output:
+                ``adapter_config.json`` and ``adapter_model.safetensors``), read by each engine inside
+                its checkpoint roots; or a live ``peft.PeftModel`` whose active LoRA adapter's
+                tensors are broadcast (this forms the weight-sync group, as :meth:`sync` does).
+            name: the adapter's name on the engines (letters, digits, ``.``, ``-``, ``_``).
+            version: its version, reported with every answer it produces.
+            update_id, on_phase: as for :meth:`sync`.
+
+        Raises:
+            ValueError: an empty version, or an object that is neither a path nor a PEFT LoRA model.
+            SyncError: some engine refused or failed; the update was cancelled everywhere.
+            RuntimeError: another sync is running in this client.
+        """
+        if isinstance(adapter, str | os.PathLike):  # its spec comes from the directory's adapter_config.json
+            request = UpdateRequest.disk(
+                adapter, version, "staged", update_id=update_id, on_phase=on_phase, adapter=LoraSpec(name, 0, 0.0)
+            )
+            with self._exclusive():
+                return self._disk.run(request)
+        check_version(version)  # before reading the model
+        spec, tensors = adapter_tensors(adapter, name)
+        request = UpdateRequest.broadcast(
+            version,
+            "flattened",
+            "staged",
+            self._settings.bucket_bytes,
+            update_id=update_id,
+            on_phase=on_phase,
+            adapter=spec,
+        )
+        with self._exclusive():
+            return self._sync.run(NamedTensors(tensors.items()), request)
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:

@@ -6,7 +6,7 @@ frameworks write for SGLang and vLLM, with wsync's guarantees:
 ``checkpoint_path``) to every engine at once; each engine validates every
 tensor of the checkpoint against its model from the files' headers and
 starts reading; then the same commit as a broadcast's
-(:class:`~wsync_grpc.trainer.sync.SyncRunner`): for a staged update
+(:class:`~wsync_grpc.trainer.protocol.UpdateProtocol`): for a staged update
 ``Complete(verify_only)`` everywhere, then the applying ``Complete`` only once
 every engine holds the whole checkpoint, so that the fleet serves the new
 version everywhere or nowhere. No group is needed: no Init, no rank, no byte
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core import layout as core_layout
-from wsync_grpc.trainer.results import ClientError, SyncResult
-from wsync_grpc.trainer.sync import SyncRunner, UpdateRequest
-from wsync_grpc.wire.convert import APPLY_MODES, adapter_to_proto
+from wsync_grpc.core.planning import unique_tensors
+from wsync_grpc.trainer.options import apply_mode_name, layout_name
+from wsync_grpc.trainer.protocol import UpdateProtocol
+from wsync_grpc.trainer.request import UpdateRequest
+from wsync_grpc.trainer.results import SyncResult
 
 CHECKPOINT_FILE = "model.safetensors"
 """The file :func:`save_checkpoint` writes (a Hugging Face single-file checkpoint's name)."""
@@ -45,24 +45,15 @@ def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory
 
     Tensors sharing memory (tied embeddings) are written once, under their
     first name, as :meth:`~wsync_grpc.trainer.client.TrainerClient.sync` sends
-    them. Tensors are detached, made contiguous and moved to CPU. The file is
-    written beside its final name and renamed into place, so an engine never
-    reads half of it.
+    them (:func:`~wsync_grpc.core.planning.unique_tensors`). Tensors are
+    detached, made contiguous and moved to CPU. The file is written beside its
+    final name and renamed into place, so an engine never reads half of it.
 
     Raises:
         ValueError: no tensors, or a name given twice.
         OSError: the directory cannot be written.
     """
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    for name, t in named_tensors:
-        if name in out:
-            raise ValueError(f"tensor {name!r} is given twice")
-        key = (t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(), t.numel(), tuple(t.shape))
-        if t.numel() and key in seen:
-            continue  # a tied tensor, already written under its first name
-        seen.add(key)
-        out[name] = t.detach().to("cpu").contiguous()
+    out = {meta.name: t.detach().to("cpu").contiguous() for meta, t in unique_tensors(named_tensors)}
     if not out:
         raise ValueError("nothing to save: no tensors given")
     d = Path(directory)
@@ -78,70 +69,52 @@ def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory
     return d / CHECKPOINT_FILE
 
 
-class DiskSyncRunner(SyncRunner):
+class DiskSyncRunner:
     """Runs one disk update at a time over the client's engines (the caller holds the client's op lock).
 
-    Same arguments as :class:`~wsync_grpc.trainer.sync.SyncRunner`;
-    ``request.checkpoint_path`` names the checkpoint as the engines see it.
+    Args:
+        calls: the update's calls over the engines and its failure protocol (shared with broadcasts).
     """
 
-    def _run(self, named_tensors: Iterable[tuple[str, torch.Tensor]], request: UpdateRequest) -> SyncResult:
-        if self._membership.closed:
-            raise ClientError("the client is closed")
-        self._cancel_event.clear()
-        self._membership.hold_leases()  # released at once when the client closes, as after init
-        prepared, t0, prepare_s = self._prepare_disk(request)
-        c = self._transfer_and_commit(request, prepared, None)  # the engines read the bytes themselves
-        first = next(iter(prepared.values()))
+    def __init__(self, calls: UpdateProtocol) -> None:
+        self._calls = calls
+
+    def run(self, request: UpdateRequest) -> SyncResult:
+        """Have every engine read ``request.checkpoint_path`` and commit it, as one trace.
+
+        Raises:
+            SyncError: some engine refused or failed; the update was cancelled everywhere.
+            ClientError: the client was closed.
+        """
+        return self._calls.run(request, lambda: self._run(request))
+
+    def _run(self, request: UpdateRequest) -> SyncResult:
+        calls = self._calls
+        calls.hold_engines()
+        # A header-only Prepare: every engine replies once it validated the checkpoint (stage "prepare").
+        prepared = calls.prepare(request, request.header())
+        c = calls.transfer_and_commit(request, prepared, None)  # the engines read the bytes themselves
+        first = next(iter(prepared.replies.values()))
         result = SyncResult(
             update_id=request.update_id,
             weight_version=request.weight_version,
-            layout="individual",
-            apply_mode=request.apply_mode,
+            layout=layout_name(request.layout),
+            apply_mode=apply_mode_name(request.apply_mode),
             bucket_count=first.bucket_count,
             tensor_count=first.tensor_count,
             payload_bytes=first.total_bytes,
             wire_bytes=0,
             init_seconds=0.0,
             plan_seconds=0.0,
-            prepare_seconds=prepare_s,
+            prepare_seconds=prepared.seconds,
             broadcast_seconds=0.0,
             pack_seconds=0.0,
             complete_seconds=c.done - c.started,
             verify_seconds=c.verify_s,
-            total_seconds=c.done - t0,
-            engines={e.target: c.results[e.target] for e in self._fleet.engines},
+            total_seconds=c.done - prepared.started,
+            engines=c.results,
         )
-        return self._applied(request, result)
-
-    def _prepare_disk(self, request: UpdateRequest) -> tuple[dict[str, pb.PrepareResponse], float, float]:
-        """A header-only Prepare everywhere; every engine replies once it validated the checkpoint.
-
-        Raises:
-            SyncError: some engine refused (stage ``"prepare"``).
-        """
-        header = pb.PrepareHeader(
-            update_id=request.update_id,
-            weight_version=request.weight_version,
-            transport=pb.TRANSPORT_DISK,
-            owner=self._fleet.owner,
-            apply_mode=APPLY_MODES[core_layout.ApplyMode(request.apply_mode)],
-            checkpoint_path=request.checkpoint_path,
-            adapter=adapter_to_proto(request.adapter) if request.adapter else None,
-        )
-        return self._prepare_everywhere(request, header)
+        return calls.applied(request, result)
 
 
-def checkpoint_path_of(path: str | os.PathLike[str], engine_path: str | None) -> str:
-    """The checkpoint's path as the engines see it: ``engine_path`` if given, else ``path`` itself.
-
-    Raises:
-        ValueError: an empty path.
-    """
-    p = engine_path if engine_path is not None else os.fspath(path)
-    if not p:
-        raise ValueError("checkpoint path is required")
-    return p
-
-
-__all__: Sequence[str] = ["CHECKPOINT_FILE", "DiskSyncRunner", "checkpoint_path_of", "save_checkpoint"]
+__all__: Sequence[str] = ["CHECKPOINT_FILE", "DiskSyncRunner", "save_checkpoint"]

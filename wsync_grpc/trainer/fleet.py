@@ -21,7 +21,6 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.engine import PauseMode
-from wsync_grpc.trainer.options import PauseModeName
 from wsync_grpc.trainer.results import EngineCallError, EngineFailure, failure_lines
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.wire.convert import PAUSE_MODES, duration
@@ -186,18 +185,15 @@ class Fleet:
         """``GetStatus`` on every engine: target -> reply (``TrainerClient.status``)."""
         return self.fan_out("GetStatus", self.start_get_status)
 
-    def pause(self, mode: PauseModeName, timeout: float | None) -> dict[str, pb.PauseResponse]:
+    def pause(self, mode: PauseMode, timeout: float | None) -> dict[str, pb.PauseResponse]:
         """``Pause`` every engine: target -> reply (``TrainerClient.pause``).
 
-        The deadline is the RPC timeout plus the drain bound (``timeout``, or the engine's default of 60 s).
+        The deadline is the RPC timeout plus the drain bound (``timeout`` seconds, or the engine's default of 60 s).
 
         Raises:
-            ValueError: unknown mode.
             EngineCallError: some engine failed.
         """
-        if mode not in {m.value for m in PauseMode}:
-            raise ValueError(f"unknown pause mode {mode!r}; use 'abort', 'wait' or 'keep'")
-        req = pb.PauseRequest(mode=PAUSE_MODES[PauseMode(mode)])
+        req = pb.PauseRequest(mode=PAUSE_MODES[mode])
         if timeout is not None:
             req.timeout.CopyFrom(duration(timeout))
         deadline = self._settings.timeouts.pause_rpc_s(timeout)

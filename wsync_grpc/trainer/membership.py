@@ -1,8 +1,10 @@
 """The trainer's membership of the weight-sync group: forming it, leaving it, knowing when it is stale.
 
 Forming the group (:meth:`Membership.form`): ask every engine for its worker
-count, compute rank offsets (trainer = rank 0, engine *i* from
-``1 + sum(workers[:i])``), free engines still holding an old membership,
+count, compute rank offsets (the trainer's ranks first, as many as its
+:class:`~wsync_grpc.trainer.sender.Sender` says, ``M``; engine *i* from
+``M + sum(workers[:i])``; today's single sender: ``M = 1``, the trainer at
+rank 0), free engines still holding an old membership,
 then send Init to every engine concurrently *while* the trainer creates its
 side of the group in a helper thread (asking the engines only after the
 trainer blocked in group creation is the classic deadlock). An engine's Init
@@ -37,6 +39,7 @@ from wsync_grpc.trainer.results import (
     InitError,
     failure_lines,
 )
+from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.wire.convert import backend_to_proto, duration
 
@@ -44,21 +47,26 @@ log = logging.getLogger(__name__)
 
 
 class Membership:
-    """The trainer's side of the group (rank 0) and the Init replies it was formed with.
+    """The trainer's side of the group (its sender's rank) and the Init replies it was formed with.
 
     Args:
         fleet: the engines.
         settings: the client's settings (read at every formation).
         cancel_event: the client's cancel signal, cleared when a formation starts.
         leases: the client's KeepAlive calls, (re)started by every formation.
+        sender: how many group ranks the trainer holds (engines' workers follow them) and which
+            one this process joins as.
 
     Attributes:
         group: the trainer's membership, ``None`` before a formation and after a drop.
         closed: set when the client closed; no group is formed after it.
     """
 
-    def __init__(self, fleet: Fleet, settings: ClientSettings, cancel_event: threading.Event, leases: Leases) -> None:
+    def __init__(
+        self, fleet: Fleet, settings: ClientSettings, cancel_event: threading.Event, leases: Leases, sender: Sender
+    ) -> None:
         self._fleet = fleet
+        self._sender = sender
         self._leases = leases
         self._settings = settings
         self._cancel_event = cancel_event
@@ -73,6 +81,11 @@ class Membership:
     def needs_init(self) -> bool:
         """Whether the next sync (re-)initializes the group first (also when an engine's lease was lost)."""
         return self._needs_init or self.group is None or bool(self._leases.lost)
+
+    @property
+    def world_size(self) -> int:
+        """The trainer's ranks plus every engine's workers, as of the last formation (the trainer's alone before)."""
+        return self._sender.trainer_ranks + sum(e.workers for e in self._fleet.engines)
 
     @property
     def port(self) -> int | None:
@@ -126,13 +139,16 @@ class Membership:
         return dict(replies)
 
     def _assign_ranks(self, statuses: Mapping[str, pb.GetStatusResponse]) -> int:
-        """Set every engine's worker count and rank offset, in target order; return the world size.
+        """Set every engine's worker count and rank offset, in target order after the trainer's ranks.
+
+        Returns:
+            The world size: the trainer's ranks plus every engine's workers.
 
         Raises:
             InitError: an engine reports no workers.
         """
         fixed_workers = self._settings.fixed_workers
-        offset = 1
+        offset = self._sender.trainer_ranks
         for i, e in enumerate(self._fleet.engines):
             e.workers = fixed_workers[i] if fixed_workers else int(statuses[e.target].engine.workers)
             if e.workers < 1:
@@ -207,7 +223,7 @@ class Membership:
             raise EngineCallError(str(failure), rpc=rpc, failures={e.target: failure}, results={}) from exc
 
     def _join_all(self, port: int, world_size: int) -> dict[str, pb.InitResponse]:
-        """Send Init to every engine, join as rank 0 meanwhile, then collect the Init replies.
+        """Send Init to every engine, join as the sender's rank meanwhile, then collect the Init replies.
 
         Raises:
             InitError: an Init or the trainer's join failed, or an engine joined at other ranks.
@@ -215,7 +231,7 @@ class Membership:
         events = threading.Event()  # set whenever a future or the join finishes
         futures, failures = self._start_inits(port, world_size, events)
         # The trainer joins in a helper thread so that a fast Init failure is noticed at once.
-        join = _TrainerJoin(self._settings, port, world_size, events)
+        join = _TrainerJoin(self._settings, self._sender.rank, port, world_size, events)
         if not failures:
             join.run_until_done_or_failed(futures)
         if join.thread.is_alive() or failures:
@@ -348,7 +364,7 @@ class Membership:
 
 
 class _TrainerJoin:
-    """The trainer's own join as rank 0, in a helper thread, while the engines' Init calls are in flight.
+    """The trainer's own join (at its sender's rank), in a helper thread, while the engines' Init calls are in flight.
 
     Attributes:
         thread: the helper thread (started by :meth:`run_until_done_or_failed`).
@@ -357,8 +373,11 @@ class _TrainerJoin:
         abandoned: set when the formation gave up; a join that ends after it destroys its group.
     """
 
-    def __init__(self, settings: ClientSettings, port: int, world_size: int, events: threading.Event) -> None:
+    def __init__(
+        self, settings: ClientSettings, rank: int, port: int, world_size: int, events: threading.Event
+    ) -> None:
         self._settings = settings
+        self._rank = rank
         self._port = port
         self._world_size = world_size
         self._events = events
@@ -373,7 +392,7 @@ class _TrainerJoin:
             g = join_group(
                 master_address=s.master_address,
                 master_port=self._port,
-                rank=0,
+                rank=self._rank,
                 world_size=self._world_size,
                 group_name=s.group_name,
                 backend=s.backend,

@@ -1,12 +1,14 @@
-"""The trainer's string options, their check, and its default timeouts.
+"""The trainer's string options, their one conversion into the core's enums, and its default timeouts.
 
 :class:`~wsync_grpc.trainer.client.TrainerClient` takes layouts, apply modes,
 pause modes and backends as strings (the :data:`Layout`, :data:`ApplyMode`,
-:data:`PauseModeName` and :data:`BackendName` literals): they are the values
-of the core's enums (:class:`wsync_grpc.core.layout.Layout`,
-:class:`~wsync_grpc.core.layout.ApplyMode`,
-:class:`~wsync_grpc.core.engine.PauseMode`), which
-:mod:`wsync_grpc.wire.convert` maps to the protocol's enums, one map each.
+:data:`PauseModeName` and :data:`BackendName` literals, vLLM's and SGLang's
+spellings): they are the values of the core's enums
+(:class:`wsync_grpc.core.layout.Layout`, :class:`~wsync_grpc.core.layout.ApplyMode`,
+:class:`~wsync_grpc.core.engine.PauseMode`). The client converts each once, at
+its public methods, with :func:`layout_of`, :func:`apply_mode_of` and
+:func:`pause_mode_of`; inside the trainer only the enums travel, and
+:mod:`wsync_grpc.wire.convert` maps those to the protocol's enums at the wire.
 """
 
 from __future__ import annotations
@@ -14,9 +16,23 @@ from __future__ import annotations
 from typing import Literal
 
 from wsync_grpc.core import layout as core_layout
+from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S
 
-__all__ = ["DEFAULT_GROUP_TIMEOUT_S", "DEFAULT_RPC_TIMEOUT_S", "ApplyMode", "BackendName", "Layout", "PauseModeName"]
+__all__ = [
+    "DEFAULT_GROUP_TIMEOUT_S",
+    "DEFAULT_RPC_TIMEOUT_S",
+    "ApplyMode",
+    "BackendName",
+    "Layout",
+    "PauseModeName",
+    "apply_mode_name",
+    "apply_mode_of",
+    "check_version",
+    "layout_name",
+    "layout_of",
+    "pause_mode_of",
+]
 
 Layout = Literal["flattened", "individual"]
 """Bucket layout: one broadcast per bucket, or one per tensor (``wsync.v1.BucketLayout``)."""
@@ -31,15 +47,57 @@ BackendName = Literal["gloo", "nccl", ""]
 """Collective backend; ``""`` lets each side choose by device (NCCL on CUDA, gloo on CPU)."""
 
 
-def check_request(weight_version: str, layout: str, apply_mode: str) -> None:
-    """Reject a sync's arguments before anything runs.
+def layout_of(value: str) -> core_layout.Layout:
+    """The core's :class:`~wsync_grpc.core.layout.Layout` named ``value`` (``"flattened"`` or ``"individual"``).
 
     Raises:
-        ValueError: empty ``weight_version``, unknown ``layout`` or ``apply_mode``.
+        ValueError: an unknown layout.
+    """
+    try:
+        return core_layout.Layout(value)
+    except ValueError:
+        raise ValueError(f"unknown layout {value!r}; use 'flattened' or 'individual'") from None
+
+
+def apply_mode_of(value: str) -> core_layout.ApplyMode:
+    """The core's :class:`~wsync_grpc.core.layout.ApplyMode` named ``value`` (``"staged"`` or ``"streaming"``).
+
+    Raises:
+        ValueError: an unknown apply mode.
+    """
+    try:
+        return core_layout.ApplyMode(value)
+    except ValueError:
+        raise ValueError(f"unknown apply_mode {value!r}; use 'staged' or 'streaming'") from None
+
+
+def pause_mode_of(value: str) -> PauseMode:
+    """The core's :class:`~wsync_grpc.core.engine.PauseMode` named ``value`` (``"abort"``, ``"wait"``, ``"keep"``).
+
+    Raises:
+        ValueError: an unknown pause mode.
+    """
+    try:
+        return PauseMode(value)
+    except ValueError:
+        raise ValueError(f"unknown pause mode {value!r}; use 'abort', 'wait' or 'keep'") from None
+
+
+def layout_name(layout: core_layout.Layout) -> Layout:
+    """``layout`` as the caller spelt it (the value a :class:`~wsync_grpc.trainer.results.SyncResult` reports)."""
+    return layout.value
+
+
+def apply_mode_name(mode: core_layout.ApplyMode) -> ApplyMode:
+    """``mode`` as the caller spelt it (the value a :class:`~wsync_grpc.trainer.results.SyncResult` reports)."""
+    return mode.value
+
+
+def check_version(weight_version: str) -> None:
+    """Refuse an update without a version before anything runs.
+
+    Raises:
+        ValueError: an empty ``weight_version``.
     """
     if not weight_version:
         raise ValueError("weight_version is required")
-    if layout not in {m.value for m in core_layout.Layout}:
-        raise ValueError(f"unknown layout {layout!r}; use 'flattened' or 'individual'")
-    if apply_mode not in {m.value for m in core_layout.ApplyMode}:
-        raise ValueError(f"unknown apply_mode {apply_mode!r}; use 'staged' or 'streaming'")

@@ -26,7 +26,7 @@ from wsync_grpc.trainer.options import ApplyMode, Layout
 from wsync_grpc.wire.status import error_info
 
 TRAINER = "trainer"
-"""The key under which the trainer's own failure (rank 0) appears in :attr:`EngineCallError.failures`."""
+"""The key under which the trainer's own failure (its sending rank's) appears in :attr:`EngineCallError.failures`."""
 
 
 @dataclass(frozen=True)
@@ -299,10 +299,10 @@ def failure_lines(failures: Mapping[str, EngineFailure]) -> str:
 
 @dataclass(frozen=True)
 class Commit:
-    """How an update's transfer and commit went (:meth:`SyncRunner._transfer_and_commit`).
+    """How an update's transfer and commit went (``UpdateProtocol.transfer_and_commit``).
 
     Attributes:
-        results: target -> the engine's result.
+        results: target -> the engine's result, in target order.
         done: when the last Complete replied (``time.monotonic()``).
         started: when the first Complete was sent (``time.monotonic()``).
         verify_s: the verifying Complete's round trip (staged), in seconds.

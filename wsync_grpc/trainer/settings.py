@@ -4,15 +4,16 @@
 group name, device and backend into one :class:`ClientSettings`. The
 client's parts (fleet, membership, planner, sync) hold that one object and
 read it at every call, and the client's public attributes
-(``rpc_timeout_s``, ``bucket_bytes``, ...) are :class:`Setting` descriptors
-over it: assigning one applies from the next call, on every part.
+(``rpc_timeout_s``, ``bucket_bytes``, ...) are descriptors over it
+(``TrainerClient``'s own): assigning one applies from the next call, on
+every part.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, cast, overload
+from typing import cast
 
 import torch
 
@@ -20,8 +21,6 @@ from wsync_grpc.core.timeouts import Timeouts
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, resolve_backend
 from wsync_grpc.trainer.options import BackendName
 from wsync_grpc.wire.convert import BACKENDS
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -120,28 +119,3 @@ def client_settings(
         ramp_bytes=ramp_bytes,
         solo_bytes=solo_bytes,
     )
-
-
-class _HasSettings(Protocol):
-    _settings: ClientSettings
-
-
-class Setting(Generic[T]):
-    """A public attribute of its owner that reads and writes the same-named field of the owner's ``_settings``."""
-
-    def __set_name__(self, owner: type[Any], name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, obj: None, owner: type[Any] | None = None) -> Setting[T]: ...
-
-    @overload
-    def __get__(self, obj: _HasSettings, owner: type[Any] | None = None) -> T: ...
-
-    def __get__(self, obj: _HasSettings | None, owner: type[Any] | None = None) -> Setting[T] | T:
-        if obj is None:
-            return self
-        return cast(T, getattr(obj._settings, self._name))
-
-    def __set__(self, obj: _HasSettings, value: T) -> None:
-        setattr(obj._settings, self._name, value)

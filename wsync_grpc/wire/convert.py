@@ -142,6 +142,29 @@ def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
     )
 
 
+def header_to_proto(h: UpdateHeader, owner: str = "") -> pb.PrepareHeader:
+    """The ``PrepareHeader`` of ``h``, every enum written explicitly; the inverse of :func:`header_from_proto`.
+
+    Args:
+        h: the update's header in domain terms.
+        owner: the sender's owner name (``PrepareHeader.owner``; the domain header does not carry it,
+            the engine checks it against its lease). ``""`` is the anonymous owner.
+    """
+    return pb.PrepareHeader(
+        update_id=h.update_id,
+        weight_version=h.weight_version,
+        transport=TRANSPORTS[h.transport],
+        layout=LAYOUTS[h.layout],
+        apply_mode=APPLY_MODES[h.apply_mode],
+        bucket_count=h.bucket_count,
+        total_bytes=h.total_bytes,
+        incremental=h.incremental,
+        owner=owner,
+        checkpoint_path=h.checkpoint_path,
+        adapter=adapter_to_proto(h.adapter) if h.adapter is not None else None,
+    )
+
+
 def adapter_from_proto(a: pb.AdapterSpec) -> LoraSpec:
     """The :class:`~wsync_grpc.core.lora.LoraSpec` of a ``wsync.v1.AdapterSpec`` (not validated yet)."""
     return LoraSpec(a.name, a.rank, a.alpha, tuple(a.target_modules))

@@ -1,5 +1,9 @@
 """The broadcast transport's sending side: every bucket broadcast from the trainer's sending rank.
 
+The tensors of a bucket are asked for (``tensors(bucket)``) only when that
+bucket is packed or posted, so a source that materialises them (a sharded
+trainer's gather) holds no more than the buckets in flight.
+
 Two pipelines, one per bucket layout: :meth:`Broadcast.flattened` (one
 broadcast per bucket, the next bucket packed while the current one is on the
 wire, into one of the two reusable buffers of :class:`PackBuffers`) and
@@ -59,12 +63,14 @@ class PackBuffers:
 
 @dataclass
 class Broadcast:
-    """One update's broadcasts from the sending rank (the group's rank 0), and the progress they report.
+    """One update's broadcasts from the sending rank (group rank ``src``), and the progress they report.
 
     Attributes:
         group: the sender's membership of the weight-sync group.
         buckets: the planned buckets, in index order.
-        by_name: the sender's tensors by the names planned (only those of ``buckets`` are read).
+        tensors: a bucket's whole tensors by slot name, asked for once per bucket in index order
+            when it is packed or posted (e.g. a
+            :meth:`WeightSource.bucket_tensors <wsync_grpc.trainer.source.WeightSource.bucket_tensors>`).
         on_sent: called from this thread once a bucket is on every engine, with the bucket and the
             bytes on every engine so far (bytes); ``None`` for none.
         cancel: set to stop at the next wait (the waits then raise
@@ -73,9 +79,11 @@ class Broadcast:
 
     group: WeightSyncGroup
     buckets: Sequence[Bucket]
-    by_name: Mapping[str, torch.Tensor]
+    tensors: Callable[[Bucket], Mapping[str, torch.Tensor]]
     on_sent: Callable[[Bucket, int], None] | None
     cancel: threading.Event
+    src: int = 0
+    """The sending group rank (the trainer's; wsync's trainers join first, from rank 0)."""
     sent: int = 0
     """Bytes on every engine so far, in bytes."""
 
@@ -112,7 +120,8 @@ class Broadcast:
 
         for b in self.buckets:
             t = time.monotonic()
-            buf = bucket_bytes_view(b, self.by_name, group.device)
+            by_name = self.tensors(b)
+            buf = bucket_bytes_view(b, by_name, group.device)
             slot_index = -1
             if buf is None:
                 slot_index = packed % 2
@@ -125,11 +134,11 @@ class Broadcast:
                     slot = slots[slot_index] = torch.empty(b.size_bytes, dtype=torch.uint8, device=group.device)
                 buf = slot[: b.size_bytes]
                 # Padding zeroed: a reused or fresh buffer never puts stale trainer memory on the wire.
-                pack_bucket(b, self.by_name, buf, zero_padding=True)
+                pack_bucket(b, by_name, buf, zero_padding=True)
             pack_s += time.monotonic() - t
             while len(window) >= FLAT_WINDOW:
                 finish()
-            window.append((group.broadcast(buf), b, slot_index))
+            window.append((group.broadcast(buf, self.src), b, slot_index))
         while window:
             finish()
         return pack_s
@@ -164,11 +173,13 @@ class Broadcast:
 
         for b in self.buckets:
             t = time.monotonic()
-            wires = [wire_tensor(pt, self.by_name[pt.name], group.device) for pt in b.tensors]
+            by_name = self.tensors(b)
+            wires = [wire_tensor(pt, by_name[pt.name], group.device) for pt in b.tensors]
+            del by_name  # the wire tensors (views or converted copies) are all that stays in flight
             pack_s += time.monotonic() - t
             for pt, wire in zip(b.tensors, wires, strict=True):
                 if len(window) >= INDIVIDUAL_WINDOW:
                     finish(INDIVIDUAL_WINDOW // 2)
-                window.append((group.broadcast(wire), wire, b, pt))
+                window.append((group.broadcast(wire, self.src), wire, b, pt))
         finish(len(window))
         return pack_s

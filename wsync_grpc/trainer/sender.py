@@ -1,0 +1,111 @@
+"""Which trainer rank sends which bytes: the :class:`Sender` seam, and today's one sender.
+
+The weight-sync group's ranks are the trainer's first (``0 .. trainer_ranks - 1``), then every
+engine's workers in target order: the membership asks the sender how many ranks the trainer holds
+and which one this process joins as, so that no other part assumes the trainer is one process.
+A sender then moves one update's buckets over the group, reading their tensors from the update's
+:class:`~wsync_grpc.trainer.source.WeightSource` one bucket at a time.
+
+:class:`BroadcastSender` is the first sender: one trainer process at group rank 0 broadcasting
+every bucket whole (:class:`~wsync_grpc.transports.broadcast.sender.Broadcast`), the contract's
+single-sender trainer. A sharded trainer adds senders beside it (each rank sending its own shards,
+or the ranks gathering each bucket for one of them to send).
+
+Units: sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from wsync_grpc.core.layout import Bucket, Layout
+from wsync_grpc.group.process_group import WeightSyncGroup
+from wsync_grpc.trainer.source import WeightSource
+from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers
+
+SENDING_RANK = 0
+"""The group rank of a single trainer process, which sends every bucket (the contract's rank 0)."""
+
+
+class Sender(Protocol):
+    """Moves one update's buckets from the trainer's ranks to every engine's workers."""
+
+    @property
+    def trainer_ranks(self) -> int:
+        """How many group ranks the trainer holds (``0 .. trainer_ranks - 1``); engines' workers follow."""
+        ...
+
+    @property
+    def rank(self) -> int:
+        """The group rank this process joins the weight-sync group as."""
+        ...
+
+    def send(
+        self,
+        group: WeightSyncGroup,
+        buckets: Sequence[Bucket],
+        layout: Layout,
+        source: WeightSource,
+        on_sent: Callable[[Bucket, int], None] | None,
+        cancel: threading.Event,
+    ) -> float:
+        """Send every bucket of one update, in index order, in ``layout``.
+
+        Args:
+            group: this process's membership of the weight-sync group.
+            buckets: the update's planned buckets.
+            layout: how buckets travel (one collective per bucket, or one per tensor).
+            source: the update's tensors, asked for one bucket at a time.
+            on_sent: called from this thread once a bucket is on every engine, with the bucket
+                and the bytes on every engine so far (bytes); ``None`` for none.
+            cancel: set to stop at the next wait.
+
+        Returns:
+            The time spent packing or preparing tensors, in seconds (overlapped with the wire).
+
+        Raises:
+            Exception: the group's (a timeout, a peer gone) or
+                :class:`~wsync_grpc.core.errors.Cancelled`; the update is then abandoned.
+        """
+        ...
+
+    def release(self) -> None:
+        """Drop what the sender keeps between updates (its pack buffers); an abandoned send may still read them."""
+        ...
+
+
+class BroadcastSender:
+    """One trainer process at group rank 0 broadcasting every bucket whole.
+
+    Args:
+        buffers: the two flat pack buffers the flattened layout packs into (kept between updates or not).
+    """
+
+    trainer_ranks = 1
+    """One trainer rank: rank 0."""
+    rank = SENDING_RANK
+    """This process joins as rank 0."""
+
+    def __init__(self, buffers: PackBuffers) -> None:
+        self._buffers = buffers
+
+    def send(
+        self,
+        group: WeightSyncGroup,
+        buckets: Sequence[Bucket],
+        layout: Layout,
+        source: WeightSource,
+        on_sent: Callable[[Bucket, int], None] | None,
+        cancel: threading.Event,
+    ) -> float:
+        """See :meth:`Sender.send`: a broadcast from rank 0 per bucket (flattened) or per tensor (individual)."""
+        job = Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=SENDING_RANK)
+        if layout is Layout.FLATTENED:
+            return job.flattened(self._buffers.for_update())
+        return job.individual()
+
+    def release(self) -> None:
+        """See :meth:`Sender.release`."""
+        self._buffers.release()

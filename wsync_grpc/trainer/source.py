@@ -1,0 +1,101 @@
+"""Where the trainer's weights come from: a :class:`WeightSource` tells what to send, then gives it per bucket.
+
+Planning needs only each tensor's name, dtype and global shape
+(:meth:`WeightSource.metadata`), so nothing is gathered or copied to plan an
+update; the bytes are asked for one bucket at a time while sending
+(:meth:`WeightSource.bucket_tensors`), so a source may materialise them lazily
+(an FSDP2 ``DTensor``'s ``full_tensor()``, a CPU-offloaded parameter's copy)
+and hold no more than the buckets in flight. This is the shape of vLLM's
+``weight_transfer`` ``WeightSource`` (metadata by global shape, lazy
+iteration).
+
+:class:`NamedTensors` is the source of the ``(name, tensor)`` pairs that
+:meth:`~wsync_grpc.trainer.client.TrainerClient.sync` accepts
+(``model.named_parameters()``, ``model.state_dict().items()``): one process
+holding every tensor whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.planning import TensorMeta, unique_tensors
+
+__all__ = ["NamedTensors", "TensorMeta", "WeightSource"]
+
+
+class WeightSource(Protocol):
+    """The tensors of one update: their metadata to plan with, then their bytes bucket by bucket.
+
+    Every trainer rank that takes part in an update holds a source over the same tensors and calls
+    it in the same order: :meth:`metadata` once, then :meth:`bucket_tensors` once per bucket, in
+    bucket order (a sharded source may gather collectively inside it).
+    """
+
+    def metadata(self) -> Sequence[TensorMeta]:
+        """The tensors to send, in order, each once (tied aliases kept under their first name).
+
+        Shapes are global shapes (a sharded tensor's unsharded shape); dtypes are the tensors' own
+        (the update's wire dtype is applied by planning). Reads no tensor's bytes.
+
+        Raises:
+            ValueError: a name appears twice.
+        """
+        ...
+
+    def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+        """The whole tensors of ``bucket``'s slots, by slot name, in their own dtype, on any device.
+
+        Called while sending, once per bucket in index order; the mapping is dropped once the
+        bucket is on the wire, so a source that materialises here holds at most the buckets in
+        flight (the sender keeps up to two packed).
+
+        Raises:
+            KeyError: a slot the source does not hold.
+        """
+        ...
+
+
+class NamedTensors:
+    """The source of ``(name, tensor)`` pairs held whole by this process (:meth:`TrainerClient.sync`'s input).
+
+    The pairs are read once, at the first :meth:`metadata` (so an iterator such as
+    ``model.named_parameters()`` is consumed once, when the update plans); only references are
+    kept, nothing is copied. Tied or duplicated tensors (same address, shape, stride and dtype:
+    :func:`~wsync_grpc.core.planning.unique_tensors`) are sent once, under their first name.
+
+    Args:
+        named_tensors: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()``.
+    """
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._pairs = named_tensors
+        self._by_name: dict[str, torch.Tensor] | None = None
+        self._metadata: list[TensorMeta] = []
+
+    def metadata(self) -> Sequence[TensorMeta]:
+        """See :meth:`WeightSource.metadata` (a tensor's own shape and dtype).
+
+        Raises:
+            ValueError: a name appears twice.
+        """
+        if self._by_name is None:
+            unique = unique_tensors(self._pairs)
+            self._by_name = {meta.name: t for meta, t in unique}
+            self._metadata = [meta for meta, _t in unique]
+        return self._metadata
+
+    def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+        """See :meth:`WeightSource.bucket_tensors`: the tensors themselves (nothing to materialise).
+
+        Raises:
+            KeyError: a slot the source does not hold.
+        """
+        if self._by_name is None:
+            self.metadata()
+        assert self._by_name is not None
+        return {s.name: self._by_name[s.name] for s in bucket.tensors}
