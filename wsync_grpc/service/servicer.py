@@ -51,21 +51,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     Args:
         engine: the engine.
-        prepare_timeout_s: bound on arming the receivers at Prepare, and on the
-            silence between two messages of a Prepare stream, in seconds: a
-            stream that stalls longer is cancelled (the client sees
-            CANCELLED), so a stuck trainer cannot hold the engine in PREPARING.
-            Read at each Prepare.
-        keep_buffers: keep receive buffers between updates (see
-            :class:`~wsync_grpc.worker.buffers.BufferPool`). ``None`` (default): keep
-            them on CPU workers, where fresh memory costs page faults on every
-            update; not on CUDA workers, where torch's caching allocator
-            already reuses freed blocks and the KV cache wants the memory.
-        checkpoint_roots: directories disk updates may read checkpoints from
-            (``wsync serve --checkpoint-root``); empty (default): disk updates
-            are refused with PERMISSION_DENIED. Engines whose workers are other
-            processes (:class:`~wsync_grpc.core.engine.RemoteWorkers`) read
-            them there.
+        prepare_timeout_s, keep_buffers, checkpoint_roots: see
+            :class:`~wsync_grpc.service.controller.UpdateController` (a Prepare stream that stalls
+            longer than ``prepare_timeout_s`` is cancelled: the client sees CANCELLED).
 
     Attributes:
         controller: the protocol-agnostic side every RPC delegates to.

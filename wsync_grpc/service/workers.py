@@ -35,7 +35,7 @@ from wsync_grpc.service.membership import Membership
 from wsync_grpc.transports import TransportPart
 from wsync_grpc.worker.buffers import BufferPool
 from wsync_grpc.worker.feed import BucketFeed
-from wsync_grpc.worker.receiver import Receiver, ReceiveSite
+from wsync_grpc.worker.receiver import Receiver, ReceiverState, ReceiveSite
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class LocalWorkers:
         return [pair for named in staged for pair in named]
 
 
-class RemoteReceiver:
+class RemoteReceiver(ReceiverState):
     """One remote worker's receive, as the session sees it (a :class:`~wsync_grpc.worker.receiver.Receiver`).
 
     Args:
@@ -171,18 +171,8 @@ class RemoteReceiver:
     """
 
     def __init__(self, worker: int, timeout_s: float) -> None:
-        self.worker = worker
+        super().__init__(worker)  # staged stays empty: the worker holds what it staged
         self._timeout_s = timeout_s
-        self.armed = threading.Event()
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.buckets_done = 0
-        self.bytes_done = 0
-        self.tensors_applied = 0
-        self.wrote_served = False
-        self.last_arrival_at: float | None = None
-        self.staged: list[NamedTensors] = []
-        """Always empty: the worker holds what it staged."""
 
     @property
     def timeout_s(self) -> float:

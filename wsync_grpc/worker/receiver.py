@@ -21,6 +21,7 @@ import torch
 
 from wsync_grpc.core.engine import ReceiverProgress, WeightTarget
 from wsync_grpc.core.packing import NamedTensors
+from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.worker.buffers import BufferPool
 from wsync_grpc.worker.feed import BucketFeed
@@ -104,6 +105,53 @@ class ReceiveSite:
     on_event: Callable[[Receiver], None]
     group: WeightSyncGroup | None
     pool: BufferPool
+
+
+class ReceiverState:
+    """The attributes of a :class:`Receiver`, at their start values (a receiver's own, set by its thread).
+
+    Args:
+        worker: the worker index.
+    """
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self.armed = threading.Event()
+        """Set once the first receive is posted (or nothing needs posting first)."""
+        self.done = threading.Event()
+        """Set when the receive ended (every bucket arrived, or it failed)."""
+        self.error: BaseException | None = None
+        self.buckets_done = 0
+        self.bytes_done = 0
+        self.tensors_applied = 0
+        self.wrote_served = False
+        """Whether it began writing into the served weights (they may be half written)."""
+        self.first_post_at: float | None = None
+        self.last_arrival_at: float | None = None
+        self.staged: list[NamedTensors] = []
+        """Staged apply: per received bucket (or chunk), the ``(canonical name, tensor)`` pairs."""
+
+
+class ReceiverThread(threading.Thread, ReceiverState):
+    """A receiver running on a thread of its own at ``site``, for the update ``plan`` describes.
+
+    Subclasses implement ``run`` (receive, set the progress attributes, call ``on_event`` after each
+    bucket and when it ends) and the rest of :class:`Receiver`.
+
+    Args:
+        name: the thread's name.
+        site: where it runs.
+        plan: the update.
+    """
+
+    def __init__(self, name: str, site: ReceiveSite, plan: ReceivePlan) -> None:
+        threading.Thread.__init__(self, name=name, daemon=True)
+        ReceiverState.__init__(self, site.worker)
+        self.target = site.target
+        self.feed = site.feed
+        self.cancel = site.cancel
+        self.on_event = site.on_event
+        self.streaming = plan.streaming
 
 
 def receiver_progress(r: Receiver, rank: int = -1) -> ReceiverProgress:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -37,10 +36,10 @@ import torch
 from wsync_grpc.core.engine import InPlaceReceive, StorageSwap
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
-from wsync_grpc.core.packing import NamedTensors, tensor_views
+from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
-from wsync_grpc.worker.receiver import ReceiveSite
+from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ class _Posted:
         return self.end == len(self.bucket.tensors)
 
 
-class BroadcastReceiver(threading.Thread):
+class BroadcastReceiver(ReceiverThread):
     """Receives one update's buckets for one worker from the weight-sync group (a :class:`Receiver`).
 
     Args:
@@ -94,34 +93,14 @@ class BroadcastReceiver(threading.Thread):
     """
 
     def __init__(self, site: ReceiveSite, plan: ReceivePlan) -> None:
-        worker, group = site.worker, site.group
+        group = site.group
         assert group is not None, "a broadcast needs the group (TransportPart.needs_group)"
-        super().__init__(name=f"wsync-receiver-{worker}", daemon=True)
-        self.worker = worker
+        super().__init__(f"wsync-receiver-{site.worker}", site, plan)
         self.group = group
-        self.target = site.target
-        self.feed = site.feed
         self.flattened = plan.layout is Layout.FLATTENED
-        self.streaming = plan.streaming
-        self.cancel = site.cancel
-        self.on_event = site.on_event
         self.device = group.device
-        self.armed = threading.Event()
-        """Set once the first receive is posted (or nothing is declared yet)."""
-        self.done = threading.Event()
-        """Set when the thread ends."""
-        self.error: BaseException | None = None
-        self.buckets_done = 0
-        self.bytes_done = 0
-        self.tensors_applied = 0
-        self.first_post_at: float | None = None
-        self.last_arrival_at: float | None = None
-        self.staged: list[NamedTensors] = []
-        """Staged apply: per received bucket (individual layout: per chunk), the (canonical name, tensor) pairs."""
         self.pool = site.pool
         self._held: list[torch.Tensor] = []  # staged: flat buffers behind self.staged
-        self.wrote_served = False
-        """Whether a receive was posted straight into a served tensor (it may be half written)."""
         self.tensors_direct = 0
         """Tensors received straight into the served ones (counted in :attr:`tensors_applied` too)."""
         self._in_place = site.target if self.streaming and isinstance(site.target, InPlaceReceive) else None

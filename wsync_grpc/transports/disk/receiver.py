@@ -12,7 +12,6 @@ The cancel event is checked between tensors.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,12 +24,12 @@ from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.packing import NamedTensors
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.core.update import ReceivePlan
-from wsync_grpc.worker.receiver import ReceiveSite
+from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 
 log = logging.getLogger(__name__)
 
 
-class DiskReceiver(threading.Thread):
+class DiskReceiver(ReceiverThread):
     """Reads one disk update's buckets for one worker (a :class:`~wsync_grpc.worker.receiver.Receiver`).
 
     Args:
@@ -40,29 +39,9 @@ class DiskReceiver(threading.Thread):
     """
 
     def __init__(self, site: ReceiveSite, plan: ReceivePlan) -> None:
-        super().__init__(name=f"wsync-disk-reader-{site.worker}", daemon=True)
-        self.worker = site.worker
+        super().__init__(f"wsync-disk-reader-{site.worker}", site, plan)
         self.device = site.device
-        self.target = site.target
-        self.feed = site.feed
         self.files = plan.files
-        self.streaming = plan.streaming
-        self.cancel = site.cancel
-        self.on_event = site.on_event
-        self.armed = threading.Event()
-        """Set when the thread starts (a disk read needs nothing posted first)."""
-        self.done = threading.Event()
-        """Set when the thread ends."""
-        self.error: BaseException | None = None
-        self.buckets_done = 0
-        self.bytes_done = 0
-        self.tensors_applied = 0
-        self.first_post_at: float | None = None
-        self.last_arrival_at: float | None = None
-        self.staged: list[NamedTensors] = []
-        """Staged apply: per bucket, the (canonical name, tensor) pairs read."""
-        self.wrote_served = False
-        """Whether a streaming load into the served weights began (they may be half written)."""
 
     @property
     def timeout_s(self) -> float:
