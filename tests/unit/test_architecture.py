@@ -71,6 +71,19 @@ def test_imports_point_down(path: Path) -> None:
     assert ours <= ALLOWED[layer], f"{layer} imports {sorted(ours - ALLOWED[layer])}"
 
 
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_private_name_crosses_a_module(path: Path) -> None:
+    """A name with a leading underscore stays in its module: what another module needs is public there."""
+    crossing = [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("wsync_grpc")
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not crossing, f"{path.relative_to(PACKAGE)} imports private names {crossing}"
+
+
 VLLM_FRONT = ("__init__.py", "front.py", "lora.py", "checkpoint.py")
 """The modules of ``engines/vllm`` that run in vLLM's front (API server) process, beside the servicer."""
 

@@ -36,7 +36,7 @@ from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, 
 from wsync_grpc.transports import transport_for
 from wsync_grpc.worker.buffers import BufferPool
 from wsync_grpc.worker.feed import BucketFeed
-from wsync_grpc.worker.receiver import Receiver, ReceiveSite, receiver_progress
+from wsync_grpc.worker.receiver import STAGED_APART, Receiver, ReceiveSite, receiver_progress
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +181,11 @@ class WorkerHost:
         self.cancel = threading.Event()
         if plan.streaming:
             self._begin_reload()
+        target = _ModelTarget(self.glue) if plan.payload is Payload.WEIGHTS else STAGED_APART
         site = ReceiveSite(
             self.global_rank,
             self.device,
-            _ModelTarget(self.glue),
+            target,
             self.feed,
             self.cancel,
             lambda r: None,

@@ -35,7 +35,7 @@ from wsync_grpc.service.membership import Membership
 from wsync_grpc.transports import TransportPart
 from wsync_grpc.worker.buffers import BufferPool
 from wsync_grpc.worker.feed import BucketFeed
-from wsync_grpc.worker.receiver import Receiver, ReceiverState, ReceiveSite
+from wsync_grpc.worker.receiver import STAGED_APART, Receiver, ReceiverState, ReceiveSite
 
 log = logging.getLogger(__name__)
 
@@ -103,20 +103,26 @@ def update_workers(
     read_here = plan.payload is Payload.ADAPTER and transport.engine_builds_buckets
     if isinstance(engine, RemoteWorkers) and not read_here:
         return RemoteWorkerSet(engine, len(membership.devices), plan, membership.group_timeout_s, cancel, on_event)
-    assert isinstance(engine, WeightTarget), "an engine's weights live in this process or in RemoteWorkers"
-    return LocalWorkers(engine, membership, pools, transport, plan, feed, cancel, on_event)
+    target: WeightTarget = STAGED_APART  # an adapter is kept apart from the model until Complete loads it
+    if plan.payload is Payload.WEIGHTS:
+        assert isinstance(engine, WeightTarget), "an engine's weights live in this process or in RemoteWorkers"
+        target = engine
+    return LocalWorkers(engine, target, membership, pools, transport, plan, feed, cancel, on_event)
 
 
 class LocalWorkers:
     """Receivers running as threads of this process (an :class:`UpdateWorkers`).
 
-    A transport that needs no group reads an adapter with the first worker
-    only (the engine loads it once); otherwise every worker receives.
+    ``target`` is what a streaming update loads into and a staged one is applied to (the engine for
+    base weights; :data:`~wsync_grpc.worker.receiver.STAGED_APART` for an adapter). A transport
+    that needs no group reads an adapter with the first worker only (the engine loads it once);
+    otherwise every worker receives.
     """
 
     def __init__(
         self,
-        engine: WeightTarget,
+        engine: Engine,
+        target: WeightTarget,
         membership: Membership,
         pools: Sequence[BufferPool],
         transport: TransportPart,
@@ -126,13 +132,14 @@ class LocalWorkers:
         on_event: Callable[[Receiver], None],
     ) -> None:
         self._engine = engine
+        self._target = target
         self._plan = plan
         devices = membership.devices
         if plan.payload is Payload.ADAPTER and not transport.needs_group:
             devices = devices[:1]
         groups = membership.groups if transport.needs_group else [None] * len(devices)
         self.receivers: list[Receiver] = [
-            transport.receiver(ReceiveSite(i, d, engine, feed, cancel, on_event, g, pools[i]), plan)
+            transport.receiver(ReceiveSite(i, d, target, feed, cancel, on_event, g, pools[i]), plan)
             for i, (d, g) in enumerate(zip(devices, groups, strict=False))
         ]
 
@@ -146,14 +153,12 @@ class LocalWorkers:
 
     def apply_weights(self, timeout_s: float, weight_version: str) -> int:
         """Copy (or swap in) what every worker staged; publish ``weight_version`` to the engine."""
-        engine = self._engine
         if not self._plan.streaming:
             for r in self.receivers:
                 for named in r.staged:
-                    r.tensors_applied += engine.load_weights(r.worker, named)
+                    r.tensors_applied += self._target.load_weights(r.worker, named)
                 r.tensors_applied += r.apply_swaps()
-        assert isinstance(engine, Engine)
-        engine.set_weight_version(weight_version)
+        self._engine.set_weight_version(weight_version)
         return self.receivers[0].tensors_applied
 
     def adapter_tensors(self, timeout_s: float) -> list[tuple[str, torch.Tensor]]:

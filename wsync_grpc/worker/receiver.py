@@ -12,8 +12,9 @@ through a stand-in with the same attributes (:mod:`wsync_grpc.service.workers`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -152,6 +153,38 @@ class ReceiverThread(threading.Thread, ReceiverState):
         self.cancel = site.cancel
         self.on_event = site.on_event
         self.streaming = plan.streaming
+
+
+class StagedApart:
+    """The target of an update kept apart from the served model (a LoRA adapter, loaded whole at Complete).
+
+    A :class:`~wsync_grpc.core.engine.WeightTarget` that takes no load: such an
+    update is always staged, so its receivers only keep what they receive.
+    """
+
+    def weights_lock(self) -> contextlib.AbstractContextManager[object]:
+        """No lock: nothing served changes."""
+        return contextlib.nullcontext()
+
+    def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Never called for a staged update.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError("this update is kept apart from the served model; nothing loads into it")
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """No served tensor stands for it.
+
+        Raises:
+            KeyError: always.
+        """
+        raise KeyError(name)
+
+
+STAGED_APART = StagedApart()
+"""The one :class:`StagedApart` target."""
 
 
 def receiver_progress(r: Receiver, rank: int = -1) -> ReceiverProgress:

@@ -23,8 +23,8 @@ from wsync_grpc.engines.reference.requests import (
     GenerationHandle,
     GenerationResult,
     GenerationTimeout,
-    _bounded,
-    _Request,
+    PendingRequest,
+    bounded_timeout,
 )
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,11 @@ class Admission:
         self._max_running = max_running
         self._decode = decode
         self.cond = threading.Condition(threading.Lock())
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
+        self.waiting: deque[PendingRequest] = deque()
+        self.running: list[PendingRequest] = []
         self.paused = False
         self.mode: PauseMode | None = None
-        self.stepping: _Request | None = None
+        self.stepping: PendingRequest | None = None
         self.closed = False
         self._next_id = 0
 
@@ -80,7 +80,7 @@ class Admission:
         with self.cond:
             if self.closed:
                 raise EngineClosed("the engine is closed")
-            req = _Request(
+            req = PendingRequest(
                 id=self._next_id,
                 prompt_ids=ids,
                 max_new_tokens=max_new_tokens,
@@ -187,7 +187,7 @@ class Admission:
                     self.finish_locked(req, FinishReason.ABORTED)
                 self.cond.notify_all()
 
-    def cancel(self, req: _Request) -> bool:
+    def cancel(self, req: PendingRequest) -> bool:
         """End ``req`` with finish reason ABORTED; ``False`` if it had already ended."""
         with self.cond:
             if req.finished:
@@ -195,7 +195,7 @@ class Admission:
             self.finish_locked(req, FinishReason.ABORTED)
             return True
 
-    def expire(self, req: _Request) -> None:
+    def expire(self, req: PendingRequest) -> None:
         """Fail ``req`` with :class:`GenerationTimeout` unless it has ended."""
         with self.cond:
             self.expire_locked(req)
@@ -221,10 +221,10 @@ class Admission:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        self.cond.wait(_bounded(remaining))
+        self.cond.wait(bounded_timeout(remaining))
         return True
 
-    def finish_locked(self, req: _Request, reason: FinishReason) -> None:
+    def finish_locked(self, req: PendingRequest, reason: FinishReason) -> None:
         """End ``req`` with a :class:`GenerationResult` (its tokens so far) unless it has ended."""
         if req.finished:
             return
@@ -243,14 +243,14 @@ class Admission:
         )
         self._end_locked(req)
 
-    def fail_locked(self, req: _Request, error: BaseException) -> None:
+    def fail_locked(self, req: PendingRequest, error: BaseException) -> None:
         """End ``req`` with ``error`` (raised by :meth:`GenerationHandle.result`) unless it has ended."""
         if req.finished:
             return
         req.error = error
         self._end_locked(req)
 
-    def expire_locked(self, req: _Request) -> None:
+    def expire_locked(self, req: PendingRequest) -> None:
         """Fail ``req`` with :class:`GenerationTimeout` (saying why) unless it has ended."""
         if req.finished:
             return
@@ -283,7 +283,7 @@ class Admission:
                     f"{timeout:.3g} s; the engine stays paused"
                 )
 
-    def _end_locked(self, req: _Request) -> None:
+    def _end_locked(self, req: PendingRequest) -> None:
         req.finished = True
         req.cache = None
         if req in self.running:

@@ -20,7 +20,7 @@ from wsync_grpc.core.engine import ParamSpec, PauseMode, PauseOutcome
 from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 from wsync_grpc.engines.reference.admission import Admission
 from wsync_grpc.engines.reference.lora import LoraSlots
-from wsync_grpc.engines.reference.prompts import PromptCodec, _eos_token_ids
+from wsync_grpc.engines.reference.prompts import PromptCodec, eos_token_ids
 from wsync_grpc.engines.reference.requests import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TIMEOUT_S,
@@ -28,7 +28,7 @@ from wsync_grpc.engines.reference.requests import (
     GenerationResult,
 )
 from wsync_grpc.engines.reference.scheduler import Scheduler
-from wsync_grpc.engines.reference.weights import ParameterSummary, _collect_weights
+from wsync_grpc.engines.reference.weights import ParameterSummary, collect_weights
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,13 @@ class ReferenceEngine:
         model.requires_grad_(False)
         self._model = model
         self._name = name or type(model).__name__
-        self._tensors, self._specs, self._aliases = _collect_weights(model)
+        self._tensors, self._specs, self._aliases = collect_weights(model)
         self._lora = LoraSlots(model)
         first = next(iter(self._tensors.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
         config = getattr(model, "config", None)
         self._max_positions: int | None = getattr(config, "max_position_embeddings", None)
-        self._eos_ids = _eos_token_ids(model, tokenizer)
+        self._eos_ids = eos_token_ids(model, tokenizer)
         self._codec = PromptCodec(tokenizer)
         self._admission = Admission(max_running, self._codec.decode)
         self._scheduler = Scheduler(self._admission, self._forward, self._eos_ids, self._name)

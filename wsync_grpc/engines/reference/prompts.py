@@ -45,7 +45,7 @@ class PromptCodec:
         return str(text)
 
 
-def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     """End-of-sequence ids: the tokenizer's plus the model's generation config's (an int or a list)."""
     ids: set[int] = set()
     for source in (

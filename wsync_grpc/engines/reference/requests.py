@@ -85,7 +85,7 @@ class GenerationResult:
 
 
 @dataclass(eq=False)
-class _Request:
+class PendingRequest:
     """One request's state; every field is guarded by the engine's state condition (:attr:`Admission.cond`)."""
 
     id: int
@@ -114,7 +114,7 @@ class GenerationHandle:
     Obtained from :meth:`ReferenceEngine.submit`.
     """
 
-    def __init__(self, admission: Admission, request: _Request) -> None:
+    def __init__(self, admission: Admission, request: PendingRequest) -> None:
         self._admission = admission
         self._req = request
 
@@ -129,7 +129,7 @@ class GenerationHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (``None``: forever) for the end; return :meth:`done`."""
-        return self._req.done.wait(None if timeout is None else _bounded(timeout))
+        return self._req.done.wait(None if timeout is None else bounded_timeout(timeout))
 
     @property
     def admitted(self) -> bool:
@@ -157,7 +157,7 @@ class GenerationHandle:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                cond.wait(_bounded(remaining))
+                cond.wait(bounded_timeout(remaining))
             return len(self._req.generated) >= n
 
     def cancel(self) -> bool:
@@ -177,7 +177,7 @@ class GenerationHandle:
             RuntimeError: the forward pass failed (the cause is chained).
         """
         req = self._req
-        if not req.done.wait(_bounded(req.deadline - time.monotonic())):
+        if not req.done.wait(bounded_timeout(req.deadline - time.monotonic())):
             self._admission.expire(req)
         req.done.wait()
         if req.error is not None:
@@ -186,6 +186,6 @@ class GenerationHandle:
         return req.result
 
 
-def _bounded(seconds: float) -> float:
+def bounded_timeout(seconds: float) -> float:
     """``seconds`` clipped to what ``threading`` waits accept (0 to ``threading.TIMEOUT_MAX``)."""
     return min(max(0.0, seconds), threading.TIMEOUT_MAX)

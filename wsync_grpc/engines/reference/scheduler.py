@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from wsync_grpc.engines.reference.admission import Admission
-from wsync_grpc.engines.reference.requests import EngineClosed, FinishReason, _bounded, _Request
+from wsync_grpc.engines.reference.requests import EngineClosed, FinishReason, PendingRequest, bounded_timeout
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Scheduler:
                     adm.fail_locked(r, EngineClosed("the generation loop died; see the engine log"))
             raise
 
-    def _next_locked(self) -> _Request | None:
+    def _next_locked(self) -> PendingRequest | None:
         """Admit what may be admitted and pick the next request to step; ``None`` once closed."""
         adm = self._admission
         while True:
@@ -166,9 +166,9 @@ class Scheduler:
                 self._rr += 1
                 return req
             pending = [r.deadline for r in (*adm.waiting, *adm.running)]
-            self._cond.wait(_bounded(min(pending) - now + 0.001) if pending else None)
+            self._cond.wait(bounded_timeout(min(pending) - now + 0.001) if pending else None)
 
-    def _step(self, req: _Request) -> None:
+    def _step(self, req: PendingRequest) -> None:
         """Run one decode step of ``req`` under the weights lock and record its token."""
         adm = self._admission
         with self._weights:

@@ -1,6 +1,6 @@
 """The served weights of the reference engine: canonical names, tied aliases, sizes.
 
-:func:`_collect_weights` finds every weight of a ``torch.nn.Module`` under its
+:func:`collect_weights` finds every weight of a ``torch.nn.Module`` under its
 Hugging Face name, one canonical name per tensor (tied embeddings have
 aliases); :class:`ParameterSummary` sums their sizes.
 """
@@ -56,7 +56,7 @@ def _storage_key(t: torch.Tensor) -> tuple[object, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _collect_weights(
+def collect_weights(
     model: torch.nn.Module,
 ) -> tuple[dict[str, torch.Tensor], dict[str, ParamSpec], dict[str, str]]:
     """Canonical name -> tensor, canonical name -> spec, alias -> canonical, in ``state_dict`` order.
