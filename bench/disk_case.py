@@ -3,7 +3,7 @@
 One engine process serving a synthetic model (:mod:`bench.engine`, its
 checkpoint root under the harness's temporary directory) and the trainer's
 copy of the model, saved once as ``model.safetensors`` with
-:func:`wsync_grpc.trainer.disk.save_checkpoint`. Each repetition runs, back to
+:func:`wsync_grpc.transports.disk.writer.save_checkpoint`. Each repetition runs, back to
 back on the same processes:
 
 - the ceiling: one raw broadcast of the model's bytes;
@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from wsync_grpc.trainer.disk import save_checkpoint
+from wsync_grpc.transports.disk.writer import save_checkpoint
 
 if TYPE_CHECKING:
     from bench.run import Harness, Session

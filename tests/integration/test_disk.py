@@ -27,7 +27,7 @@ from wsync_grpc.engines.reference import ReferenceEngine
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.testing import EngineProcess, cli_command, in_process_server, spawn_engine, stop_all, wait_all
 from wsync_grpc.trainer import SyncError, TrainerClient
-from wsync_grpc.trainer.disk import save_checkpoint
+from wsync_grpc.transports.disk.writer import save_checkpoint
 from wsync_grpc.wire.status import error_reason
 
 PROMPT = "What is the capital of France?"

@@ -277,7 +277,7 @@ def test_a_trainer_killed_while_the_engine_reads_a_checkpoint(tmp_path: Path, mo
     already sent (a streaming update has no verify phase): the engine
     finishes reading on its own and serves the whole new checkpoint.
     """
-    from wsync_grpc.trainer.disk import save_checkpoint
+    from wsync_grpc.transports.disk.writer import save_checkpoint
 
     root = tmp_path / "root"
     old_tensors = synthetic.build(PRESET, seed=1, dtype=torch.bfloat16)

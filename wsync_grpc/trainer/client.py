@@ -29,7 +29,7 @@ from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.core.planning import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup
 from wsync_grpc.trainer.adapters import adapter_tensors
-from wsync_grpc.trainer.disk import DiskSyncRunner, save_checkpoint
+from wsync_grpc.trainer.disk import DiskSyncRunner
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -61,6 +61,7 @@ from wsync_grpc.trainer.views import (
     ResumeResult,
 )
 from wsync_grpc.transports.broadcast.sender import PackBuffers
+from wsync_grpc.transports.disk.writer import save_checkpoint
 
 __all__ = ["TrainerClient"]
 
@@ -573,7 +574,7 @@ class TrainerClient:
             kwargs: further arguments of :meth:`sync_from_disk`.
 
         Raises:
-            as :func:`~wsync_grpc.trainer.disk.save_checkpoint` and :meth:`sync_from_disk`.
+            as :func:`~wsync_grpc.transports.disk.writer.save_checkpoint` and :meth:`sync_from_disk`.
         """
         save_checkpoint(named_tensors, directory)
         return self.sync_from_disk(engine_path if engine_path is not None else directory, weight_version, **kwargs)

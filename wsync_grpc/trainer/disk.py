@@ -13,60 +13,21 @@ version everywhere or nowhere. No group is needed: no Init, no rank, no byte
 on the wire. A failure cancels the update everywhere and raises one
 :class:`~wsync_grpc.trainer.results.SyncError`, as for a broadcast.
 
-:func:`save_checkpoint` writes named tensors as one safetensors file,
-atomically (a reader never sees half a file; one still reading the previous
-file keeps reading it).
+:func:`~wsync_grpc.transports.disk.writer.save_checkpoint` (the disk
+transport's writing side) writes named tensors as one safetensors file,
+atomically, for ``TrainerClient.save_and_sync``.
 
 Units: sizes in bytes, times in seconds.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-import torch
-from safetensors.torch import save_file
-
-from wsync_grpc.core.planning import unique_tensors
 from wsync_grpc.trainer.options import apply_mode_name, layout_name
 from wsync_grpc.trainer.protocol import UpdateProtocol
 from wsync_grpc.trainer.request import UpdateRequest
 from wsync_grpc.trainer.results import SyncResult
-
-CHECKPOINT_FILE = "model.safetensors"
-"""The file :func:`save_checkpoint` writes (a Hugging Face single-file checkpoint's name)."""
-
-
-def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | os.PathLike[str]) -> Path:
-    """Write ``named_tensors`` to ``directory/model.safetensors`` (created if needed); return the file.
-
-    Tensors sharing memory (tied embeddings) are written once, under their
-    first name, as :meth:`~wsync_grpc.trainer.client.TrainerClient.sync` sends
-    them (:func:`~wsync_grpc.core.planning.unique_tensors`). Tensors are
-    detached, made contiguous and moved to CPU. The file is written beside its
-    final name and renamed into place, so an engine never reads half of it.
-
-    Raises:
-        ValueError: no tensors, or a name given twice.
-        OSError: the directory cannot be written.
-    """
-    out = {meta.name: t.detach().to("cpu").contiguous() for meta, t in unique_tensors(named_tensors)}
-    if not out:
-        raise ValueError("nothing to save: no tensors given")
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".wsync-", suffix=".safetensors.tmp", dir=d)
-    os.close(fd)
-    try:
-        save_file(out, tmp)
-        os.replace(tmp, d / CHECKPOINT_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return d / CHECKPOINT_FILE
 
 
 class DiskSyncRunner:
@@ -117,4 +78,4 @@ class DiskSyncRunner:
         return calls.applied(request, result)
 
 
-__all__: Sequence[str] = ["CHECKPOINT_FILE", "DiskSyncRunner", "save_checkpoint"]
+__all__: Sequence[str] = ["DiskSyncRunner"]
