@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 from collections.abc import Iterator
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +191,54 @@ def test_entry_points_register_plugins_and_a_broken_one_is_skipped_with_a_warnin
 
 class SyntheticAgain(OnesPlugin):
     name = "synthetic"
+
+
+def _readme_vllm_command() -> list[str]:
+    """The README's ``wsync serve --engine vllm`` command, as a shell would split it (after ``wsync``)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = readme.splitlines()
+    start = next(i for i, line in enumerate(lines) if "wsync serve --engine vllm" in line and "\\" in line)
+    text = ""
+    for line in lines[start:]:
+        text += line.rstrip().removesuffix("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            break
+    words = shlex.split(text)
+    return words[words.index("wsync") + 1 :]
+
+
+def test_the_readmes_vllm_command_parses_and_reaches_vllm_with_its_arguments() -> None:
+    """``--vllm-args "--enforce-eager"`` (a value that begins with a dash) is read as the value, as written."""
+    argv = _readme_vllm_command()
+    assert "--vllm-args" in argv and "--enforce-eager" in argv
+    args = cli.parse_args(argv)
+    assert (args.command, args.engine, args.vllm_args, args.http_port, args.port) == (
+        "serve",
+        "vllm",
+        "--enforce-eager",
+        8000,
+        50051,
+    )
+    from wsync_grpc.tools.engines.vllm_server import VllmServeOptions, vllm_argv
+
+    opts = VllmServeOptions(model=args.model, vllm_args=args.vllm_args)
+    assert vllm_argv(opts)[-1] == "--enforce-eager" and vllm_argv(opts)[:2] == ["--model", args.model]
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (["--vllm-args", "--enforce-eager"], "--enforce-eager"),
+        (
+            ["--vllm-args", "--enforce-eager --enable-lora --max-lora-rank 8"],
+            "--enforce-eager --enable-lora --max-lora-rank 8",
+        ),
+        (["--vllm-args=--enforce-eager"], "--enforce-eager"),
+        (["--vllm-args", "--dtype=bfloat16", "--http-port", "8001"], "--dtype=bfloat16"),
+    ],
+)
+def test_vllm_args_take_a_value_that_begins_with_a_dash(given: list[str], expected: str) -> None:
+    args = cli.parse_args(["serve", "--engine", "vllm", "--model", "/m", *given])
+    assert args.vllm_args == expected
+    assert args.http_port == (8001 if "--http-port" in given else 8000)
+    assert cli.attach_pass_through(["serve", "--port", "1"]) == ["serve", "--port", "1"]  # nothing else changes

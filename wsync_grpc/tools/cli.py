@@ -300,9 +300,42 @@ def _configure_logging(level: str, fmt: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
+PASS_THROUGH_OPTIONS = ("--vllm-args",)
+"""Options whose one value is a string of another program's arguments, so it may begin with a dash."""
+
+
+def attach_pass_through(argv: Sequence[str]) -> list[str]:
+    """``--vllm-args "--enforce-eager"`` as ``--vllm-args=--enforce-eager``, for each of :data:`PASS_THROUGH_OPTIONS`.
+
+    argparse takes a lone value that begins with a dash for an option of its own
+    and refuses the command (``expected one argument``); attached with ``=``, it is
+    read as the value. Nothing else changes.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in PASS_THROUGH_OPTIONS and i + 1 < len(argv):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The ``wsync`` command line ``argv`` (default ``sys.argv[1:]``), parsed.
+
+    Raises:
+        SystemExit: argparse refused it (status 2, with its usage line) or printed help.
+    """
+    return build_parser().parse_args(attach_pass_through(sys.argv[1:] if argv is None else list(argv)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``wsync`` console script."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     _configure_logging(args.log_level, args.log_format)
     try:
         result: int = args.func(args)
