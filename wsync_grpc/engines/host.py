@@ -36,7 +36,7 @@ from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, 
 from wsync_grpc.transports import transport_for
 from wsync_grpc.worker.buffers import BufferPool
 from wsync_grpc.worker.feed import BucketFeed
-from wsync_grpc.worker.receiver import STAGED_APART, Receiver, ReceiveSite, receiver_progress
+from wsync_grpc.worker.receiver import STAGED_APART, Receiver, ReceiveSite
 
 log = logging.getLogger(__name__)
 
@@ -235,10 +235,15 @@ class WorkerHost:
         r = self.receiver
         if r is None:
             return ReceiverProgress(self.rank, False, False, 0, 0, None, None)
-        p = receiver_progress(r, self.rank)
         prepared = self._preparer is None or not self._preparer.is_alive()
         return ReceiverProgress(
-            p.rank, p.armed, p.done and prepared, p.buckets_done, p.bytes_done, p.last_arrival_at, p.error
+            rank=self.rank,
+            armed=r.armed.is_set(),
+            done=r.done.is_set() and prepared,
+            buckets_done=r.buckets_done,
+            bytes_done=r.bytes_done,
+            last_arrival_at=r.last_arrival_at,
+            error=r.error,
         )
 
     def apply(self, timeout_s: float) -> int:

@@ -96,12 +96,10 @@ def update_workers(
 ) -> UpdateWorkers:
     """The receivers of the update ``plan`` describes (not started), where the engine's weights live.
 
-    An adapter read from a source (a PEFT directory on disk) is read in this
-    process whatever the engine's workers, since the engine loads adapters here
-    (:class:`~wsync_grpc.core.lora.LoraAdapters`).
+    An adapter that needs no group (a PEFT directory on disk) is read in this
+    process whatever the engine's workers (:func:`read_once_here`).
     """
-    read_here = plan.payload is Payload.ADAPTER and transport.engine_builds_buckets
-    if isinstance(engine, RemoteWorkers) and not read_here:
+    if isinstance(engine, RemoteWorkers) and not read_once_here(plan, transport):
         return RemoteWorkerSet(engine, len(membership.devices), plan, membership.group_timeout_s, cancel, on_event)
     target: WeightTarget = STAGED_APART  # an adapter is kept apart from the model until Complete loads it
     if plan.payload is Payload.WEIGHTS:
@@ -110,13 +108,21 @@ def update_workers(
     return LocalWorkers(engine, target, membership, pools, transport, plan, feed, cancel, on_event)
 
 
+def read_once_here(plan: ReceivePlan, transport: TransportPart) -> bool:
+    """Whether the update is read once, by the first worker of this process: an adapter that needs no group.
+
+    The engine loads adapters in this process (:class:`~wsync_grpc.core.lora.LoraAdapters`), and
+    without a collective no other worker has to take part.
+    """
+    return plan.payload is Payload.ADAPTER and not transport.needs_group
+
+
 class LocalWorkers:
     """Receivers running as threads of this process (an :class:`UpdateWorkers`).
 
     ``target`` is what a streaming update loads into and a staged one is applied to (the engine for
-    base weights; :data:`~wsync_grpc.worker.receiver.STAGED_APART` for an adapter). A transport
-    that needs no group reads an adapter with the first worker only (the engine loads it once);
-    otherwise every worker receives.
+    base weights; :data:`~wsync_grpc.worker.receiver.STAGED_APART` for an adapter). Every worker
+    receives, except an update :func:`read_once_here` reads with the first worker only.
     """
 
     def __init__(
@@ -134,9 +140,7 @@ class LocalWorkers:
         self._engine = engine
         self._target = target
         self._plan = plan
-        devices = membership.devices
-        if plan.payload is Payload.ADAPTER and not transport.needs_group:
-            devices = devices[:1]
+        devices = membership.devices[:1] if read_once_here(plan, transport) else membership.devices
         groups = membership.groups if transport.needs_group else [None] * len(devices)
         self.receivers: list[Receiver] = [
             transport.receiver(ReceiveSite(i, d, target, feed, cancel, on_event, g, pools[i]), plan)

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from wsync_grpc.core.engine import ReceiverProgress, WeightTarget
+from wsync_grpc.core.engine import WeightTarget
 from wsync_grpc.core.packing import NamedTensors
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.process_group import WeightSyncGroup
@@ -185,16 +185,3 @@ class StagedApart:
 
 STAGED_APART = StagedApart()
 """The one :class:`StagedApart` target."""
-
-
-def receiver_progress(r: Receiver, rank: int = -1) -> ReceiverProgress:
-    """The progress ``r``'s attributes say, at group rank ``rank`` (-1: not a member)."""
-    return ReceiverProgress(
-        rank=rank,
-        armed=r.armed.is_set(),
-        done=r.done.is_set(),
-        buckets_done=r.buckets_done,
-        bytes_done=r.bytes_done,
-        last_arrival_at=r.last_arrival_at,
-        error=r.error,
-    )
