@@ -312,6 +312,16 @@ def test_fan_out_helpers(cli_pair: list[EngineProcess]) -> None:
         # The raw generated stub stays usable next to the client.
         stub = client.stubs[targets[0]]
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).engine.workers == 1
+        # Each typed result keeps the engine's reply as it came.
+        status = client.status()[targets[0]]
+        assert isinstance(status.raw, pb.GetStatusResponse)
+        assert status.raw.state == pb.LIFECYCLE_STATE_UNINITIALIZED and status.raw.engine.workers == 1
+        sums = client.checksums()[targets[0]]
+        assert isinstance(sums.raw, pb.GetWeightChecksumsResponse) and len(sums.raw.checksums) > 0
+        assert sums.by_name == {c.name: c.sha256 for c in sums.raw.checksums}
+        paused = client.pause("keep")[targets[0]]
+        assert paused.raw.mode == pb.PAUSE_MODE_KEEP
+        assert client.resume()[targets[0]].raw.was_paused
 
 
 STALE_OWNER = r"""
