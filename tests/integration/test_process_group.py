@@ -98,6 +98,11 @@ def test_leaving_while_a_broadcast_is_being_posted_never_freezes_the_process() -
             time.sleep(0.05)
         assert member_pg_wrapper not in process_group._PARKED, "the parked group was never released"
         assert work.is_completed()
+        # Let the ticker tick once after the receive ended, so that its span covers the whole timeout
+        # (otherwise the last tick may fall up to one tick interval before it).
+        ended = time.monotonic()
+        while ticks[-1] < ended and time.monotonic() < ended + 1.0:
+            time.sleep(0.005)
         stop.set()
         gaps = [b - a for a, b in itertools.pairwise(ticks)]
         assert ticks[-1] - ticks[0] > TIMEOUT_S  # the ticker ran through the receive's timeout
