@@ -49,7 +49,7 @@ from wsync_grpc.trainer.request import UpdateRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.sender import BroadcastSender
 from wsync_grpc.trainer.settings import ClientSettings, client_settings
-from wsync_grpc.trainer.source import NamedTensors
+from wsync_grpc.trainer.source import NamedTensors, WeightSource
 from wsync_grpc.trainer.sync import SyncRunner
 from wsync_grpc.trainer.views import (
     CancelResult,
@@ -430,7 +430,7 @@ class TrainerClient:
 
     def sync(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightSource,
         weight_version: str,
         *,
         layout: Layout = "flattened",
@@ -466,7 +466,9 @@ class TrainerClient:
         Args:
             named_tensors: ``(name, tensor)`` pairs, e.g.
                 ``model.named_parameters()`` or ``model.state_dict().items()``;
-                tied tensors are sent once, under their first name.
+                tied tensors are sent once, under their first name. Or a
+                :class:`~wsync_grpc.trainer.source.WeightSource` (metadata by
+                global shape, tensors per bucket while sending).
             weight_version: the version the engines report once the update
                 succeeded (SGLang's ``weight_version``), e.g. ``"step-42"``.
             layout: ``"flattened"`` (one broadcast per bucket, default) or
@@ -507,8 +509,9 @@ class TrainerClient:
             update_id=update_id,
             on_phase=on_phase,
         )
+        source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
         with self._exclusive():
-            return self._sync.run(NamedTensors(named_tensors), request)
+            return self._sync.run(source, request)
 
     def sync_from_disk(
         self,

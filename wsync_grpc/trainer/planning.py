@@ -13,14 +13,33 @@ so no tensor's bytes or storage are read here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.core.planning import TensorMeta, plan_metadata
-from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.wire.convert import batch_bucket_specs, bucket_spec
+
+
+class PlanSettings(Protocol):
+    """The settings a plan depends on besides the update's own (a ``ClientSettings``, or a ``TrainerClient``)."""
+
+    @property
+    def alignment(self) -> int:
+        """Byte alignment of tensors inside flat buckets."""
+        ...
+
+    @property
+    def ramp_bytes(self) -> int:
+        """Size of the first and last buckets, in bytes."""
+        ...
+
+    @property
+    def solo_bytes(self) -> int:
+        """Flattened layout: tensors of at least this many bytes travel alone, in bytes."""
+        ...
 
 
 class Planner:
@@ -28,10 +47,11 @@ class Planner:
 
     Args:
         settings: the client's settings (``alignment``, ``ramp_bytes`` and
-            ``solo_bytes`` are read at every plan).
+            ``solo_bytes`` are read at every plan): its ``ClientSettings``, or the
+            ``TrainerClient`` itself (a sharded trainer's other ranks plan as rank 0 does).
     """
 
-    def __init__(self, settings: ClientSettings) -> None:
+    def __init__(self, settings: PlanSettings) -> None:
         self._settings = settings
         self._cache: tuple[tuple[object, ...], list[Bucket], list[pb.PrepareRequest]] | None = None
 

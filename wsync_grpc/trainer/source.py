@@ -18,7 +18,7 @@ holding every tensor whole.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -28,6 +28,7 @@ from wsync_grpc.core.planning import TensorMeta, unique_tensors
 __all__ = ["NamedTensors", "TensorMeta", "WeightSource"]
 
 
+@runtime_checkable
 class WeightSource(Protocol):
     """The tensors of one update: their metadata to plan with, then their bytes bucket by bucket.
 

@@ -1,0 +1,240 @@
+""":class:`ShardedTrainerClient`: every rank of a sharded trainer (FSDP2, ZeRO-3) syncs collectively.
+
+Every rank of the trainer's process group builds one and calls the same methods in the same order
+with the same arguments (its own shards of the same parameters). Trainer rank 0 holds the engines'
+ownership and talks to them through a :class:`~wsync_grpc.trainer.client.TrainerClient`; the other
+ranks follow it round by round (:class:`~wsync_grpc.trainer.sharded.ranks.TrainerRanks`), so that:
+
+- the ranks agree on the call before anything moves: different names, dtypes, global shapes,
+  versions, options or call order raise :class:`~wsync_grpc.trainer.sharded.ranks.RanksDisagree` on
+  every rank, within one round;
+- planning uses global shapes and gathers nothing (:class:`~wsync_grpc.trainer.sharded.source.ShardedTensors`);
+- in the ``"gather"`` mode each bucket is materialised on every rank at once (``full_tensor()`` of its
+  ``DTensor`` s) and rank 0 sends it; no rank holds more than the buckets in flight beyond its shards;
+- a rank that dies stops the others at the next round (:class:`~wsync_grpc.trainer.sharded.ranks.TrainerRankLost`),
+  rank 0 then cancels the update everywhere as for any failed send, and every surviving rank raises;
+- every rank returns the same :class:`~wsync_grpc.trainer.results.SyncResult` or raises the same
+  :class:`~wsync_grpc.trainer.results.SyncError` (:mod:`wsync_grpc.trainer.sharded.outcome`).
+
+Units: sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from wsync_grpc.trainer.client import TrainerClient
+from wsync_grpc.trainer.options import ApplyMode, Layout
+from wsync_grpc.trainer.planning import Planner
+from wsync_grpc.trainer.request import UpdateRequest
+from wsync_grpc.trainer.results import SyncProgress, SyncResult
+from wsync_grpc.trainer.sharded.outcome import decode_outcome, encode_error, encode_result
+from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
+from wsync_grpc.trainer.sharded.source import LockstepSource, ShardedTensors
+
+__all__ = ["SendMode", "ShardedTrainerClient"]
+
+log = logging.getLogger(__name__)
+
+SendMode = Literal["gather"]
+"""How a sharded trainer's bytes reach the engines: ``"gather"`` (per bucket, every rank gathers, rank 0 sends)."""
+
+SEND_MODES: tuple[str, ...] = ("gather",)
+
+
+class ShardedTrainerClient:
+    """One rank's handle of a sharded trainer's weight sync; every rank calls it collectively.
+
+    ::
+
+        dist.init_process_group("gloo")            # or nccl; the trainer's own group
+        model = ...; fully_shard(model)            # FSDP2: parameters are DTensors
+        with ShardedTrainerClient(["10.0.0.2:50051"], master_address="10.0.0.1") as c:
+            for step in range(steps):
+                train_step()
+                c.sync(model.named_parameters(), f"step-{step}")   # on every rank
+
+    Args:
+        targets: the engines' control addresses, as for :class:`TrainerClient`.
+        trainer_group: the trainer's process group (every rank of it calls this client);
+            ``None`` = the default group. ``torch.distributed`` must be initialized.
+        client_options: the keyword arguments of :class:`TrainerClient` (``master_address`` is
+            trainer rank 0's address, where the engines reach its store).
+
+    Raises:
+        ValueError: ``torch.distributed`` not initialized, or a bad client option.
+    """
+
+    def __init__(
+        self, targets: Sequence[str], *, trainer_group: dist.ProcessGroup | None = None, **client_options: Any
+    ) -> None:
+        self._client = TrainerClient(targets, **client_options)
+        self._ranks = TrainerRanks(trainer_group, self._client.group_timeout_s)
+        self._calls = 0
+
+    @property
+    def rank(self) -> int:
+        """This process's trainer rank (0 talks to the engines)."""
+        return self._ranks.rank
+
+    @property
+    def trainer_ranks(self) -> int:
+        """How many ranks the trainer has."""
+        return self._ranks.size
+
+    @property
+    def client(self) -> TrainerClient:
+        """The :class:`TrainerClient` of this rank: on rank 0 the engines' owner; on every rank usable for
+        the read-only operator calls (``status``, ``checksums``)."""
+        return self._client
+
+    def _agree(self, call: str, parts: dict[str, Any]) -> None:
+        self._calls += 1
+        self._ranks.agree(f"{call} #{self._calls}", parts)
+
+    def sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        weight_version: str,
+        *,
+        mode: SendMode = "gather",
+        layout: Layout = "flattened",
+        apply_mode: ApplyMode = "staged",
+        bucket_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        flush_cache: bool = False,
+        progress: Callable[[SyncProgress], None] | None = None,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> SyncResult:
+        """Push this trainer's weights to every engine as ``weight_version``: collective, on every rank.
+
+        Steps: every rank reads its tensors' metadata (global shapes; nothing gathered) and the
+        ranks agree on the call; rank 0 runs :meth:`TrainerClient.sync` (Prepare, send, the
+        two-phase Complete) while the others follow it bucket by bucket; every rank returns rank
+        0's result or raises its error.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs, plain tensors or ``DTensor`` s (e.g. an FSDP2
+                model's ``named_parameters()``): the same names, dtypes and global shapes in the
+                same order on every rank.
+            weight_version, layout, apply_mode, bucket_bytes, dtype, flush_cache: as for
+                :meth:`TrainerClient.sync`, the same on every rank.
+            mode: ``"gather"``: per bucket, every rank materialises the bucket's tensors
+                (``full_tensor()``, collectively) and rank 0 sends it.
+            progress, on_phase: as for :meth:`TrainerClient.sync`; called on rank 0 only.
+
+        Returns:
+            Rank 0's :class:`SyncResult`, on every rank.
+
+        Raises:
+            RanksDisagree: the ranks made different calls (raised on every rank).
+            TrainerRankLost: a trainer rank died or became unreachable (on the surviving ranks).
+            SyncError: the update failed (on every rank; a failure of a trainer rank is named
+                under ``TRAINER`` in ``failures``); rank 0 cancelled it on every engine.
+            ValueError: a bad argument (on every rank).
+        """
+        request = UpdateRequest.broadcast(
+            weight_version, layout, apply_mode, bucket_bytes or self._client.bucket_bytes, dtype=dtype
+        )
+        source = ShardedTensors(named_tensors)
+        problem = ""
+        try:
+            if mode not in SEND_MODES:
+                raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
+            metas = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
+        except ValueError as e:
+            problem, metas = str(e), []
+        c = self._client
+        self._agree(
+            "sync",
+            {
+                "weight version": weight_version,
+                "options": [mode, layout, apply_mode, request.bucket_bytes, str(dtype), flush_cache],
+                "client settings": [c.alignment, c.ramp_bytes, c.solo_bytes],
+                "tensors (names, dtypes, global shapes)": metas,
+                "argument checks": problem,
+            },
+        )
+        if problem:
+            raise ValueError(problem)
+        if self._ranks.leader:
+            return self._lead_gather(
+                source, weight_version, layout, apply_mode, request, flush_cache, progress, on_phase
+            )
+        return self._follow(source, request)
+
+    def _lead_gather(
+        self,
+        source: ShardedTensors,
+        weight_version: str,
+        layout: Layout,
+        apply_mode: ApplyMode,
+        request: UpdateRequest,
+        flush_cache: bool,
+        progress: Callable[[SyncProgress], None] | None,
+        on_phase: Callable[[str], None] | None,
+    ) -> SyncResult:
+        """Rank 0: the update itself, its buckets gathered in lockstep; then the outcome to every rank."""
+        try:
+            result = self._client.sync(
+                LockstepSource(source, self._ranks),
+                weight_version,
+                layout=layout,
+                apply_mode=apply_mode,
+                bucket_bytes=request.bucket_bytes,
+                dtype=request.dtype,
+                flush_cache=flush_cache,
+                progress=progress,
+                on_phase=on_phase,
+            )
+        except BaseException as e:
+            try:
+                self._ranks.share(encode_error(e))
+            except Exception as share_error:  # a rank is gone: the update's own error says more
+                log.warning("could not tell the other trainer ranks that the sync failed: %s", share_error)
+            raise
+        self._ranks.share(encode_result(result))
+        return result
+
+    def _follow(self, source: ShardedTensors, request: UpdateRequest) -> SyncResult:
+        """A rank other than 0: do what rank 0 asks, round by round, until it shares the outcome."""
+        buckets, _messages = Planner(self._client).plan(
+            source.metadata(), request.bucket_bytes, request.dtype, request.layout
+        )
+        error: BaseException | None = None
+        while True:
+            command, arg, _arg2 = self._ranks.follow()
+            if command is Command.GATHER:
+                try:
+                    source.bucket_tensors(buckets[arg])  # collective with every rank; dropped at once
+                except Exception as e:
+                    log.exception("trainer rank %d: gathering bucket %d failed", self._ranks.rank, arg)
+                    error = error or e
+                    self._ranks.report_failure()
+            elif command is Command.OUTCOME:
+                payload = self._ranks.receive_shared(arg)
+                if error is not None:
+                    raise error
+                return decode_outcome(payload)
+            else:
+                raise AssertionError(f"unexpected command {command!r} from trainer rank 0")
+
+    def close(self) -> None:
+        """Close this rank's client (rank 0: the engines and the trainer leave the group) and the control
+        group. Not collective; idempotent."""
+        self._client.close()
+        self._ranks.close()
+
+    def __enter__(self) -> ShardedTrainerClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
