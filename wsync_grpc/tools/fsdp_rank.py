@@ -1,0 +1,198 @@
+"""One rank of a sharded FSDP2 trainer that syncs into running engines: ``python -m wsync_grpc.tools.fsdp_rank``.
+
+Every rank loads SmolLM2-135M-Instruct (or ``--model``), shards it with ``fully_shard`` (FSDP2:
+every parameter becomes a ``DTensor``), then for each step changes its weights (``--train``: one
+AdamW step on the demo's batch; otherwise a seeded perturbation, the same on every rank) and syncs
+them through :class:`~wsync_grpc.trainer.sharded.ShardedTrainerClient`, once per ``--modes`` entry.
+Each outcome is one JSON line on stdout (``{"event": "synced" | "error", ...}``); with ``--check``,
+rank 0 also compares every engine's checksums and greedy answer with its own gathered weights.
+
+The rank joins the trainer's process group from ``--master-port`` (gloo over loopback by default,
+``--master-address`` otherwise); ``make demo-fsdp`` and the tests start one process per rank.
+Exit status: 0 when every sync (and check) succeeded, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from wsync_grpc.core.checksums import tensor_sha256
+
+log = logging.getLogger("wsync.fsdp_rank")
+
+PROMPT = "What is the best tool to sync weights into inference engines?"
+
+
+def emit(**fields: Any) -> None:
+    """One JSON line on stdout (what the driver and the tests read)."""
+    print(json.dumps(fields), flush=True)
+
+
+def _shard(model: torch.nn.Module) -> None:
+    """FSDP2: each decoder layer, then the whole model (parameters become ``DTensor`` s, ``Shard(0)``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    """Add seeded noise to every parameter: the same global change on every rank (each its own shard)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = 1e-3 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            if isinstance(p, DTensor):
+                p.add_(distribute_tensor(noise, p.device_mesh, p.placements))
+            else:
+                p.add_(noise)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """One supervised step on ``batch`` (the same on every rank); returns the loss."""
+    out = model(input_ids=batch[0], labels=batch[1])
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(out.loss.item())
+
+
+def _check(client: Any, model: torch.nn.Module, version: str, tokenizer: Any, local: Any) -> list[str]:
+    """Rank 0: every engine serves ``version`` with exactly the gathered weights and the same greedy answer.
+
+    Collective (every rank gathers); only rank 0 compares. Returns the failures.
+    """
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+    if client.rank != 0:
+        return []
+    failures = []
+    want = {n: tensor_sha256(t.detach()) for n, t in full.items()}
+    for target, sums in client.client.checksums().items():
+        got = {c.name: c.sha256 for c in sums.checksums}
+        bad = [n for n, s in want.items() if got.get(n) != s]
+        if sums.weight_version != version or bad:
+            failures.append(f"{target} serves {sums.weight_version!r}; {len(bad)} tensors differ ({bad[:3]})")
+    with local.weights_lock():
+        local.load_weights(0, [(n, t.detach()) for n, t in full.items()])
+        local.flush_cache()
+        local.set_weight_version(version)
+    mine = local.generate(PROMPT, 16).text
+    from wsync_grpc.tools.demo import generate_on
+
+    for target in client.client.targets:
+        r = generate_on(target, PROMPT, 16)
+        if r.text != mine or list(r.weight_versions) != [version]:
+            failures.append(f"{target} answered {r.text!r} ({list(r.weight_versions)}), the trainer {mine!r}")
+    emit(event="checked", version=version, answer=mine, failures=failures)
+    return failures
+
+
+def run(args: argparse.Namespace) -> int:
+    """One rank's whole run; returns its exit status."""
+    from wsync_grpc.engines.models import load_causal_lm
+    from wsync_grpc.trainer.sharded import RanksDisagree, ShardedTrainerClient, TrainerRankLost
+    from wsync_grpc.trainer.results import ClientError
+
+    os.environ.setdefault("MASTER_ADDR", args.master_address)
+    os.environ["MASTER_PORT"] = str(args.master_port)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    model, tokenizer, _name = load_causal_lm(args.model)
+    local = None
+    if args.check and args.rank == 0:
+        from wsync_grpc.engines.reference import ReferenceEngine
+
+        local = ReferenceEngine(load_causal_lm(args.model)[0], tokenizer, name="trainer copy")
+    _shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0) if args.train else None
+    batch = None
+    if args.train:
+        from wsync_grpc.tools.demo import training_batch
+
+        batch = training_batch(tokenizer)
+    ok = True
+    options = {"rpc_timeout_s": args.timeout, "group_timeout_s": args.timeout, "bucket_bytes": args.bucket_bytes}
+    with ShardedTrainerClient(args.targets.split(","), master_address=args.engine_master_address, **options) as c:
+        emit(event="ready", rank=c.rank)
+        for step in range(1, args.steps + 1):
+            loss = None
+            if optimizer is not None and batch is not None:
+                loss = _train_step(model, optimizer, batch)
+            else:
+                _perturb(model, seed=step)
+            for mode in args.modes.split(","):
+                version = f"step-{step}-{mode}{args.version_suffix}"
+                emit(event="sync_start", rank=c.rank, version=version, mode=mode, step=step)
+                t0 = time.monotonic()
+                try:
+                    r = c.sync(model.named_parameters(), version, mode=mode, apply_mode=args.apply_mode)  # type: ignore[arg-type]
+                except (ClientError, RanksDisagree) as e:
+                    lost = e.lost if isinstance(e, TrainerRankLost) else []
+                    emit(
+                        event="error",
+                        rank=c.rank,
+                        version=version,
+                        kind=type(e).__name__,
+                        message=str(e),
+                        lost=lost,
+                        seconds=time.monotonic() - t0,
+                    )
+                    return 1
+                emit(
+                    event="synced",
+                    rank=c.rank,
+                    version=r.weight_version,
+                    mode=mode,
+                    loss=loss,
+                    seconds=round(time.monotonic() - t0, 3),
+                    buckets=r.bucket_count,
+                    wire_bytes=r.wire_bytes,
+                )
+                if args.check:
+                    failures = _check(c, model, version, tokenizer, local)
+                    ok = ok and not failures
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The rank's command line."""
+    p = argparse.ArgumentParser(prog="python -m wsync_grpc.tools.fsdp_rank", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", type=int, required=True, help="this trainer rank")
+    p.add_argument("--world", type=int, required=True, help="trainer ranks in all")
+    p.add_argument("--master-port", type=int, required=True, help="port of the trainer's own process group")
+    p.add_argument("--master-address", default="127.0.0.1", help="host of the trainer's own process group")
+    p.add_argument("--engine-master-address", default="127.0.0.1", help="where engines reach trainer rank 0")
+    p.add_argument("--targets", required=True, help="engines' control addresses, comma-separated")
+    p.add_argument("--steps", type=int, default=1, help="steps, each followed by one sync per mode")
+    p.add_argument("--modes", default="gather", help="send modes to sync in after each step, comma-separated")
+    p.add_argument("--train", action="store_true", help="a real AdamW step per step (default: a seeded perturbation)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--apply-mode", default="staged", choices=["staged", "streaming"])
+    p.add_argument("--bucket-bytes", type=int, default=64 << 20, help="bucket capacity, bytes")
+    p.add_argument("--timeout", type=float, default=60.0, help="RPC and group timeouts, seconds")
+    p.add_argument("--check", action="store_true", help="rank 0 checks checksums and greedy answers after each sync")
+    p.add_argument("--version-suffix", default="", help="appended to every version (tests: ranks that disagree)")
+    p.add_argument("--model", default=None, help="local Hugging Face directory (default SmolLM2-135M-Instruct)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    logging.basicConfig(level=os.environ.get("WSYNC_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
