@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from fsdp_ranks import start_ranks
 from support import ENV, ROOT
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
@@ -361,3 +362,16 @@ def test_one_fleet_of_a_vllm_and_a_reference_engine(
             assert_serves(c, engine.target, originals, "fleet-0")
     finally:
         ref.stop()
+
+
+def test_fsdp2_ranks_sync_into_vllm_in_gather_mode(engine: Vllm, originals: dict[str, torch.Tensor]) -> None:
+    """Two real FSDP2 trainer ranks (``DTensor`` parameters) sync collectively; rank 0 checks every checksum."""
+    before = engine.complete()
+    ranks = start_ranks([engine.target], "--steps=1", "--modes=gather", "--dtype=bfloat16", "--check=checksums")
+    assert [r.wait() for r in ranks] == [0, 0], [r.stderr for r in ranks]
+    assert [e["version"] for e in ranks[1].events if e["event"] == "synced"] == ["step-1-gather"]
+    assert [c["failures"] for c in ranks[0].events if c["event"] == "checked"] == [[]]
+    assert engine.complete()[1] != before[1]
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(originals.items(), "restored", flush_cache=True)
+    assert engine.complete() == before

@@ -7,29 +7,20 @@ greedy answers itself (``--check``); the tests read every rank's JSON lines.
 
 from __future__ import annotations
 
-import json
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import grpc
 import pytest
-from support import ENV, free_port
+from fsdp_ranks import start_ranks
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.testing import EngineProcess, spawn_engine
 
 pytest.importorskip("transformers")
-
-LONG = 240.0
-"""Bound, in seconds, of a whole rank run (loading and sharding SmolLM2 takes ~10 s per rank here)."""
 
 
 @pytest.fixture(scope="module")
@@ -46,72 +37,8 @@ def _stub(target: str) -> weight_sync_pb2_grpc.WeightSyncServiceStub:
     return weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(target))
 
 
-class Rank:
-    """One trainer rank's process and the JSON lines it printed so far (read by a thread)."""
-
-    def __init__(self, rank: int, world: int, port: int, targets: Sequence[str], args: Sequence[str]) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "wsync_grpc.tools.fsdp_rank",
-            f"--rank={rank}",
-            f"--world={world}",
-            f"--master-port={port}",
-            f"--targets={','.join(targets)}",
-            *args,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-        self.events: list[dict[str, Any]] = []
-        self.stderr = ""
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.append({**json.loads(line), "at": time.monotonic()})
-
-    def wait(self, timeout: float = LONG) -> int:
-        try:
-            rc = self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            assert self.proc.stderr is not None
-            self.stderr = self.proc.stderr.read()[-4000:]
-        self._reader.join(10)
-        return rc
-
-    def first(self, event: str, **match: Any) -> dict[str, Any] | None:
-        for e in self.events:
-            if e["event"] == event and all(e.get(k) == v for k, v in match.items()):
-                return e
-        return None
-
-    def wait_for(self, event: str, timeout: float = LONG, **match: Any) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            e = self.first(event, **match)
-            if e is not None:
-                return e
-            if self.proc.poll() is not None:
-                time.sleep(0.5)
-                e = self.first(event, **match)
-                if e is not None:
-                    return e
-                raise AssertionError(f"rank exited ({self.proc.returncode}) before {event} {match}: {self.events}")
-            time.sleep(0.02)
-        raise AssertionError(f"no {event} {match} within {timeout} s: {self.events}")
-
-
-def start_ranks(targets: Sequence[str], *args: str, per_rank: Sequence[Sequence[str]] = ((), ())) -> list[Rank]:
-    port = free_port()
-    return [Rank(r, len(per_rank), port, targets, [*args, *extra]) for r, extra in enumerate(per_rank)]
-
-
 def test_gather_mode_is_bit_exact_and_answers_change_with_the_trainer(engine: EngineProcess) -> None:
-    ranks = start_ranks([engine.target], "--steps=2", "--modes=gather", "--check")
+    ranks = start_ranks([engine.target], "--steps=2", "--modes=gather", "--check=all")
     codes = [r.wait() for r in ranks]
     assert codes == [0, 0], [r.stderr for r in ranks]
     for r in ranks:  # every rank returns rank 0's result

@@ -60,7 +60,9 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
                 p.add_(noise)
 
 
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+def _train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
+) -> float:
     """One supervised step on ``batch`` (the same on every rank); returns the loss."""
     out = model(input_ids=batch[0], labels=batch[1])
     out.loss.backward()
@@ -69,8 +71,9 @@ def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     return float(out.loss.item())
 
 
-def _check(client: Any, model: torch.nn.Module, version: str, tokenizer: Any, local: Any) -> list[str]:
-    """Rank 0: every engine serves ``version`` with exactly the gathered weights and the same greedy answer.
+def _check(client: Any, model: torch.nn.Module, version: str, wire: torch.dtype | None, local: Any) -> list[str]:
+    """Rank 0: every engine serves ``version`` with exactly the gathered weights (in the wire dtype ``wire``)
+    and, with a ``local`` copy of the policy, the same greedy answer.
 
     Collective (every rank gathers); only rank 0 compares. Returns the failures.
     """
@@ -78,12 +81,15 @@ def _check(client: Any, model: torch.nn.Module, version: str, tokenizer: Any, lo
     if client.rank != 0:
         return []
     failures = []
-    want = {n: tensor_sha256(t.detach()) for n, t in full.items()}
+    want = {n: tensor_sha256(t.detach().to(wire) if wire is not None else t.detach()) for n, t in full.items()}
     for target, sums in client.client.checksums().items():
         got = {c.name: c.sha256 for c in sums.checksums}
         bad = [n for n, s in want.items() if got.get(n) != s]
         if sums.weight_version != version or bad:
             failures.append(f"{target} serves {sums.weight_version!r}; {len(bad)} tensors differ ({bad[:3]})")
+    if local is None:
+        emit(event="checked", version=version, answer=None, failures=failures)
+        return failures
     with local.weights_lock():
         local.load_weights(0, [(n, t.detach()) for n, t in full.items()])
         local.flush_cache()
@@ -102,15 +108,15 @@ def _check(client: Any, model: torch.nn.Module, version: str, tokenizer: Any, lo
 def run(args: argparse.Namespace) -> int:
     """One rank's whole run; returns its exit status."""
     from wsync_grpc.engines.models import load_causal_lm
-    from wsync_grpc.trainer.sharded import RanksDisagree, ShardedTrainerClient, TrainerRankLost
     from wsync_grpc.trainer.results import ClientError
+    from wsync_grpc.trainer.sharded import RanksDisagree, ShardedTrainerClient, TrainerRankLost
 
     os.environ.setdefault("MASTER_ADDR", args.master_address)
     os.environ["MASTER_PORT"] = str(args.master_port)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     model, tokenizer, _name = load_causal_lm(args.model)
     local = None
-    if args.check and args.rank == 0:
+    if args.check == "all" and args.rank == 0:
         from wsync_grpc.engines.reference import ReferenceEngine
 
         local = ReferenceEngine(load_causal_lm(args.model)[0], tokenizer, name="trainer copy")
@@ -121,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         from wsync_grpc.tools.demo import training_batch
 
         batch = training_batch(tokenizer)
+    wire = getattr(torch, args.dtype) if args.dtype else None
     ok = True
     options = {"rpc_timeout_s": args.timeout, "group_timeout_s": args.timeout, "bucket_bytes": args.bucket_bytes}
     with ShardedTrainerClient(args.targets.split(","), master_address=args.engine_master_address, **options) as c:
@@ -136,7 +143,13 @@ def run(args: argparse.Namespace) -> int:
                 emit(event="sync_start", rank=c.rank, version=version, mode=mode, step=step)
                 t0 = time.monotonic()
                 try:
-                    r = c.sync(model.named_parameters(), version, mode=mode, apply_mode=args.apply_mode)  # type: ignore[arg-type]
+                    r = c.sync(
+                        model.named_parameters(),
+                        version,
+                        mode=mode,  # type: ignore[arg-type]
+                        apply_mode=args.apply_mode,
+                        dtype=wire,
+                    )
                 except (ClientError, RanksDisagree) as e:
                     lost = e.lost if isinstance(e, TrainerRankLost) else []
                     emit(
@@ -159,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
                     buckets=r.bucket_count,
                     wire_bytes=r.wire_bytes,
                 )
-                if args.check:
-                    failures = _check(c, model, version, tokenizer, local)
+                if args.check != "none":
+                    failures = _check(c, model, version, wire, local if args.check == "all" else None)
                     ok = ok and not failures
     dist.destroy_process_group()
     return 0 if ok else 1
@@ -182,7 +195,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--apply-mode", default="staged", choices=["staged", "streaming"])
     p.add_argument("--bucket-bytes", type=int, default=64 << 20, help="bucket capacity, bytes")
     p.add_argument("--timeout", type=float, default=60.0, help="RPC and group timeouts, seconds")
-    p.add_argument("--check", action="store_true", help="rank 0 checks checksums and greedy answers after each sync")
+    p.add_argument(
+        "--check",
+        choices=["none", "checksums", "all"],
+        default="none",
+        help="after each sync rank 0 checks every engine's checksums against the gathered weights "
+        "(and with 'all' the greedy answers of engines that serve wsync.v1.GenerationService)",
+    )
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="wire dtype (default: float32)")
     p.add_argument("--version-suffix", default="", help="appended to every version (tests: ranks that disagree)")
     p.add_argument("--model", default=None, help="local Hugging Face directory (default SmolLM2-135M-Instruct)")
     return p.parse_args(argv)
@@ -190,7 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    logging.basicConfig(level=os.environ.get("WSYNC_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("WSYNC_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
+    )
     return run(parse_args(argv))
 
 
