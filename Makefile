@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/wsync/v1/*.proto)
 PYTEST_ARGS ?=
 PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
-.PHONY: venv proto check-proto lint typecheck test check demo demo-vllm bench soak clean
+.PHONY: venv proto check-proto lint typecheck test check demo demo-vllm demo-fsdp bench soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ demo: $(STAMP)
 ## demo-vllm: the same training loop syncing into two vLLM engines (OpenAI API answers checked)
 demo-vllm: $(STAMP)
 	$(PY) -m wsync_grpc.tools.demo_vllm
+
+## demo-fsdp: two FSDP2 trainer ranks (DTensor shards) train and sync collectively into two engines
+demo-fsdp: $(STAMP)
+	$(PY) -m wsync_grpc.tools.demo_fsdp
 
 bench: $(STAMP)
 	$(PY) -m bench.run

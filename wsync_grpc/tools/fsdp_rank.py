@@ -120,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         from wsync_grpc.engines.reference import ReferenceEngine
 
         local = ReferenceEngine(load_causal_lm(args.model)[0], tokenizer, name="trainer copy")
+    if args.train:
+        model.requires_grad_(True)
+        model.train()
     _shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0) if args.train else None
     batch = None
