@@ -98,3 +98,12 @@ def test_a_rank_killed_mid_transfer_fails_the_others_and_the_engine_keeps_its_we
     again = start_ranks([engine.target], "--steps=1", "--version-suffix=-again")
     assert [r.wait() for r in again] == [0, 0], [r.stderr for r in again]
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).weight_version == "step-1-gather-again"
+
+
+def test_a_bad_argument_fails_every_rank_not_one(engine: EngineProcess) -> None:
+    ranks = start_ranks([engine.target], "--steps=1", "--modes=sideways")
+    assert [r.wait() for r in ranks] == [1, 1]
+    for r in ranks:
+        e = r.wait_for("error")
+        assert e["kind"] == "ValueError" and "unknown send mode 'sideways'" in e["message"], e
+        assert e["seconds"] < 10

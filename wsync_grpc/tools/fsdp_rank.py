@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     """One rank's whole run; returns its exit status."""
     from wsync_grpc.engines.models import load_causal_lm
     from wsync_grpc.trainer.results import ClientError
-    from wsync_grpc.trainer.sharded import RanksDisagree, ShardedTrainerClient, TrainerRankLost
+    from wsync_grpc.trainer.sharded import ShardedTrainerClient, TrainerRankLost
 
     os.environ.setdefault("MASTER_ADDR", args.master_address)
     os.environ["MASTER_PORT"] = str(args.master_port)
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                         apply_mode=args.apply_mode,
                         dtype=wire,
                     )
-                except (ClientError, RanksDisagree) as e:
+                except (ClientError, ValueError) as e:  # RanksDisagree is a ValueError
                     lost = e.lost if isinstance(e, TrainerRankLost) else []
                     emit(
                         event="error",

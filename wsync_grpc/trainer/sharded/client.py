@@ -139,29 +139,29 @@ class ShardedTrainerClient:
                 under ``TRAINER`` in ``failures``); rank 0 cancelled it on every engine.
             ValueError: a bad argument (on every rank).
         """
-        request = UpdateRequest.broadcast(
-            weight_version, layout, apply_mode, bucket_bytes or self._client.bucket_bytes, dtype=dtype
-        )
+        c = self._client
         source = ShardedTensors(named_tensors)
-        problem = ""
-        try:
+        problem, metas, request = "", [], None
+        try:  # a bad argument is agreed on too: it fails every rank, not this one alone
             if mode not in SEND_MODES:
                 raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
+            request = UpdateRequest.broadcast(
+                weight_version, layout, apply_mode, bucket_bytes or c.bucket_bytes, dtype=dtype
+            )
             metas = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
         except ValueError as e:
-            problem, metas = str(e), []
-        c = self._client
+            problem = str(e)
         self._agree(
             "sync",
             {
                 "weight version": weight_version,
-                "options": [mode, layout, apply_mode, request.bucket_bytes, str(dtype), flush_cache],
+                "options": [mode, layout, apply_mode, bucket_bytes or c.bucket_bytes, str(dtype), flush_cache],
                 "client settings": [c.alignment, c.ramp_bytes, c.solo_bytes],
                 "tensors (names, dtypes, global shapes)": metas,
                 "argument checks": problem,
             },
         )
-        if problem:
+        if problem or request is None:
             raise ValueError(problem)
         if self._ranks.leader:
             return self._lead_gather(
