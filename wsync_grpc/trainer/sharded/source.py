@@ -16,14 +16,15 @@ Units: sizes in bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from wsync_grpc.core.layout import Bucket
-from wsync_grpc.core.planning import TensorMeta, unique_tensors
+from wsync_grpc.core.planning import TensorMeta
 from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
+from wsync_grpc.trainer.source import NamedTensors
 
 __all__ = ["LockstepSource", "ShardedTensors", "full"]
 
@@ -33,42 +34,18 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class ShardedTensors:
+class ShardedTensors(NamedTensors):
     """A :class:`~wsync_grpc.trainer.source.WeightSource` over ``(name, tensor)`` pairs, some of them ``DTensor`` s.
 
-    The pairs are read once, at the first :meth:`metadata`; only references are kept. Tied or
-    duplicated plain tensors are sent once, under their first name
-    (:func:`~wsync_grpc.core.planning.unique_tensors`; FSDP2's ``named_parameters()`` already lists
-    a tied parameter once).
+    As :class:`~wsync_grpc.trainer.source.NamedTensors` (pairs read once, references kept, tied
+    plain tensors sent once under their first name; FSDP2's ``named_parameters()`` already lists a
+    tied parameter once), with a ``DTensor``'s global shape in the metadata and its
+    ``full_tensor()`` in a bucket.
 
     Args:
         named_tensors: ``(name, tensor)`` pairs, e.g. an FSDP2 model's ``named_parameters()``; the same
             names, dtypes and global shapes, in the same order, on every rank.
     """
-
-    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._pairs = named_tensors
-        self._by_name: dict[str, torch.Tensor] | None = None
-        self._metadata: list[TensorMeta] = []
-
-    def metadata(self) -> Sequence[TensorMeta]:
-        """See :meth:`WeightSource.metadata`: global shapes and dtypes; nothing gathered.
-
-        Raises:
-            ValueError: a name appears twice.
-        """
-        if self._by_name is None:
-            unique = unique_tensors(self._pairs)
-            self._by_name = {meta.name: t for meta, t in unique}
-            self._metadata = [meta for meta, _t in unique]
-        return self._metadata
-
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """Every tensor to send by name (``DTensor`` s as they are), after :meth:`metadata`."""
-        if self._by_name is None:
-            self.metadata()
-        assert self._by_name is not None
-        return self._by_name
 
     def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
         """See :meth:`WeightSource.bucket_tensors`: the bucket's tensors whole, ``DTensor`` s gathered.
@@ -79,8 +56,7 @@ class ShardedTensors:
         Raises:
             KeyError: a slot the source does not hold.
         """
-        by_name = self.tensors()
-        return {s.name: full(by_name[s.name]) for s in bucket.tensors}
+        return {name: full(t) for name, t in super().bucket_tensors(bucket).items()}
 
 
 class LockstepSource:
