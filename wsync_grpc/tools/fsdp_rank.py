@@ -46,7 +46,7 @@ def _shard(model: torch.nn.Module) -> None:
     fully_shard(model)
 
 
-def _perturb(model: torch.nn.Module, seed: int) -> None:
+def perturb(model: torch.nn.Module, seed: int) -> None:
     """Add seeded noise to every parameter: the same global change on every rank (each its own shard)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -105,6 +105,15 @@ def _check(client: Any, model: torch.nn.Module, version: str, wire: torch.dtype 
     return failures
 
 
+def _progress(version: str) -> Any:
+    """A progress callback (rank 0 only) printing one ``bucket`` event per bucket on every engine."""
+
+    def report(p: Any) -> None:
+        emit(event="bucket", version=version, sent=p.buckets_sent, of=p.bucket_count)
+
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
     """One rank's whole run; returns its exit status."""
     from wsync_grpc.engines.models import load_causal_lm
@@ -140,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             if optimizer is not None and batch is not None:
                 loss = _train_step(model, optimizer, batch)
             else:
-                _perturb(model, seed=step)
+                perturb(model, seed=step)
             for mode in args.modes.split(","):
                 version = f"step-{step}-{mode}{args.version_suffix}"
                 emit(event="sync_start", rank=c.rank, version=version, mode=mode, step=step)
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
                         mode=mode,  # type: ignore[arg-type]
                         apply_mode=args.apply_mode,
                         dtype=wire,
+                        progress=_progress(version) if args.progress else None,
                     )
                 except (ClientError, ValueError) as e:  # RanksDisagree is a ValueError
                     lost = e.lost if isinstance(e, TrainerRankLost) else []
@@ -206,6 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(and with 'all' the greedy answers of engines that serve wsync.v1.GenerationService)",
     )
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="wire dtype (default: float32)")
+    p.add_argument("--progress", action="store_true", help="rank 0 prints a 'bucket' event per bucket sent")
     p.add_argument("--version-suffix", default="", help="appended to every version (tests: ranks that disagree)")
     p.add_argument("--model", default=None, help="local Hugging Face directory (default SmolLM2-135M-Instruct)")
     return p.parse_args(argv)

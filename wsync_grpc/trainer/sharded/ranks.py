@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -153,12 +154,24 @@ class TrainerRanks:
 
     # ------------------------------------------------------------------ rounds
 
-    def _lost(self) -> list[int]:
-        """The ranks on this host whose process has ended."""
-        host = _host_id()
-        return [r for r, (pid, h, _a, _b) in enumerate(self._peers) if r != self.rank and h == host and not _alive(pid)]
+    def _lost(self, grace_s: float = 1.0) -> list[int]:
+        """The ranks on this host whose process has ended, waiting up to ``grace_s`` seconds for one to show.
 
-    def _broken(self, what: str, e: BaseException) -> TrainerRankLost:
+        A killed process closes its sockets (which is how the survivor noticed) a moment before it
+        shows as ended.
+        """
+        host = _host_id()
+        deadline = time.monotonic() + grace_s
+        while True:
+            lost = [
+                r for r, (pid, h, _a, _b) in enumerate(self._peers) if r != self.rank and h == host and not _alive(pid)
+            ]
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.05)
+
+    def broken(self, what: str, e: BaseException) -> TrainerRankLost:
+        """The error to raise when ``e`` broke a collective among the trainer's ranks (naming the ranks gone)."""
         lost = self._lost()
         who = f"trainer rank {', '.join(map(str, lost))} is gone" if lost else "a trainer rank failed or is unreachable"
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -175,7 +188,7 @@ class TrainerRanks:
         try:
             dist.all_gather(out, mine, group=self._ctl)
         except RuntimeError as e:  # DistBackendError, a gloo IoException or timeout
-            raise self._broken(what, e) from e
+            raise self.broken(what, e) from e
         return [[int(v) for v in t.tolist()] for t in out]
 
     def agree(self, what: str, parts: dict[str, Any]) -> None:
@@ -273,7 +286,7 @@ class TrainerRanks:
         try:
             dist.broadcast(data, group=self._ctl, group_src=0)
         except RuntimeError as e:
-            raise self._broken("sharing the outcome", e) from e
+            raise self.broken("sharing the outcome", e) from e
 
     def close(self) -> None:
         """Destroy the control group (idempotent; not collective)."""

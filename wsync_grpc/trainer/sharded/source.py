@@ -88,4 +88,7 @@ class LockstepSource:
             TrainerRankLost: a rank is gone.
         """
         self._ranks.lead(Command.GATHER, bucket.index)
-        return self._source.bucket_tensors(bucket)
+        try:
+            return self._source.bucket_tensors(bucket)
+        except RuntimeError as e:  # the all-gather broke: a rank gone mid-gather is named
+            raise self._ranks.broken(f"gathering bucket {bucket.index}", e) from e
