@@ -77,11 +77,13 @@ def _check(client: Any, model: torch.nn.Module, version: str, wire: torch.dtype 
 
     Collective (every rank gathers); only rank 0 compares. Returns the failures.
     """
-    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+    from wsync_grpc.trainer.sharded.source import full
+
+    whole = {n: full(p) for n, p in model.named_parameters()}
     if client.rank != 0:
         return []
     failures = []
-    want = {n: tensor_sha256(t.detach().to(wire) if wire is not None else t.detach()) for n, t in full.items()}
+    want = {n: tensor_sha256(t.detach().to(wire) if wire is not None else t.detach()) for n, t in whole.items()}
     for target, sums in client.client.checksums().items():
         got = {c.name: c.sha256 for c in sums.checksums}
         bad = [n for n, s in want.items() if got.get(n) != s]
@@ -91,7 +93,7 @@ def _check(client: Any, model: torch.nn.Module, version: str, wire: torch.dtype 
         emit(event="checked", version=version, answer=None, failures=failures)
         return failures
     with local.weights_lock():
-        local.load_weights(0, [(n, t.detach()) for n, t in full.items()])
+        local.load_weights(0, [(n, t.detach()) for n, t in whole.items()])
         local.flush_cache()
         local.set_weight_version(version)
     mine = local.generate(PROMPT, 16).text

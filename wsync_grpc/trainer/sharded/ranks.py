@@ -4,7 +4,7 @@ A sharded trainer (FSDP2, ZeRO-3, Megatron) runs one process per rank, and every
 client collectively. Trainer rank 0 talks to the engines; the other ranks follow it. They agree on
 what was called before anything moves (:meth:`TrainerRanks.agree`), then rank 0 leads one *round*
 at a time (:meth:`TrainerRanks.lead`): a round is one ``all_gather`` of a short ``int64`` vector in
-which rank 0 names a command (gather bucket k, join the group, send, the outcome) and every other
+which rank 0 names a command (gather bucket k, the outcome) and every other
 rank reports whether its part of the previous command failed. The rounds run on a process group of
 their own (``torch.distributed.new_group(backend="gloo")`` over the trainer group's ranks), never on
 the group the model trains on, so they neither interleave with the model's collectives nor depend on
@@ -49,11 +49,7 @@ class Command(enum.IntEnum):
     """A follower's slot: it commands nothing."""
     GATHER = 1
     """Gather bucket ``arg`` (``full_tensor()`` of its sharded tensors, collectively) and drop it."""
-    JOIN = 2
-    """Join the weight-sync group whose store is at port ``arg`` with world size ``arg2``."""
-    SEND = 3
-    """Send this rank's own buckets of the update now."""
-    OUTCOME = 4
+    OUTCOME = 2
     """The call is over: its outcome follows, ``arg`` bytes broadcast from rank 0."""
 
 
