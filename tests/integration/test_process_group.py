@@ -59,8 +59,8 @@ class SlowReturn:
 def test_leaving_while_a_broadcast_is_being_posted_never_freezes_the_process() -> None:
     trainer, member = pair()
     try:
-        slow = SlowReturn(member._pg)
-        member._pg = slow
+        slow = SlowReturn(member._pgs[0][0])
+        member._pgs = {0: (slow, 0)}
         ticks: list[float] = []
         stop = threading.Event()
 

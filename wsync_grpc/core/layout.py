@@ -49,6 +49,24 @@ class Transport(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Where one piece of a tensor sharded across trainer ranks sits in the whole tensor (``wsync.v1.TensorShard``).
+
+    Attributes:
+        global_shape: the whole tensor's shape.
+        offsets: where the piece starts in it, in elements, one per dimension (the piece's own
+            shape is its slot's ``shape``).
+    """
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def index(self, shape: tuple[int, ...]) -> tuple[slice, ...]:
+        """The slices of the whole tensor that a piece of ``shape`` covers (``whole[piece.index(shape)]``)."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, shape, strict=True))
+
+
+@dataclass(frozen=True)
 class TensorSlot:
     """One tensor's place in a bucket.
 
@@ -63,6 +81,9 @@ class TensorSlot:
             the name itself on the trainer side.
         load: False for a tied alias whose canonical tensor is already in the
             same update: its bytes are received but loaded only once.
+        piece: set when this slot is one piece of the tensor (a sharded trainer's direct send):
+            ``shape`` and ``nbytes`` are then the piece's; the engine assembles the pieces of a
+            name into the whole tensor before loading it. ``None``: the whole tensor.
     """
 
     name: str
@@ -72,6 +93,7 @@ class TensorSlot:
     nbytes: int
     canonical: str
     load: bool = True
+    piece: Piece | None = None
 
     @property
     def end(self) -> int:
@@ -89,11 +111,14 @@ class Bucket:
             tensor (no trailing padding; padding sits only between tensors). In
             the individual layout, the sum of its tensors' sizes.
         tensors: its tensors, in the order they travel.
+        src: the trainer rank that broadcasts it (``wsync.v1.BucketSpec.src_rank``); 0 for a
+            single-sender trainer.
     """
 
     index: int
     size_bytes: int
     tensors: tuple[TensorSlot, ...]
+    src: int = 0
 
     @property
     def payload_bytes(self) -> int:

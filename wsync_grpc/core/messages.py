@@ -20,7 +20,7 @@ import torch
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
 from wsync_grpc.core.engine import ReceiverProgress
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
-from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot, Transport
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Piece, TensorSlot, Transport
 from wsync_grpc.core.update import Payload, ReceivePlan
 
 
@@ -29,8 +29,11 @@ def bucket_to_msg(b: Bucket) -> dict[str, Any]:
     return {
         "index": b.index,
         "size_bytes": b.size_bytes,
+        "src": b.src,
         "tensors": [
-            [t.name, dtype_name(t.dtype), list(t.shape), t.offset, t.nbytes, t.canonical, t.load] for t in b.tensors
+            [t.name, dtype_name(t.dtype), list(t.shape), t.offset, t.nbytes, t.canonical, t.load]
+            + ([] if t.piece is None else [list(t.piece.global_shape), list(t.piece.offsets)])
+            for t in b.tensors
         ],
     }
 
@@ -50,10 +53,11 @@ def bucket_from_msg(m: Mapping[str, Any]) -> Bucket:
             nbytes=int(nbytes),
             canonical=str(canonical),
             load=bool(load),
+            piece=Piece(tuple(int(d) for d in piece[0]), tuple(int(o) for o in piece[1])) if piece else None,
         )
-        for name, dtype, shape, offset, nbytes, canonical, load in m["tensors"]
+        for name, dtype, shape, offset, nbytes, canonical, load, *piece in m["tensors"]
     )
-    return Bucket(index=int(m["index"]), size_bytes=int(m["size_bytes"]), tensors=slots)
+    return Bucket(index=int(m["index"]), size_bytes=int(m["size_bytes"]), tensors=slots, src=int(m.get("src", 0)))
 
 
 def buckets_to_msg(buckets: Sequence[Bucket]) -> list[dict[str, Any]]:

@@ -12,15 +12,16 @@ here are what :class:`~wsync_grpc.trainer.client.TrainerClient` plans with;
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from wsync_grpc.core.dtypes import dtype_name, element_size
-from wsync_grpc.core.layout import Bucket, TensorSlot
+from wsync_grpc.core.layout import Bucket, Piece, TensorSlot
 
 DEFAULT_BUCKET_BYTES = 1024 * 1024 * 1024
 """Default bucket capacity, in bytes (1 GiB), chosen with ``make bench`` (``BENCHMARKS.md``, bucket-size sweep).
@@ -269,6 +270,77 @@ def plan_metadata(
         a, b = buckets[-2], buckets[-1]
         buckets[-2:] = [Bucket(a.index, b.size_bytes, b.tensors), Bucket(b.index, a.size_bytes, a.tensors)]
     return buckets
+
+
+class PieceMeta(NamedTuple):
+    """One trainer rank's piece of a tensor, as planning needs it (a sharded trainer's direct send).
+
+    Attributes:
+        name: the whole tensor's name.
+        dtype: its dtype before any wire conversion.
+        shape: the piece's shape.
+        src: the trainer rank that holds and sends it.
+        piece: where it sits in the whole tensor; ``None`` when it is the whole tensor (one rank
+            sends it whole).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    src: int
+    piece: Piece | None
+
+
+def plan_pieces(
+    pieces: Sequence[PieceMeta],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    alignment: int = DEFAULT_ALIGNMENT,
+    dtype: torch.dtype | None = None,
+    *,
+    max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
+    ramp_bytes: int = 0,
+    solo_bytes: int = 0,
+) -> list[Bucket]:
+    """Plan the buckets of a direct send: each trainer rank's pieces in buckets of their own, ranks taking turns.
+
+    Every rank's pieces are planned as :func:`plan_metadata` plans tensors (in order, with the same
+    limits), each bucket sent by that rank (:attr:`Bucket.src`); the update's bucket sequence then
+    takes one bucket of each rank in turn (rank 0's first, then rank 1's first, ...), so that every
+    rank's sends overlap and the pieces of one tensor, which the ranks hold at the same place of
+    their sequences, arrive close together (an engine assembles a tensor until its last piece).
+
+    Args:
+        pieces: every rank's pieces, each rank's in its order (a name at most once per rank).
+        bucket_bytes, alignment, dtype, max_spec_bytes, ramp_bytes, solo_bytes: as for
+            :func:`plan_buckets`.
+
+    Returns:
+        The buckets, indexed from 0; ``[]`` when there is nothing to send.
+
+    Raises:
+        ValueError: as for :func:`plan_buckets` (a name twice for one rank).
+    """
+    ranks = sorted({p.src for p in pieces})
+    per_rank: list[list[Bucket]] = []
+    limits = {"max_spec_bytes": max_spec_bytes, "ramp_bytes": ramp_bytes, "solo_bytes": solo_bytes}
+    for r in ranks:
+        mine = [p for p in pieces if p.src == r]
+        where = {p.name: p.piece for p in mine}
+        metas = [new_meta(TensorMeta, (p.name, p.dtype, p.shape)) for p in mine]
+        buckets = plan_metadata(metas, bucket_bytes, alignment, dtype, **limits)
+        per_rank.append(
+            [
+                Bucket(b.index, b.size_bytes, tuple(dataclasses.replace(t, piece=where[t.name]) for t in b.tensors), r)
+                for b in buckets
+            ]
+        )
+    out: list[Bucket] = []
+    for turn in range(max((len(b) for b in per_rank), default=0)):
+        for buckets in per_rank:
+            if turn < len(buckets):
+                b = buckets[turn]
+                out.append(Bucket(len(out), b.size_bytes, b.tensors, b.src))
+    return out
 
 
 def _check_plan_args(

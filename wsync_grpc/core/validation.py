@@ -17,8 +17,10 @@ converting each message first. The header arrives already converted
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
+import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
 from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.header import UpdateHeader, check_adapter_header, transport_unimplemented
-from wsync_grpc.core.layout import Bucket, TensorSlot, Transport
+from wsync_grpc.core.layout import Bucket, Piece, TensorSlot, Transport
 from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.core.update import TransportRules
 
@@ -38,6 +40,9 @@ PADDING_PER_TENSOR = 4096
 """Largest padding accepted per tensor in a flattened bucket, in bytes (alignment slack)."""
 
 _MAX_NAME_IN_MESSAGE = 120
+
+MAX_PIECES = 1024
+"""Most pieces one tensor may be sent in (``wsync.v1.TensorShard``): a trainer of up to this many ranks."""
 
 
 def _show(name: str) -> str:
@@ -47,8 +52,20 @@ def _show(name: str) -> str:
     return repr(name)
 
 
+class ShardFields(Protocol):
+    """What the validator reads of a piece's place (``wsync.v1.TensorShard`` has these fields)."""
+
+    @property
+    def global_shape(self) -> Sequence[int]: ...
+    @property
+    def offsets(self) -> Sequence[int]: ...
+
+
 class TensorSpecFields(Protocol):
-    """What the validator reads of one declared tensor (``wsync.v1.TensorSpec`` has these fields)."""
+    """What the validator reads of one declared tensor (``wsync.v1.TensorSpec`` has these fields).
+
+    ``shard`` with an empty ``global_shape`` means the whole tensor.
+    """
 
     @property
     def name(self) -> str: ...
@@ -58,6 +75,8 @@ class TensorSpecFields(Protocol):
     def shape(self) -> Sequence[int]: ...
     @property
     def offset_bytes(self) -> int: ...
+    @property
+    def shard(self) -> ShardFields: ...
 
 
 class BucketSpecFields(Protocol):
@@ -69,14 +88,92 @@ class BucketSpecFields(Protocol):
     def size_bytes(self) -> int: ...
     @property
     def tensors(self) -> Sequence[TensorSpecFields]: ...
+    @property
+    def src_rank(self) -> int: ...
+
+
+@dataclass
+class _Tiling:
+    """The pieces of one tensor declared so far (a sharded trainer's direct send).
+
+    Attributes:
+        dtype: the pieces' wire dtype (every piece must have it).
+        load: whether the assembled tensor is loaded (False for a tied alias of a tensor already sent).
+        numel: elements of the whole tensor.
+        covered: elements covered by the pieces so far (they never overlap).
+        ranges: pieces that are one contiguous run of the whole tensor's elements, as sorted
+            ``(start, end)`` element ranges (found by bisection).
+        boxes: the other pieces, as ``(offsets, shape)`` (compared pairwise).
+    """
+
+    dtype: torch.dtype
+    load: bool
+    numel: int
+    covered: int = 0
+    ranges: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=list)
+
+    def copy(self) -> _Tiling:
+        """An independent copy (a batch's changes are kept apart until the batch passed)."""
+        return dataclasses.replace(self, ranges=list(self.ranges), boxes=list(self.boxes))
+
+    @property
+    def pieces(self) -> int:
+        """Pieces declared so far."""
+        return len(self.ranges) + len(self.boxes)
+
+    def overlaps(self, offsets: tuple[int, ...], shape: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+        """Whether a piece at ``offsets`` of ``shape`` overlaps one declared so far."""
+        run = _run(offsets, shape, whole)
+        for o, s in self.boxes:
+            if _boxes_meet(o, s, offsets, shape):
+                return True
+        if run is not None:
+            i = bisect.bisect_left(self.ranges, run)
+            if i > 0 and self.ranges[i - 1][1] > run[0]:
+                return True
+            return i < len(self.ranges) and self.ranges[i][0] < run[1]
+        return any(_boxes_meet(o, s, offsets, shape) for o, s in (_run_box(r, whole) for r in self.ranges))
+
+    def add(self, offsets: tuple[int, ...], shape: tuple[int, ...], whole: tuple[int, ...]) -> None:
+        """Record a piece (checked by :meth:`overlaps` first)."""
+        run = _run(offsets, shape, whole)
+        if run is None:
+            self.boxes.append((offsets, shape))
+        else:
+            bisect.insort(self.ranges, run)
+        self.covered += math.prod(shape)
+
+
+def _run(offsets: tuple[int, ...], shape: tuple[int, ...], whole: tuple[int, ...]) -> tuple[int, int] | None:
+    """The ``[start, end)`` element range of a piece that is one contiguous run of the whole tensor, else None.
+
+    A piece is such a run when every dimension after its first is whole (e.g. FSDP2's ``Shard(0)``).
+    """
+    if len(shape) == 0 or any(o != 0 or n != w for o, n, w in zip(offsets[1:], shape[1:], whole[1:], strict=True)):
+        return None
+    row = math.prod(whole[1:])
+    return offsets[0] * row, (offsets[0] + shape[0]) * row
+
+
+def _run_box(r: tuple[int, int], whole: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ``(offsets, shape)`` of the contiguous run ``r`` (see :func:`_run`)."""
+    row = math.prod(whole[1:])
+    return (r[0] // row, *(0 for _ in whole[1:])), ((r[1] - r[0]) // row, *whole[1:])
+
+
+def _boxes_meet(o1: tuple[int, ...], s1: tuple[int, ...], o2: tuple[int, ...], s2: tuple[int, ...]) -> bool:
+    """Whether two boxes (offsets, shape) share an element."""
+    return all(a < b + m and b < a + n for a, n, b, m in zip(o1, s1, o2, s2, strict=True))
 
 
 @dataclass
 class _Declared:
-    """The tensors an update declared: every name as sent, and the canonical names they resolve to."""
+    """The tensors an update declared: every name as sent, the canonical names they resolve to, the pieces."""
 
     names: set[str] = dataclasses.field(default_factory=set)
     canonical: set[str] = dataclasses.field(default_factory=set)
+    pieces: dict[str, _Tiling] = dataclasses.field(default_factory=dict)
 
 
 class UpdateValidator:
@@ -94,6 +191,8 @@ class UpdateValidator:
         adapter_specs: for an engine that serves LoRA adapters, the tensors an adapter of a given spec
             carries (:func:`~wsync_grpc.core.lora.adapter_param_specs`); ``None``: adapter updates are
             UNIMPLEMENTED. An adapter update is validated against these instead of ``specs``.
+        trainer_ranks: the group's trainer ranks (``wsync.v1.InitRequest.trainer_ranks``): every
+            bucket's ``src_rank`` must be below it.
     """
 
     def __init__(
@@ -103,7 +202,9 @@ class UpdateValidator:
         fused: Sequence[Sequence[str]] = (),
         transports: Callable[[Transport], TransportRules] | None = None,
         adapter_specs: Callable[[LoraSpec], Mapping[str, ParamSpec]] | None = None,
+        trainer_ranks: int = 1,
     ) -> None:
+        self._trainer_ranks = trainer_ranks
         self._transports = transports
         self._from_source = False
         self._adapter_specs = adapter_specs
@@ -122,8 +223,10 @@ class UpdateValidator:
         self._aliases = aliases
         self._fused = [tuple(g) for g in fused]
         # Bound on what one update may claim: every tensor at 8 bytes per element plus padding.
-        self._max_bytes = sum(s.numel * 8 + PADDING_PER_TENSOR for s in specs.values())
-        self._max_tensors = len(specs) + len(aliases)
+        # (Each trainer rank may send its own piece of every tensor, with its own padding.)
+        ranks = self._trainer_ranks
+        self._max_bytes = sum(s.numel * 8 + PADDING_PER_TENSOR * ranks for s in specs.values())
+        self._max_tensors = (len(specs) + len(aliases)) * ranks
 
     def adapter_specs(self, spec: LoraSpec) -> Mapping[str, ParamSpec]:
         """The tensors an adapter of ``spec`` carries on this engine (see the constructor).
@@ -174,7 +277,8 @@ class UpdateValidator:
         if h.bucket_count > self._max_tensors:
             raise InvalidArgument(
                 "TOO_MANY_BUCKETS",
-                f"header.bucket_count {h.bucket_count} exceeds the {self._max_tensors} tensors of the model",
+                f"header.bucket_count {h.bucket_count} exceeds the {self._max_tensors} tensors (or pieces of "
+                "tensors, one per trainer rank) of the model",
             )
         if h.total_bytes > self._max_bytes:
             raise InvalidArgument(
@@ -205,6 +309,7 @@ class UpdateValidator:
             raise
         self._declared.names |= pending.names
         self._declared.canonical |= pending.canonical
+        self._declared.pieces.update(pending.pieces)
         return out
 
     def _bucket(self, b: BucketSpecFields, pending: _Declared) -> Bucket:
@@ -218,6 +323,13 @@ class UpdateValidator:
             )
         if not b.tensors:
             raise InvalidArgument("EMPTY_BUCKET", f"bucket {b.index} has no tensors", bucket=idx)
+        if b.src_rank >= self._trainer_ranks:
+            raise InvalidArgument(
+                "INVALID_SRC_RANK",
+                f"bucket {b.index} names src_rank {b.src_rank}, but the group has "
+                f"{self._trainer_ranks} trainer rank(s) (Init's trainer_ranks)",
+                bucket=idx,
+            )
         tensors = tuple(self._tensor(t, b, pending) for t in b.tensors)
         self._check_size(b, tensors)
         self.buckets_declared += 1
@@ -229,7 +341,7 @@ class UpdateValidator:
                 f"the buckets declare {self.bytes_declared} bytes, more than the model could take",
                 bucket=idx,
             )
-        return Bucket(b.index, b.size_bytes, tensors)
+        return Bucket(b.index, b.size_bytes, tensors, b.src_rank)
 
     def _check_size(self, b: BucketSpecFields, tensors: Sequence[TensorSlot]) -> None:
         """Flattened: no overlap, at most the allowed padding; individual: sizes add up exactly."""
@@ -275,24 +387,108 @@ class UpdateValidator:
                 bucket=idx,
                 tensor=name[:_MAX_NAME_IN_MESSAGE],
             )
+        sharded = len(t.shard.global_shape) > 0
+        tiling = pending.pieces.get(name) or self._declared.pieces.get(name)
         if name in self._declared.names or name in pending.names:
-            raise InvalidArgument(
-                "DUPLICATE_TENSOR",
-                f"tensor {_show(name)} appears twice in this update (again in bucket {b.index})",
-                bucket=idx,
-                tensor=name,
-            )
-        # A tied alias of a tensor already in the update is received but loaded once.
-        load = canonical not in self._declared.canonical and canonical not in pending.canonical
+            if not sharded or tiling is None:
+                raise InvalidArgument(
+                    "DUPLICATE_TENSOR",
+                    f"tensor {_show(name)} appears twice in this update (again in bucket {b.index})",
+                    bucket=idx,
+                    tensor=name,
+                )
+            load = tiling.load
+        else:
+            # A tied alias of a tensor already in the update is received but loaded once.
+            load = canonical not in self._declared.canonical and canonical not in pending.canonical
         pending.names.add(name)
         if load:
             pending.canonical.add(canonical)
         dtype = _wire_dtype(t, spec, idx)
-        shape = _shape(t, spec, idx)
+        piece: Piece | None = None
+        if sharded:
+            shape, piece = self._piece(t, spec, dtype, load, idx, pending)
+            numel = math.prod(shape)
+        else:
+            shape, numel = _shape(t, spec, idx), spec.numel
         esize = element_size(dtype)
-        nbytes = spec.numel * esize
+        nbytes = numel * esize
         offset = self._offset(t, b, esize, nbytes) if self.header is not None and self.header.flattened else 0
-        return TensorSlot(name, dtype, shape, offset, nbytes, canonical, load)
+        return TensorSlot(name, dtype, shape, offset, nbytes, canonical, load, piece)
+
+    def _piece(
+        self, t: TensorSpecFields, spec: ParamSpec, dtype: torch.dtype, load: bool, idx: str, pending: _Declared
+    ) -> tuple[tuple[int, ...], Piece]:
+        """The shape and place of the piece ``t``, which must lie inside the whole tensor and overlap no other.
+
+        Raises:
+            InvalidArgument: SHAPE_MISMATCH (global shape), INVALID_SHARD (dimensions, an empty
+                piece, too many pieces), PIECE_OUT_OF_BOUNDS, DTYPE_MISMATCH (between pieces),
+                OVERLAPPING_PIECES.
+        """
+        name = t.name
+        whole = tuple(int(d) for d in t.shard.global_shape)
+        if whole != spec.shape:
+            raise InvalidArgument(
+                "SHAPE_MISMATCH",
+                f"tensor {_show(name)} is sharded from global shape {list(whole)} but the model expects "
+                f"{list(spec.shape)}",
+                bucket=idx,
+                tensor=name,
+            )
+        shape = tuple(int(d) for d in t.shape)
+        offsets = tuple(int(o) for o in t.shard.offsets)
+        if len(shape) != len(whole) or len(offsets) != len(whole):
+            raise InvalidArgument(
+                "INVALID_SHARD",
+                f"a piece of tensor {_show(name)} has shape {list(shape)} and offsets {list(offsets)}; "
+                f"both need {len(whole)} dimensions",
+                bucket=idx,
+                tensor=name,
+            )
+        if any(n <= 0 for n in shape) or any(o < 0 for o in offsets):
+            raise InvalidArgument(
+                "INVALID_SHARD",
+                f"a piece of tensor {_show(name)} is empty or starts before the tensor "
+                f"(shape {list(shape)}, offsets {list(offsets)}); send no empty piece",
+                bucket=idx,
+                tensor=name,
+            )
+        if any(o + n > w for o, n, w in zip(offsets, shape, whole, strict=True)):
+            raise InvalidArgument(
+                "PIECE_OUT_OF_BOUNDS",
+                f"a piece of tensor {_show(name)} at offsets {list(offsets)} of shape {list(shape)} "
+                f"reaches past its global shape {list(whole)}",
+                bucket=idx,
+                tensor=name,
+            )
+        tiling = pending.pieces.get(name)
+        if tiling is None:
+            declared = self._declared.pieces.get(name)
+            tiling = declared.copy() if declared is not None else _Tiling(dtype, load, spec.numel)
+            pending.pieces[name] = tiling
+        if dtype != tiling.dtype:
+            raise InvalidArgument(
+                "DTYPE_MISMATCH",
+                f"the pieces of tensor {_show(name)} are sent as different dtypes "
+                f"({str(tiling.dtype).removeprefix('torch.')} and {t.dtype})",
+                bucket=idx,
+                tensor=name,
+            )
+        if tiling.pieces >= MAX_PIECES:
+            raise InvalidArgument(
+                "INVALID_SHARD", f"tensor {_show(name)} is sent in more than {MAX_PIECES} pieces", tensor=name
+            )
+        if tiling.overlaps(offsets, shape, whole):
+            raise InvalidArgument(
+                "OVERLAPPING_PIECES",
+                f"a piece of tensor {_show(name)} at offsets {list(offsets)} of shape {list(shape)} overlaps "
+                "a piece already declared",
+                bucket=idx,
+                tensor=name,
+            )
+        tiling.add(offsets, shape, whole)
+        return shape, Piece(whole, offsets)
 
     def _offset(self, t: TensorSpecFields, b: BucketSpecFields, esize: int, nbytes: int) -> int:
         """The flattened layout's byte offset of ``t``: aligned to its element size and inside its bucket."""
@@ -334,7 +530,24 @@ class UpdateValidator:
                 f"the header announced {self.header.total_bytes} bytes but the buckets add up to {self.bytes_declared}",
             )
         if not self.header.incremental and not self._from_source:
-            self.check_fused()
+            self.check_whole()
+
+    def check_whole(self) -> None:
+        """Every tensor is whole once the update's buckets are all declared: fused groups and pieces.
+
+        Raises:
+            InvalidArgument: PARTIAL_FUSED_GROUP (:meth:`check_fused`), INCOMPLETE_TENSOR (the
+                pieces of a sharded tensor leave a gap).
+        """
+        self.check_fused()
+        for name, tiling in self._declared.pieces.items():
+            if tiling.covered != tiling.numel:
+                raise InvalidArgument(
+                    "INCOMPLETE_TENSOR",
+                    f"the pieces of tensor {_show(name)} cover {tiling.covered} of its {tiling.numel} elements: "
+                    "the trainer ranks' shards must tile the whole tensor",
+                    tensor=name,
+                )
 
     def source_buckets(self, specs: Sequence[BucketSpecFields]) -> list[Bucket]:
         """Validate the buckets the engine built from the update's source (a checkpoint's headers), all at once.

@@ -141,6 +141,7 @@ class WorkerHost:
             backend=params.backend,
             device=self.device,
             timeout_s=params.timeout_s,
+            trainer_ranks=params.trainer_ranks,
         )
         self.rank = rank
         log.info("worker %d joined weight-sync group at rank %d of %d", self.global_rank, rank, params.world_size)

@@ -7,6 +7,15 @@ or needs the process's default ``torch.distributed`` group, so it can live
 inside an engine that has its own. Collectives are issued on the process-group
 object itself (``pg.broadcast``), which is why the group ranks here are group
 ranks, never global ranks.
+
+A trainer of several ranks (``trainer_ranks`` M > 1, each sending its own
+buckets) makes the group M broadcast groups, one per trainer rank: trainer
+rank r and every worker (group ranks M ..), under the store prefix
+``<group_name>/src<r>``, in which trainer rank r is rank 0 and group rank g
+of a worker is ``g - M + 1``. A worker is a member of all of them, a trainer
+rank of its own only, so no trainer rank ever receives another's bytes and
+each sends on its own communicator. With M = 1 the group is one, as it always
+was (``wsync.v1.InitRequest.trainer_ranks``).
 """
 
 from __future__ import annotations
@@ -94,7 +103,7 @@ class WeightSyncGroup:
     """One rank's membership of the weight-sync group.
 
     Attributes:
-        rank: this member's group rank (0 = trainer).
+        rank: this member's group rank (the trainer's ranks first).
         world_size: number of ranks in the group.
         backend: ``"gloo"`` or ``"nccl"``.
         device: the device collectives run on.
@@ -106,7 +115,7 @@ class WeightSyncGroup:
     backend: str
     device: torch.device
     timeout_s: float
-    _pg: Any  # ProcessGroupGloo / ProcessGroupNCCL backend object
+    _pgs: dict[int, tuple[Any, int]]  # sending group rank -> (ProcessGroupGloo/NCCL, its root there)
     _store: Store
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _destroyed: bool = False
@@ -119,7 +128,7 @@ class WeightSyncGroup:
         self._idle = threading.Condition(self._lock)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
-        """Post a broadcast of ``tensor`` from group rank ``src``; returns the pending work.
+        """Post a broadcast of ``tensor`` from group rank ``src`` (a trainer rank); returns the pending work.
 
         ``tensor`` must be contiguous and on :attr:`device`. Wait with
         :func:`wsync_grpc.group.waits.wait_work`. Safe to call while another
@@ -127,13 +136,16 @@ class WeightSyncGroup:
         reaper, never dropped with its process group.
 
         Raises:
-            GroupError: the group was destroyed or the broadcast could not be posted.
+            GroupError: the group was destroyed, this member shares no broadcast group with ``src``,
+                or the broadcast could not be posted.
         """
-        opts = _bcast_opts(src, datetime.timedelta(seconds=self.timeout_s))
         with self._lock:
             if self._destroyed:
                 raise GroupError("the weight-sync group was left")
-            pg, self._posting = self._pg, self._posting + 1
+            if src not in self._pgs:
+                raise GroupError(f"group rank {self.rank} receives nothing from group rank {src}")
+            (pg, root), self._posting = self._pgs[src], self._posting + 1
+        opts = _bcast_opts(root, datetime.timedelta(seconds=self.timeout_s))
         work: dist.Work | None = None
         try:
             work = pg.broadcast([tensor], opts)  # outside the lock: NCCL may block here
@@ -178,14 +190,15 @@ class WeightSyncGroup:
             busy = self._posting > 0 or any(not w.is_completed() for w in self._pending)
             if not busy:
                 self._pending = []
-            pg, self._pg = self._pg, None
+            pgs, self._pgs = [pg for pg, _root in self._pgs.values()], {}
         if self.backend == "nccl":
-            try:
-                pg.shutdown()
-            except (RuntimeError, AttributeError) as e:  # pragma: no cover - GPU only
-                log.warning("NCCL shutdown: %s", e)
+            for pg in pgs:
+                try:
+                    pg.shutdown()
+                except (RuntimeError, AttributeError) as e:  # pragma: no cover - GPU only
+                    log.warning("NCCL shutdown: %s", e)
         if busy:
-            _park(pg, self._drain)
+            _park(pgs, self._drain)
 
     @property
     def sliced_waits(self) -> bool:
@@ -214,6 +227,7 @@ def join_group(
     backend: str = "",
     device: torch.device | None = None,
     timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    trainer_ranks: int = 1,
 ) -> WeightSyncGroup:
     """Join (rank > 0) or create (rank 0, which serves the TCP store) the weight-sync group.
 
@@ -230,23 +244,36 @@ def join_group(
         backend: ``"gloo"``, ``"nccl"`` or ``""`` (choose by device).
         device: where this member's collectives run; default CPU.
         timeout_s: join deadline and per-collective timeout, in seconds.
+        trainer_ranks: how many group ranks the trainer holds (``0 .. trainer_ranks - 1``), each
+            sending on its own broadcast group (see the module's docstring); 1: one group.
 
     Raises:
-        ValueError: inconsistent rank/world size/backend/device.
+        ValueError: inconsistent rank/world size/trainer ranks/backend/device.
         GroupTimeout: the group did not form within ``timeout_s``.
         GroupError: the store could not be reached or the group broke while forming.
     """
     device = device or torch.device("cpu")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
+    if not 1 <= trainer_ranks < world_size:
+        raise ValueError(f"{trainer_ranks} trainer rank(s) leave no worker in world size {world_size}")
     backend = resolve_backend(backend, device)
     deadline = Deadline(timeout_s)
     start = time.monotonic()
     store = _connect_store(master_address, master_port, rank, world_size, timeout_s)
-    prefix = PrefixStore(group_name or DEFAULT_GROUP_NAME, store)
+    name = group_name or DEFAULT_GROUP_NAME
+    pgs: dict[int, tuple[Any, int]] = {}
     try:
-        pg = _create_backend(prefix, rank, world_size, backend, device, timeout_s, deadline.left(minimum=0.1))
+        for src, sub_rank, sub_world, prefix in _broadcast_groups(name, rank, world_size, trainer_ranks):
+            pg = _create_backend(
+                PrefixStore(prefix, store), sub_rank, sub_world, backend, device, timeout_s, deadline.left(minimum=0.1)
+            )
+            pgs[src] = (pg, 0 if trainer_ranks > 1 else src)
     except RuntimeError as e:
+        for pg, _root in pgs.values():
+            with contextlib.suppress(Exception):
+                if backend == "nccl":
+                    pg.shutdown()
         msg = error_summary(e)
         if "timeout" in msg.lower() or "timed out" in msg.lower():
             raise GroupTimeout(
@@ -263,7 +290,22 @@ def join_group(
         device,
         time.monotonic() - start,
     )
-    return WeightSyncGroup(rank, world_size, backend, device, timeout_s, pg, store)
+    return WeightSyncGroup(rank, world_size, backend, device, timeout_s, pgs, store)
+
+
+def _broadcast_groups(name: str, rank: int, world_size: int, trainer_ranks: int) -> list[tuple[int, int, int, str]]:
+    """The broadcast groups group rank ``rank`` is a member of: ``(sending rank, own rank there, size, prefix)``.
+
+    One trainer rank: the whole group under ``name``. Several: trainer rank r's group (r first,
+    then every worker) under ``name/src<r>``; a worker is in every one, in trainer rank order (the
+    order in which every worker creates them), a trainer rank in its own.
+    """
+    if trainer_ranks == 1:
+        return [(0, rank, world_size, name)]
+    size = world_size - trainer_ranks + 1
+    if rank < trainer_ranks:
+        return [(rank, 0, size, f"{name}/src{rank}")]
+    return [(src, rank - trainer_ranks + 1, size, f"{name}/src{src}") for src in range(trainer_ranks)]
 
 
 def _connect_store(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> Store:

@@ -211,7 +211,8 @@ class UpdateController:
             st.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
             reader = self._preparing = PrepareReader(self.prepare_timeout_s, self._claim_for_prepare)
         try:
-            validator = update_validator(self.engine)
+            params = st.membership.params
+            validator = update_validator(self.engine, params.trainer_ranks if params is not None else 1)
             header, buckets = reader.read(validator, stream, stop_stream)
             transport = transport_for(header.transport)
             if transport.needs_group and st.lifecycle.origin is not State.READY:
@@ -371,8 +372,10 @@ class UpdateController:
             self.state.membership.leave()
 
 
-def update_validator(engine: Engine) -> UpdateValidator:
+def update_validator(engine: Engine, trainer_ranks: int = 1) -> UpdateValidator:
     """A fresh validator for one update of ``engine``: its tensors, ties, fused groups and LoRA targets.
+
+    ``trainer_ranks`` is the joined group's (the buckets' ``src_rank`` must be below it).
 
     Every registered transport's rules apply (:func:`~wsync_grpc.transports.transport_for`; a disk update
     reads where the engine's roots allow); adapter updates only on an engine that serves adapters
@@ -382,4 +385,4 @@ def update_validator(engine: Engine) -> UpdateValidator:
     specs = None
     if isinstance(engine, LoraAdapters) and (lora := engine.lora_linears()):
         specs = functools.partial(adapter_param_specs, lora, max_rank=engine.lora_max_rank())
-    return UpdateValidator(engine.parameter_specs(), engine.aliases(), fused, transport_for, specs)
+    return UpdateValidator(engine.parameter_specs(), engine.aliases(), fused, transport_for, specs, trainer_ranks)

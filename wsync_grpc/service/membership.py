@@ -44,8 +44,12 @@ def init_params(r: pb.InitRequest, devices: Sequence[torch.device]) -> GroupPara
         raise InvalidArgument("MISSING_MASTER_ADDRESS", "master_address is required")
     if not 1 <= r.master_port <= 65535:
         raise InvalidArgument("INVALID_PORT", f"master_port {r.master_port} is not in 1..65535")
-    if r.rank_offset < 1:
-        raise InvalidArgument("INVALID_RANK_OFFSET", "rank_offset must be at least 1 (rank 0 is the trainer)")
+    trainer_ranks = r.trainer_ranks or 1
+    if r.rank_offset < trainer_ranks:
+        raise InvalidArgument(
+            "INVALID_RANK_OFFSET",
+            f"rank_offset must be at least {trainer_ranks} (the trainer's ranks come first: trainer_ranks)",
+        )
     workers = len(devices)
     if r.world_size < r.rank_offset + workers:
         raise InvalidArgument(
@@ -68,6 +72,7 @@ def init_params(r: pb.InitRequest, devices: Sequence[torch.device]) -> GroupPara
         group_name=r.group_name or DEFAULT_GROUP_NAME,
         backend=backends.pop(),
         timeout_s=seconds(r.timeout, DEFAULT_GROUP_TIMEOUT_S),
+        trainer_ranks=trainer_ranks,
     )
 
 
@@ -84,6 +89,7 @@ def group_info(params: GroupParams | None, devices: Sequence[str]) -> pb.GroupIn
         master_port=params.master_port,
         devices=list(devices),
         timeout=duration(params.timeout_s),
+        trainer_ranks=params.trainer_ranks,
     )
 
 
@@ -152,6 +158,7 @@ class Membership:
                     backend=p.backend,
                     device=d,
                     timeout_s=p.timeout_s,
+                    trainer_ranks=p.trainer_ranks,
                 )
                 for i, d in enumerate(self.devices)
             ]

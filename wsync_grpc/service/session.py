@@ -252,7 +252,7 @@ class UpdateSession:
         if not (self.verifying or self.completing):  # the first Complete: the declarations end here
             if self.header.incremental:
                 try:
-                    self.validator.check_fused()
+                    self.validator.check_whole()
                 except WsyncError as e:
                     self.fail(e)
                     raise

@@ -47,7 +47,7 @@ from wsync_grpc.trainer.options import (
 from wsync_grpc.trainer.protocol import UpdateProtocol
 from wsync_grpc.trainer.request import UpdateRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
-from wsync_grpc.trainer.sender import BroadcastSender
+from wsync_grpc.trainer.sender import BroadcastSender, Sender
 from wsync_grpc.trainer.settings import ClientSettings, client_settings
 from wsync_grpc.trainer.source import NamedTensors, WeightSource
 from wsync_grpc.trainer.sync import SyncRunner
@@ -171,6 +171,10 @@ class TrainerClient:
             client owns gets ``NOT_OWNER`` from ``init``/``sync``.
         metrics_registry: where the client's Prometheus metrics go (:mod:`wsync_grpc.trainer.metrics`);
             ``None`` = a registry of its own (:attr:`metrics_registry`), for the caller to serve.
+        sender: builds the client's :class:`~wsync_grpc.trainer.sender.Sender` (which trainer ranks
+            send which bytes) from its two pack buffers; ``None`` = one process at group rank 0
+            (:class:`~wsync_grpc.trainer.sender.BroadcastSender`). A sharded trainer's client
+            passes its own (:class:`~wsync_grpc.trainer.sharded.ShardedTrainerClient`).
 
     Raises:
         ValueError: no targets, duplicate targets, a ``workers`` list of the
@@ -214,6 +218,7 @@ class TrainerClient:
         keep_buffers: bool | None = None,
         owner: str | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        sender: Callable[[PackBuffers], Sender] | None = None,
     ) -> None:
         targets = list(targets)
         self._settings = client_settings(
@@ -236,7 +241,8 @@ class TrainerClient:
         self._op_lock = threading.Lock()
         self._cancel_event = threading.Event()
         self._leases = Leases(self._fleet.engines, owner, self._fleet.metadata)
-        self._sender = BroadcastSender(PackBuffers(keep_buffers, self._settings.device))
+        buffers = PackBuffers(keep_buffers, self._settings.device)
+        self._sender: Sender = sender(buffers) if sender is not None else BroadcastSender(buffers)
         self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases, self._sender)
         self._metrics = TrainerMetrics(metrics_registry)
         calls = UpdateProtocol(

@@ -124,6 +124,7 @@ class Membership:
         world_size = self._assign_ranks(statuses)
         self._free_all(statuses)
         port = self._settings.master_port or free_port()
+        self._sender.forming(port, world_size)
         replies = self._join_all(port, world_size)
         self._port_in_use = port
         self._init_replies = replies
@@ -231,7 +232,7 @@ class Membership:
         events = threading.Event()  # set whenever a future or the join finishes
         futures, failures = self._start_inits(port, world_size, events)
         # The trainer joins in a helper thread so that a fast Init failure is noticed at once.
-        join = _TrainerJoin(self._settings, self._sender.rank, port, world_size, events)
+        join = _TrainerJoin(self._settings, self._sender, port, world_size, events)
         if not failures:
             join.run_until_done_or_failed(futures)
         if join.thread.is_alive() or failures:
@@ -284,6 +285,7 @@ class Membership:
                 backend=backend_to_proto(s.backend),
                 timeout=duration(s.group_timeout_s),
                 owner=self._fleet.owner,
+                trainer_ranks=self._sender.trainer_ranks,
             )
             try:
                 call = e.stub.Init.future(req, timeout=rpc_deadline, metadata=self._fleet.metadata)
@@ -374,10 +376,11 @@ class _TrainerJoin:
     """
 
     def __init__(
-        self, settings: ClientSettings, rank: int, port: int, world_size: int, events: threading.Event
+        self, settings: ClientSettings, sender: Sender, port: int, world_size: int, events: threading.Event
     ) -> None:
         self._settings = settings
-        self._rank = rank
+        self._rank = sender.rank
+        self._trainer_ranks = sender.trainer_ranks
         self._port = port
         self._world_size = world_size
         self._events = events
@@ -398,6 +401,7 @@ class _TrainerJoin:
                 backend=s.backend,
                 device=s.device,
                 timeout_s=s.group_timeout_s,
+                trainer_ranks=self._trainer_ranks,
             )
         except BaseException as exc:
             self.error = exc

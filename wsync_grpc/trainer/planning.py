@@ -13,13 +13,13 @@ so no tensor's bytes or storage are read here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.layout import Bucket, Layout
-from wsync_grpc.core.planning import TensorMeta, plan_metadata
+from wsync_grpc.core.planning import PieceMeta, TensorMeta, plan_metadata, plan_pieces
 from wsync_grpc.wire.convert import batch_bucket_specs, bucket_spec
 
 
@@ -57,7 +57,7 @@ class Planner:
 
     def plan(
         self,
-        metas: Sequence[TensorMeta],
+        metas: Sequence[TensorMeta] | Sequence[PieceMeta],
         bucket_bytes: int,
         dtype: torch.dtype | None,
         layout: Layout,
@@ -65,7 +65,9 @@ class Planner:
         """Plan the buckets and their Prepare messages, reusing the last plan when nothing it depends on changed.
 
         Args:
-            metas: the tensors to send, in order, each once (global shapes).
+            metas: the tensors to send, in order, each once (global shapes); or every trainer rank's
+                pieces of them (:class:`~wsync_grpc.core.planning.PieceMeta`, a sharded trainer's
+                direct send: :func:`~wsync_grpc.core.planning.plan_pieces`).
             bucket_bytes: bucket capacity, in bytes.
             dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
             layout: the bucket layout (tensors of at least ``solo_bytes`` travel alone in the flattened one).
@@ -82,7 +84,11 @@ class Planner:
         if cached is not None and cached[0] == signature:
             return cached[1], cached[2]
         solo = s.solo_bytes if layout is Layout.FLATTENED else 0  # individual: every tensor is alone
-        buckets = plan_metadata(metas, bucket_bytes, s.alignment, dtype, ramp_bytes=s.ramp_bytes, solo_bytes=solo)
+        limits = {"ramp_bytes": s.ramp_bytes, "solo_bytes": solo}
+        if metas and isinstance(metas[0], PieceMeta):
+            buckets = plan_pieces(cast(Sequence[PieceMeta], metas), bucket_bytes, s.alignment, dtype, **limits)
+        else:
+            buckets = plan_metadata(cast(Sequence[TensorMeta], metas), bucket_bytes, s.alignment, dtype, **limits)
         messages = batch_bucket_specs([bucket_spec(b, layout) for b in buckets])
         self._cache = (signature, buckets, messages)
         return buckets, messages

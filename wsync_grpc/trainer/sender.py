@@ -8,8 +8,9 @@ A sender then moves one update's buckets over the group, reading their tensors f
 
 :class:`BroadcastSender` is the first sender: one trainer process at group rank 0 broadcasting
 every bucket whole (:class:`~wsync_grpc.transports.broadcast.sender.Broadcast`), the contract's
-single-sender trainer. A sharded trainer adds senders beside it (each rank sending its own shards,
-or the ranks gathering each bucket for one of them to send).
+single-sender trainer. A sharded trainer's sender
+(:class:`~wsync_grpc.trainer.sharded.sender.ShardedSender`) holds a rank per trainer process and
+sends from all of them (each rank its own shards) or from rank 0 (the ranks gathering each bucket).
 
 Units: sizes in bytes, times in seconds.
 """
@@ -40,6 +41,14 @@ class Sender(Protocol):
     @property
     def rank(self) -> int:
         """The group rank this process joins the weight-sync group as."""
+        ...
+
+    def forming(self, port: int, world_size: int) -> None:
+        """The membership is about to form a group (store at ``port``, ``world_size`` ranks).
+
+        Called before the engines' Init calls go out: a sender of several trainer ranks has its
+        other ranks join now, beside this one (each blocks until the whole group formed).
+        """
         ...
 
     def send(
@@ -90,6 +99,9 @@ class BroadcastSender:
 
     def __init__(self, buffers: PackBuffers) -> None:
         self._buffers = buffers
+
+    def forming(self, port: int, world_size: int) -> None:
+        """See :meth:`Sender.forming`: nothing, this process is the trainer's only rank."""
 
     def send(
         self,

@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from wsync_grpc.core.layout import Bucket
-from wsync_grpc.core.planning import TensorMeta, unique_tensors
+from wsync_grpc.core.planning import PieceMeta, TensorMeta, unique_tensors
 
 __all__ = ["NamedTensors", "TensorMeta", "WeightSource"]
 
@@ -37,11 +37,14 @@ class WeightSource(Protocol):
     bucket order (a sharded source may gather collectively inside it).
     """
 
-    def metadata(self) -> Sequence[TensorMeta]:
+    def metadata(self) -> Sequence[TensorMeta] | Sequence[PieceMeta]:
         """The tensors to send, in order, each once (tied aliases kept under their first name).
 
         Shapes are global shapes (a sharded tensor's unsharded shape); dtypes are the tensors' own
-        (the update's wire dtype is applied by planning). Reads no tensor's bytes.
+        (the update's wire dtype is applied by planning). Reads no tensor's bytes. A source whose
+        ranks each send their own shards gives every rank's pieces instead
+        (:class:`~wsync_grpc.core.planning.PieceMeta`, planned by
+        :func:`~wsync_grpc.core.planning.plan_pieces`).
 
         Raises:
             ValueError: a name appears twice.
@@ -49,7 +52,8 @@ class WeightSource(Protocol):
         ...
 
     def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
-        """The whole tensors of ``bucket``'s slots, by slot name, in their own dtype, on any device.
+        """The whole tensors of ``bucket``'s slots (or, for a slot that is a piece, this rank's piece),
+        by slot name, in their own dtype, on any device.
 
         Called while sending, once per bucket in index order; the mapping is dropped once the
         bucket is on the wire, so a source that materialises here holds at most the buckets in

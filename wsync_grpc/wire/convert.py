@@ -186,10 +186,13 @@ def bucket_spec(bucket: Bucket, layout: Layout = Layout.FLATTENED) -> pb.BucketS
     :meth:`~wsync_grpc.core.layout.Bucket.wire_bytes`.
     """
     individual = layout is Layout.INDIVIDUAL
-    msg = pb.BucketSpec(index=bucket.index, size_bytes=bucket.wire_bytes(layout))
+    msg = pb.BucketSpec(index=bucket.index, size_bytes=bucket.wire_bytes(layout), src_rank=bucket.src)
     add = msg.tensors.add  # appending in place: faster than building a list of TensorSpec
     for t in bucket.tensors:
-        add(name=t.name, dtype=dtype_name(t.dtype), shape=t.shape, offset_bytes=0 if individual else t.offset)
+        spec = add(name=t.name, dtype=dtype_name(t.dtype), shape=t.shape, offset_bytes=0 if individual else t.offset)
+        if t.piece is not None:
+            spec.shard.global_shape.extend(t.piece.global_shape)
+            spec.shard.offsets.extend(t.piece.offsets)
     return msg
 
 

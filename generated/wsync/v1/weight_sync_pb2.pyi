@@ -7,7 +7,10 @@ inference engines that serve its policy.
 Only metadata and lifecycle commands travel over this service. The weight
 bytes travel out of band, as collectives (broadcast) on a dedicated
 weight-sync process group that the trainer (rank 0) and every engine worker
-(rank rank_offset + local_rank) join through Init.
+(rank rank_offset + local_rank) join through Init. A sharded trainer may
+hold several ranks (0 .. trainer_ranks - 1), each broadcasting its own
+buckets (BucketSpec.src_rank), pieces of its tensors included
+(TensorSpec.shard).
 
 Typical sequence for one update:
   Init (once) -> [Pause] -> Prepare (stream: header, buckets...) ->
@@ -80,8 +83,9 @@ class _TransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transport.V
     TRANSPORT_UNSPECIFIED: _Transport.ValueType  # 0
     """TRANSPORT_UNSPECIFIED means TRANSPORT_BROADCAST."""
     TRANSPORT_BROADCAST: _Transport.ValueType  # 1
-    """TRANSPORT_BROADCAST: rank 0 broadcasts every bucket on the weight-sync
-    group (NCCL or gloo).
+    """TRANSPORT_BROADCAST: the trainer broadcasts every bucket on the
+    weight-sync group (NCCL or gloo), from rank 0 or from the bucket's
+    src_rank.
     """
     TRANSPORT_CUDA_IPC: _Transport.ValueType  # 2
     """TRANSPORT_CUDA_IPC: reserved for colocated trainers passing CUDA IPC
@@ -99,8 +103,9 @@ class Transport(_Transport, metaclass=_TransportEnumTypeWrapper):
 TRANSPORT_UNSPECIFIED: Transport.ValueType  # 0
 """TRANSPORT_UNSPECIFIED means TRANSPORT_BROADCAST."""
 TRANSPORT_BROADCAST: Transport.ValueType  # 1
-"""TRANSPORT_BROADCAST: rank 0 broadcasts every bucket on the weight-sync
-group (NCCL or gloo).
+"""TRANSPORT_BROADCAST: the trainer broadcasts every bucket on the
+weight-sync group (NCCL or gloo), from rank 0 or from the bucket's
+src_rank.
 """
 TRANSPORT_CUDA_IPC: Transport.ValueType  # 2
 """TRANSPORT_CUDA_IPC: reserved for colocated trainers passing CUDA IPC
@@ -314,6 +319,7 @@ class InitRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
     FORCE_FIELD_NUMBER: _builtins.int
+    TRAINER_RANKS_FIELD_NUMBER: _builtins.int
     master_address: _builtins.str
     """master_address is the host of the group's TCP store, served by the
     trainer (rank 0). Required.
@@ -322,10 +328,11 @@ class InitRequest(_message.Message):
     """master_port is the TCP port of the group's store. Required (1-65535)."""
     rank_offset: _builtins.int
     """rank_offset is the group rank of this engine's first worker; worker i
-    joins at rank rank_offset + i. Must be at least 1 (rank 0 is the trainer).
+    joins at rank rank_offset + i. Must be at least trainer_ranks (at least 1:
+    rank 0 is the trainer).
     """
     world_size: _builtins.int
-    """world_size is the number of ranks in the group: 1 (the trainer) plus
+    """world_size is the number of ranks in the group: the trainer's ranks plus
     every worker of every engine. Required; must cover rank_offset plus this
     engine's workers.
     """
@@ -346,6 +353,15 @@ class InitRequest(_message.Message):
     """force takes the engine over from a live owner (an operator's escape
     hatch; the previous owner's update in flight is cancelled). Default
     false: NOT_OWNER while another owner is alive.
+    """
+    trainer_ranks: _builtins.int
+    """trainer_ranks is how many group ranks the trainer holds (ranks 0 ..
+    trainer_ranks - 1, e.g. every rank of an FSDP2 trainer), each of which
+    may broadcast buckets (BucketSpec.src_rank). With more than one, the
+    group is formed as one broadcast group per trainer rank: trainer rank r
+    plus every engine worker, in group rank order, its store keys under
+    "<group_name>/src<r>"; a trainer rank never receives another's bytes.
+    0 means 1: a single-sender trainer at rank 0, the group as one.
     """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
@@ -372,10 +388,11 @@ class InitRequest(_message.Message):
         owner: _builtins.str = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
         force: _builtins.bool = ...,
+        trainer_ranks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "force", b"force", "group_name", b"group_name", "lease_ttl", b"lease_ttl", "master_address", b"master_address", "master_port", b"master_port", "owner", b"owner", "rank_offset", b"rank_offset", "timeout", b"timeout", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "force", b"force", "group_name", b"group_name", "lease_ttl", b"lease_ttl", "master_address", b"master_address", "master_port", b"master_port", "owner", b"owner", "rank_offset", b"rank_offset", "timeout", b"timeout", "trainer_ranks", b"trainer_ranks", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -489,6 +506,7 @@ class GroupInfo(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    TRAINER_RANKS_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """group_name is the group's name (the store prefix)."""
     world_size: _builtins.int
@@ -499,6 +517,10 @@ class GroupInfo(_message.Message):
     """master_address is the host of the group's store."""
     master_port: _builtins.int
     """master_port is the port of the group's store."""
+    trainer_ranks: _builtins.int
+    """trainer_ranks is how many group ranks the trainer holds (InitRequest's,
+    0 resolved to 1).
+    """
     @_builtins.property
     def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """ranks are the group ranks held by this engine's workers, in worker order."""
@@ -524,10 +546,11 @@ class GroupInfo(_message.Message):
         master_port: _builtins.int = ...,
         devices: _abc.Iterable[_builtins.str] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        trainer_ranks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "devices", b"devices", "group_name", b"group_name", "master_address", b"master_address", "master_port", b"master_port", "ranks", b"ranks", "timeout", b"timeout", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "devices", b"devices", "group_name", b"group_name", "master_address", b"master_address", "master_port", b"master_port", "ranks", b"ranks", "timeout", b"timeout", "trainer_ranks", b"trainer_ranks", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -766,6 +789,7 @@ class BucketSpec(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    SRC_RANK_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """index is the bucket's position in the update, counting from 0 across
     Prepare and every Update. Buckets must arrive in index order.
@@ -774,6 +798,11 @@ class BucketSpec(_message.Message):
     """size_bytes is the length of the bucket's flat buffer, in bytes; every
     tensor must lie inside it. In the individual layout it must equal the
     sum of the tensors' sizes.
+    """
+    src_rank: _builtins.int
+    """src_rank is the trainer rank that broadcasts this bucket; must be below
+    the group's trainer_ranks (INVALID_ARGUMENT otherwise). 0 (the default)
+    is rank 0, a single-sender trainer.
     """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
@@ -787,10 +816,11 @@ class BucketSpec(_message.Message):
         index: _builtins.int = ...,
         size_bytes: _builtins.int = ...,
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
+        src_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "size_bytes", b"size_bytes", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "size_bytes", b"size_bytes", "src_rank", b"src_rank", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -808,6 +838,7 @@ class TensorSpec(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """name is the parameter name in the engine's model (Hugging Face naming,
     e.g. "model.layers.0.self_attn.q_proj.weight"). Required.
@@ -828,6 +859,18 @@ class TensorSpec(_message.Message):
         Empty means a scalar.
         """
 
+    @_builtins.property
+    def shard(self) -> Global___TensorShard:
+        """shard, when set, makes this entry one piece of the tensor: shape is then
+        the piece's shape and shard.global_shape the whole tensor's (the engine
+        parameter's). The pieces of one name, across the update's buckets and
+        trainer ranks, must tile the whole tensor exactly: same dtype, no gap, no
+        overlap; otherwise the engine refuses the update with INVALID_ARGUMENT
+        naming the tensor (overlaps and pieces outside the tensor when declared,
+        gaps once the update's buckets are all declared) before any byte moves.
+        Unset means the whole tensor, sent once.
+        """
+
     def __init__(
         self,
         *,
@@ -835,14 +878,54 @@ class TensorSpec(_message.Message):
         dtype: _builtins.str = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
         offset_bytes: _builtins.int = ...,
+        shard: Global___TensorShard | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "offset_bytes", b"offset_bytes", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "offset_bytes", b"offset_bytes", "shape", b"shape", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
+
+@_typing.final
+class TensorShard(_message.Message):
+    """TensorShard places one piece of a tensor sharded across trainer ranks
+    (e.g. an FSDP2 DTensor's local shard), the same information as
+    torch.distributed.tensor's compute_local_shape_and_global_offset.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GLOBAL_SHAPE_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def global_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """global_shape is the whole tensor's shape; must equal the engine
+        parameter's shape. Required (at least one dimension).
+        """
+
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """offsets is where the piece starts in the whole tensor, in elements, one
+        per dimension (e.g. rank 1 of 2 under Shard(0) of a (49152, 576) tensor:
+        offsets [24576, 0], TensorSpec.shape [24576, 576]). Required: as many as
+        global_shape has dimensions.
+        """
+
+    def __init__(
+        self,
+        *,
+        global_shape: _abc.Iterable[_builtins.int] | None = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_shape", b"global_shape", "offsets", b"offsets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorShard: _TypeAlias = TensorShard  # noqa: Y015
 
 @_typing.final
 class PrepareResponse(_message.Message):

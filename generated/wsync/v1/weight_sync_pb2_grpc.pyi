@@ -7,7 +7,10 @@ inference engines that serve its policy.
 Only metadata and lifecycle commands travel over this service. The weight
 bytes travel out of band, as collectives (broadcast) on a dedicated
 weight-sync process group that the trainer (rank 0) and every engine worker
-(rank rank_offset + local_rank) join through Init.
+(rank rank_offset + local_rank) join through Init. A sharded trainer may
+hold several ranks (0 .. trainer_ranks - 1), each broadcasting its own
+buckets (BucketSpec.src_rank), pieces of its tensors included
+(TensorSpec.shard).
 
 Typical sequence for one update:
   Init (once) -> [Pause] -> Prepare (stream: header, buckets...) ->

@@ -271,6 +271,7 @@ class VllmEngine:
             "group_name": params.group_name,
             "backend": params.backend,
             "timeout_s": params.timeout_s,
+            "trainer_ranks": params.trainer_ranks,
         }
         try:
             self._rpc("wsync_join", info, timeout_s=params.timeout_s + JOIN_OVERRUN_S)

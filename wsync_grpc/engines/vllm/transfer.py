@@ -57,6 +57,7 @@ class WsyncInitInfo(WeightTransferInitInfo):
         group_name: the group's name (its store prefix); empty for the default.
         backend: ``"gloo"`` or ``"nccl"``; empty to choose by device.
         timeout_s: join deadline and per-collective timeout, in seconds.
+        trainer_ranks: how many group ranks the trainer holds (each a sender).
     """
 
     master_address: str
@@ -66,6 +67,7 @@ class WsyncInitInfo(WeightTransferInitInfo):
     group_name: str = ""
     backend: str = ""
     timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
+    trainer_ranks: int = 1
 
 
 @dataclass
@@ -167,7 +169,14 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         i = init_info
         self.host.join(
             GroupParams(
-                i.master_address, i.master_port, i.rank_offset, i.world_size, i.group_name, i.backend, i.timeout_s
+                i.master_address,
+                i.master_port,
+                i.rank_offset,
+                i.world_size,
+                i.group_name,
+                i.backend,
+                i.timeout_s,
+                i.trainer_ranks,
             )
         )
 

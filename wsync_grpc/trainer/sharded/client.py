@@ -9,8 +9,12 @@ ranks follow it round by round (:class:`~wsync_grpc.trainer.sharded.ranks.Traine
   versions, options or call order raise :class:`~wsync_grpc.trainer.sharded.ranks.RanksDisagree` on
   every rank, within one round;
 - planning uses global shapes and gathers nothing (:class:`~wsync_grpc.trainer.sharded.source.ShardedTensors`);
+- every rank is a member of the weight-sync group (one broadcast group per trainer rank), joined
+  while rank 0 forms it (:mod:`wsync_grpc.trainer.sharded.sender`);
 - in the ``"gather"`` mode each bucket is materialised on every rank at once (``full_tensor()`` of its
   ``DTensor`` s) and rank 0 sends it; no rank holds more than the buckets in flight beyond its shards;
+- in the ``"direct"`` mode nothing is gathered: every rank sends the buckets of its own shards
+  (:class:`~wsync_grpc.trainer.sharded.source.DirectSource`), the engines assemble each tensor;
 - a rank that dies stops the others at the next round (:class:`~wsync_grpc.trainer.sharded.ranks.TrainerRankLost`),
   rank 0 then cancels the update everywhere as for any failed send, and every surviving rank raises;
 - every rank returns the same :class:`~wsync_grpc.trainer.results.SyncResult` or raises the same
@@ -22,13 +26,15 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.options import ApplyMode, Layout
 from wsync_grpc.trainer.planning import Planner
@@ -36,16 +42,14 @@ from wsync_grpc.trainer.request import UpdateRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.sharded.outcome import decode_outcome, encode_error, encode_result
 from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
-from wsync_grpc.trainer.sharded.source import LockstepSource, ShardedTensors
+from wsync_grpc.trainer.sharded.sender import SEND_MODES, FollowerGroup, SendMode, ShardedSender, send_own
+from wsync_grpc.trainer.sharded.source import DirectSource, LockstepSource, ShardedTensors
+from wsync_grpc.trainer.source import WeightSource
+from wsync_grpc.transports.broadcast.sender import PackBuffers
 
 __all__ = ["SendMode", "ShardedTrainerClient"]
 
 log = logging.getLogger(__name__)
-
-SendMode = Literal["gather"]
-"""How a sharded trainer's bytes reach the engines: ``"gather"`` (per bucket, every rank gathers, rank 0 sends)."""
-
-SEND_MODES: tuple[str, ...] = ("gather",)
 
 
 class ShardedTrainerClient:
@@ -74,8 +78,19 @@ class ShardedTrainerClient:
     def __init__(
         self, targets: Sequence[str], *, trainer_group: dist.ProcessGroup | None = None, **client_options: Any
     ) -> None:
-        self._client = TrainerClient(targets, **client_options)
-        self._ranks = TrainerRanks(trainer_group, self._client.group_timeout_s)
+        self._ranks = TrainerRanks(trainer_group, float(client_options.get("group_timeout_s", DEFAULT_GROUP_TIMEOUT_S)))
+        senders: list[ShardedSender] = []
+
+        def sender(buffers: PackBuffers) -> ShardedSender:
+            senders.append(ShardedSender(self._ranks, buffers))
+            return senders[0]
+
+        self._client = TrainerClient(targets, sender=sender, **client_options)
+        self._sender = senders[0]
+        self._group = FollowerGroup(self._client, self._ranks)
+        """A follower's membership of the weight-sync group (rank 0's is its client's)."""
+        self._buffers = PackBuffers(None, self._client.device)
+        """A follower's pack buffers for its direct sends."""
         self._calls = 0
 
     @property
@@ -126,7 +141,9 @@ class ShardedTrainerClient:
             weight_version, layout, apply_mode, bucket_bytes, dtype, flush_cache: as for
                 :meth:`TrainerClient.sync`, the same on every rank.
             mode: ``"gather"``: per bucket, every rank materialises the bucket's tensors
-                (``full_tensor()``, collectively) and rank 0 sends it.
+                (``full_tensor()``, collectively) and rank 0 sends it; ``"direct"``: every rank
+                sends its own shards (each ``DTensor``'s local shard, placed by its offsets), no
+                all-gather, the engines assemble each tensor from its pieces.
             progress, on_phase: as for :meth:`TrainerClient.sync`; called on rank 0 only.
 
         Returns:
@@ -137,7 +154,7 @@ class ShardedTrainerClient:
             TrainerRankLost: a trainer rank died or became unreachable (on the surviving ranks).
             SyncError: the update failed (on every rank; a failure of a trainer rank is named
                 under ``TRAINER`` in ``failures``); rank 0 cancelled it on every engine.
-            ValueError: a bad argument (on every rank).
+            ValueError: a bad argument, or (direct mode) shards that do not tile a tensor (on every rank).
         """
         c = self._client
         source = ShardedTensors(named_tensors)
@@ -163,15 +180,19 @@ class ShardedTrainerClient:
         )
         if problem or request is None:
             raise ValueError(problem)
+        sending: WeightSource = source
+        if mode == "direct":
+            sending = DirectSource(source, self._ranks)  # collective: the ranks' pieces, exchanged
+        elif self._ranks.leader:
+            sending = LockstepSource(source, self._ranks)
         if self._ranks.leader:
-            return self._lead_gather(
-                source, weight_version, layout, apply_mode, request, flush_cache, progress, on_phase
-            )
-        return self._follow(source, request)
+            self._sender.mode = mode
+            return self._lead(sending, weight_version, layout, apply_mode, request, flush_cache, progress, on_phase)
+        return self._follow(source, sending, request)
 
-    def _lead_gather(
+    def _lead(
         self,
-        source: ShardedTensors,
+        source: WeightSource,
         weight_version: str,
         layout: Layout,
         apply_mode: ApplyMode,
@@ -180,10 +201,11 @@ class ShardedTrainerClient:
         progress: Callable[[SyncProgress], None] | None,
         on_phase: Callable[[str], None] | None,
     ) -> SyncResult:
-        """Rank 0: the update itself, its buckets gathered in lockstep; then the outcome to every rank."""
+        """Rank 0: the update itself (its buckets gathered in lockstep, or sent by every rank); then the
+        outcome to every rank."""
         try:
             result = self._client.sync(
-                LockstepSource(source, self._ranks),
+                source,
                 weight_version,
                 layout=layout,
                 apply_mode=apply_mode,
@@ -195,6 +217,7 @@ class ShardedTrainerClient:
             )
         except BaseException as e:
             try:
+                self._settle()
                 self._ranks.share(encode_error(e))
             except Exception as share_error:  # a rank is gone: the update's own error says more
                 log.warning("could not tell the other trainer ranks that the sync failed: %s", share_error)
@@ -202,15 +225,35 @@ class ShardedTrainerClient:
         self._ranks.share(encode_result(result))
         return result
 
-    def _follow(self, source: ShardedTensors, request: UpdateRequest) -> SyncResult:
+    def _settle(self) -> None:
+        """Rank 0, after a failed sync: wait for the other ranks' direct sends to end (their error is logged)."""
+        try:
+            self._sender.settle()
+        except Exception as e:
+            log.warning("another trainer rank's sends failed too: %s", e)
+
+    def _follow(self, source: ShardedTensors, sending: WeightSource, request: UpdateRequest) -> SyncResult:
         """A rank other than 0: do what rank 0 asks, round by round, until it shares the outcome."""
         buckets, _messages = Planner(self._client).plan(
-            source.metadata(), request.bucket_bytes, request.dtype, request.layout
+            sending.metadata(), request.bucket_bytes, request.dtype, request.layout
         )
         error: BaseException | None = None
         while True:
-            command, arg, _arg2 = self._ranks.follow()
-            if command is Command.GATHER:
+            command, arg, arg2 = self._ranks.follow()
+            if command is Command.JOIN:
+                self._group.join(arg, arg2)
+            elif command is Command.SEND:
+                try:
+                    send_own(
+                        self._group.group(), buckets, request.layout, sending, None, threading.Event(), self._buffers
+                    )
+                except Exception as e:
+                    log.warning("trainer rank %d: sending its buckets failed: %s", self._ranks.rank, e)
+                    error = error or e
+                    self._ranks.report_failure()
+            elif command is Command.SENT:
+                continue  # this rank's status went with the round
+            elif command is Command.GATHER:
                 try:
                     source.bucket_tensors(buckets[arg])  # collective with every rank; dropped at once
                 except Exception as e:
@@ -219,16 +262,22 @@ class ShardedTrainerClient:
                     self._ranks.report_failure()
             elif command is Command.OUTCOME:
                 payload = self._ranks.receive_shared(arg)
+                try:
+                    result = decode_outcome(payload)  # rank 0's error, when the sync failed, says the most
+                except Exception as outcome:
+                    raise outcome from error
                 if error is not None:
                     raise error
-                return decode_outcome(payload)
+                return result
             else:
                 raise AssertionError(f"unexpected command {command!r} from trainer rank 0")
 
     def close(self) -> None:
-        """Close this rank's client (rank 0: the engines and the trainer leave the group) and the control
-        group. Not collective; idempotent."""
+        """Close this rank's client (rank 0: the engines and the trainer leave the group), its membership
+        of the weight-sync group and the control group. Not collective; idempotent."""
         self._client.close()
+        self._group.close()
+        self._buffers.release()
         self._ranks.close()
 
     def __enter__(self) -> ShardedTrainerClient:

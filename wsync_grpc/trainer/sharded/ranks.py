@@ -51,6 +51,12 @@ class Command(enum.IntEnum):
     """Gather bucket ``arg`` (``full_tensor()`` of its sharded tensors, collectively) and drop it."""
     OUTCOME = 2
     """The call is over: its outcome follows, ``arg`` bytes broadcast from rank 0."""
+    JOIN = 3
+    """Join the weight-sync group being formed: store port ``arg``, world size ``arg2``."""
+    SEND = 4
+    """Direct mode: send your own buckets of the update now."""
+    SENT = 5
+    """Direct mode: every rank has sent its buckets (each reports whether its sends failed)."""
 
 
 class TrainerRankLost(ClientError):
@@ -246,6 +252,26 @@ class TrainerRanks:
     def report_failure(self) -> None:
         """A follower: its part of the last command failed; rank 0 hears it in the next round."""
         self._pending = 1
+
+    def exchange(self, payload: bytes, what: str) -> list[bytes]:
+        """Every rank's ``payload``, in rank order, on every rank (collective: every rank calls it).
+
+        Two collectives over the control group: the lengths (one round), then the bytes.
+
+        Raises:
+            TrainerRankLost: a collective failed.
+        """
+        lengths = [v[0] for v in self._gather([len(payload), 0, 0, 0], what)]
+        width = max(lengths)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = [torch.empty(width, dtype=torch.uint8) for _ in lengths]
+        try:
+            dist.all_gather(out, mine, group=self._ctl)
+        except RuntimeError as e:
+            raise self.broken(what, e) from e
+        return [bytes(t[:n].numpy().tobytes()) for t, n in zip(out, lengths, strict=True)]
 
     def share(self, payload: bytes) -> None:
         """Rank 0: end the call, giving every other rank ``payload`` (its outcome).

@@ -11,27 +11,60 @@ by global shape; ``full_tensor()`` lazily, one group at a time, in lockstep on e
 sends), with the lockstep driven by rank 0 so that a failure on any rank stops every rank at the next
 bucket instead of leaving one blocked in an all-gather.
 
+:class:`DirectSource` is every rank's source in the direct mode: nothing is gathered; each rank's
+pieces (a ``DTensor``'s local shard and where it sits, from
+``torch.distributed.tensor``'s ``compute_local_shape_and_global_offset``) are exchanged once per
+sync so that every rank plans the same buckets (:func:`~wsync_grpc.core.planning.plan_pieces`), and
+each rank sends the buckets of its own pieces straight from its shards. That is vLLM's ``nccl_m2n``
+way (trainer ranks send their local shards, no all-gather), on the weight-sync contract's
+``TensorShard``.
+
 Units: sizes in bytes.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from wsync_grpc.core.layout import Bucket
-from wsync_grpc.core.planning import TensorMeta
+from wsync_grpc.core.layout import Bucket, Piece
+from wsync_grpc.core.planning import PieceMeta, TensorMeta
 from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
 from wsync_grpc.trainer.source import NamedTensors
 
-__all__ = ["LockstepSource", "ShardedTensors", "full"]
+__all__ = ["DirectSource", "LockstepSource", "ShardedTensors", "full", "local"]
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: a ``DTensor``'s ``full_tensor()`` (collective over its mesh), a plain tensor itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's part of ``t`` and where it starts in the whole tensor (elements, per dimension).
+
+    A ``DTensor``'s local shard (``to_local()``) at the offsets
+    ``compute_local_shape_and_global_offset`` gives for this rank; a plain tensor whole, at 0.
+
+    Raises:
+        ValueError: a ``DTensor`` whose local shard is not one block of the whole tensor (e.g. a
+            strided shard of FSDP2 over tensor parallelism), which the direct mode cannot place.
+    """
+    if not isinstance(t, DTensor):
+        return t, tuple(0 for _ in t.shape)
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    part = t.to_local()
+    if tuple(part.shape) != tuple(shape):
+        raise ValueError(
+            f"a DTensor with placements {t.placements} has a local shard of shape {list(part.shape)}, not the "
+            f"block {list(shape)} at {list(offsets)}: the direct mode cannot place it (use mode='gather')"
+        )
+    return part, tuple(int(o) for o in offsets)
 
 
 class ShardedTensors(NamedTensors):
@@ -57,6 +90,101 @@ class ShardedTensors(NamedTensors):
             KeyError: a slot the source does not hold.
         """
         return {name: full(t) for name, t in super().bucket_tensors(bucket).items()}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor (or ``DTensor``) named ``name``, as given.
+
+        Raises:
+            KeyError: no such name.
+        """
+        return self._tensors()[name]
+
+    def _tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._by_name is None:
+            self.metadata()
+        assert self._by_name is not None
+        return self._by_name
+
+
+class DirectSource:
+    """A rank's source in the direct mode: every rank's pieces to plan with, this rank's shards to send.
+
+    Collective to build (every rank at once): each rank lists its pieces (:func:`local`) and the
+    lists are exchanged over the trainer's control group. A piece held by several ranks (a
+    replicated tensor, or a plain one) is sent by the lowest of them; a piece that is the whole
+    tensor travels as a whole tensor.
+
+    Args:
+        source: this rank's tensors.
+        ranks: the trainer's ranks.
+
+    Raises:
+        ValueError: a shard the direct mode cannot place (:func:`local`), or pieces that do not
+            cover a tensor exactly (raised on every rank alike).
+        TrainerRankLost: the exchange failed.
+    """
+
+    def __init__(self, source: ShardedTensors, ranks: TrainerRanks) -> None:
+        self._source = source
+        metas = source.metadata()
+        mine: list[list[object]] = []
+        problem = ""
+        try:
+            for m in metas:
+                part, offsets = local(source.tensor(m.name))
+                if part.numel():
+                    mine.append([m.name, list(offsets), list(part.shape)])
+        except ValueError as e:
+            problem = str(e)
+        payload = json.dumps({"pieces": mine, "problem": problem}).encode()
+        lists = [json.loads(p) for p in ranks.exchange(payload, "exchanging the ranks' pieces")]
+        problems = [f"trainer rank {r}: {p['problem']}" for r, p in enumerate(lists) if p["problem"]]
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._pieces = _pieces(metas, [p["pieces"] for p in lists])
+
+    def metadata(self) -> Sequence[PieceMeta]:
+        """See :meth:`WeightSource.metadata`: every rank's pieces, each rank's in the tensors' order."""
+        return self._pieces
+
+    def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+        """See :meth:`WeightSource.bucket_tensors`: this rank's shards of ``bucket``'s slots (a bucket it sends).
+
+        Raises:
+            KeyError: a slot the source does not hold.
+        """
+        return {s.name: local(self._source.tensor(s.name))[0] for s in bucket.tensors}
+
+
+def _pieces(metas: Sequence[TensorMeta], per_rank: Sequence[Sequence[Sequence[object]]]) -> list[PieceMeta]:
+    """The pieces to send: every rank's, a piece held by several ranks sent by the lowest one.
+
+    Raises:
+        ValueError: the pieces of a tensor do not add up to its size.
+    """
+    by_name = {m.name: m for m in metas}
+    seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
+    covered = dict.fromkeys(by_name, 0)
+    out: list[PieceMeta] = []
+    for rank, pieces in enumerate(per_rank):
+        for name, offsets, shape in pieces:
+            assert isinstance(name, str) and isinstance(offsets, list) and isinstance(shape, list)
+            m = by_name[name]
+            key = (name, tuple(int(o) for o in offsets), tuple(int(n) for n in shape))
+            if key in seen:
+                continue  # a replica: the lowest rank holding it sends it
+            seen.add(key)
+            covered[name] += math.prod(key[2])
+            whole = key[2] == tuple(m.shape)
+            out.append(PieceMeta(name, m.dtype, key[2], rank, None if whole else Piece(tuple(m.shape), key[1])))
+    for name, n in covered.items():
+        total = math.prod(by_name[name].shape)
+        if n != total:
+            raise ValueError(
+                f"the trainer ranks' shards of {name!r} cover {n} of its {total} elements: the direct mode "
+                "needs shards that tile each tensor (use mode='gather')"
+            )
+    return out
 
 
 class LockstepSource:

@@ -19,6 +19,11 @@ up to :data:`MAX_POSTED`). With staged apply on an engine that offers
 buffer that the engine serves from Complete on, and the memory it replaces
 becomes a buffer of the next update.
 
+A bucket comes from the trainer rank its spec names (``src``). Pieces of a tensor that a sharded
+trainer's ranks send separately are copied into the whole tensor as they arrive
+(:class:`~wsync_grpc.core.pieces.PieceAssembler`), which is loaded, or staged, once whole;
+they are never received in place.
+
 Every wait is bounded by the group timeout and interrupted by the cancel
 event; any error is recorded in :attr:`BroadcastReceiver.error` and reported
 through the ``on_event`` callback.
@@ -37,6 +42,7 @@ from wsync_grpc.core.engine import InPlaceReceive, StorageSwap
 from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import tensor_views
+from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
@@ -108,6 +114,7 @@ class BroadcastReceiver(ReceiverThread):
         self.swaps: list[tuple[str, torch.Tensor]] = []
         """Staged apply on a :class:`StorageSwap` engine: ``(canonical name, tensor)`` to serve as they are."""
         self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
+        self._pieces = PieceAssembler(self.device)
 
     @property
     def timeout_s(self) -> float:
@@ -191,7 +198,7 @@ class BroadcastReceiver(ReceiverThread):
         load whose served tensor is plain, contiguous, on this worker's device
         and of exactly the wire dtype and shape.
         """
-        if self._in_place is None or not t.load or t.nbytes == 0:
+        if self._in_place is None or not t.load or t.nbytes == 0 or t.piece is not None:
             return None
         target = self._in_place.receive_target(self.worker, t.canonical)
         if (
@@ -210,7 +217,7 @@ class BroadcastReceiver(ReceiverThread):
 
     def _swappable(self, t: TensorSlot | None) -> bool:
         """Whether the lone tensor ``t`` can be received into a buffer the engine then serves (staged apply)."""
-        if self._swap is None or t is None or not t.load:
+        if self._swap is None or t is None or not t.load or t.piece is not None:
             return False
         served = self.target.get_weight(t.canonical)
         return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self.device
@@ -225,13 +232,17 @@ class BroadcastReceiver(ReceiverThread):
             if target is not None:
                 self.wrote_served = True  # before posting: bytes may land at once
                 flat = target.view(-1).view(torch.uint8)
-                return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(True,))
+                return _Posted(bucket, [self.group.broadcast(flat, bucket.src)], [flat], 0, 1, direct=(True,))
             if self._swappable(lone):
                 flat = self.pool.take_exact(bucket.size_bytes)
-                return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, 1, direct=(False,), swap=True)
+                return _Posted(
+                    bucket, [self.group.broadcast(flat, bucket.src)], [flat], 0, 1, direct=(False,), swap=True
+                )
             # Streaming reuses two buffers for every bucket: size them for the largest one.
             flat = self.pool.take(bucket.size_bytes, self.feed.max_size_bytes if self.streaming else 0)
-            return _Posted(bucket, [self.group.broadcast(flat)], [flat], 0, len(bucket.tensors), direct=(False,))
+            return _Posted(
+                bucket, [self.group.broadcast(flat, bucket.src)], [flat], 0, len(bucket.tensors), direct=(False,)
+            )
         end = min(start + INDIVIDUAL_CHUNK, len(bucket.tensors))
         bufs: list[torch.Tensor] = []
         direct: list[bool] = []
@@ -243,19 +254,25 @@ class BroadcastReceiver(ReceiverThread):
                 self.wrote_served = True
                 bufs.append(target)
             direct.append(target is not None)
-        return _Posted(bucket, [self.group.broadcast(b) for b in bufs], bufs, start, end, direct=tuple(direct))
+        works = [self.group.broadcast(b, bucket.src) for b in bufs]
+        return _Posted(bucket, works, bufs, start, end, direct=tuple(direct))
 
     def _handle(self, posted: _Posted) -> None:
         bucket = posted.bucket
+        views = True  # whether what is staged views the flat buffer
         if self.flattened:
-            named = [] if posted.direct[0] else tensor_views(posted.buffers[0], bucket.tensors)
+            named = [] if posted.direct[0] else self._flat_named(posted.buffers[0], bucket)
+            views = any(t.piece is None and t.load for t in bucket.tensors)
         else:
             tensors = bucket.tensors[posted.start : posted.end]
-            named = [
-                (t.canonical, buf)
-                for t, buf, d in zip(tensors, posted.buffers, posted.direct, strict=True)
-                if t.load and not d
-            ]
+            named = []
+            for t, buf, d in zip(tensors, posted.buffers, posted.direct, strict=True):
+                if not t.load or d:
+                    continue
+                if t.piece is None:
+                    named.append((t.canonical, buf))
+                elif (whole := self._pieces.add(t, buf)) is not None:
+                    named.append(whole)
         direct = sum(posted.direct)
         if self.streaming:
             if named:
@@ -271,8 +288,22 @@ class BroadcastReceiver(ReceiverThread):
             self._swap_held.append(posted.buffers[0])
         else:
             self.staged.append(named)
-            if self.flattened:
+            if self.flattened and views:
                 self._held.append(posted.buffers[0])
+            elif self.flattened:  # every tensor was copied out (pieces): the buffer is free again
+                self.pool.give(posted.buffers[0])
+
+    def _flat_named(self, flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+        """The tensors to load from a received flat bucket: its whole tensors viewed, pieces assembled."""
+        if all(t.piece is None for t in bucket.tensors):
+            return tensor_views(flat, bucket.tensors)
+        named = tensor_views(flat, [t for t in bucket.tensors if t.piece is None])
+        for t in bucket.tensors:
+            if t.piece is not None and t.load:
+                whole = self._pieces.add(t, flat[t.offset : t.end].view(t.dtype).view(t.shape))
+                if whole is not None:
+                    named.append(whole)
+        return named
 
     def apply_swaps(self) -> int:
         """Staged apply: hand :attr:`swaps` to the engine to serve (:class:`StorageSwap`); the tensors swapped.
@@ -296,6 +327,7 @@ class BroadcastReceiver(ReceiverThread):
         """
         held, self._held, self.staged = self._held + self._swap_held, [], []
         self._swap_held, self.swaps = [], []
+        self._pieces.clear()
         if reuse:
             for buf in held:
                 self.pool.give(buf)

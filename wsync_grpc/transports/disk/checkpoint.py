@@ -226,6 +226,14 @@ def read_checkpoint(files: Sequence[Path]) -> list[CheckpointTensor]:
 
 
 @dataclass(frozen=True)
+class _Whole:
+    """A checkpoint tensor is read whole (:class:`~wsync_grpc.core.validation.ShardFields` of no piece)."""
+
+    global_shape: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class _TensorSpec:
     """A checkpoint tensor as bucket metadata (:class:`~wsync_grpc.core.validation.TensorSpecFields`)."""
 
@@ -233,6 +241,7 @@ class _TensorSpec:
     dtype: str
     shape: tuple[int, ...]
     offset_bytes: int = 0
+    shard: _Whole = _Whole()
 
 
 @dataclass(frozen=True)
@@ -242,6 +251,7 @@ class _BucketSpec:
     index: int
     size_bytes: int
     tensors: tuple[_TensorSpec, ...]
+    src_rank: int = 0
 
 
 def bucket_specs(tensors: Sequence[CheckpointTensor], bucket_bytes: int = DISK_BUCKET_BYTES) -> list[_BucketSpec]:

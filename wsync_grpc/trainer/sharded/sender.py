@@ -1,0 +1,274 @@
+"""How a sharded trainer's ranks move an update's bytes: every rank a member of the weight-sync group.
+
+The trainer holds one group rank per trainer rank (``wsync.v1.InitRequest.trainer_ranks``), so the
+group is one broadcast group per trainer rank (:mod:`wsync_grpc.group.process_group`). Trainer rank
+0's :class:`~wsync_grpc.trainer.client.TrainerClient` forms it with a :class:`ShardedSender`, which
+has the other ranks join beside it (a :data:`~wsync_grpc.trainer.sharded.ranks.Command.JOIN` round,
+then :class:`FollowerGroup` on each of them) while the engines' Init calls are in flight.
+
+Per sync the sender works in one of two modes:
+
+- ``"gather"``: rank 0 broadcasts every bucket whole; the ranks gather each bucket together first
+  (:class:`~wsync_grpc.trainer.sharded.source.LockstepSource`).
+- ``"direct"``: every rank broadcasts the buckets of its own pieces
+  (:class:`~wsync_grpc.trainer.sharded.source.DirectSource`). Rank 0 leads a
+  :data:`~wsync_grpc.trainer.sharded.ranks.Command.SEND` round, sends its own buckets while the
+  others send theirs (:func:`send_own`), and meanwhile waits in a
+  :data:`~wsync_grpc.trainer.sharded.ranks.Command.SENT` round, in a helper thread, for every rank
+  to report its sends done: a rank that fails or dies ends rank 0's sends at once, and the error
+  names it.
+
+Units: sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from wsync_grpc.core.layout import Bucket, Layout
+from wsync_grpc.group.process_group import WeightSyncGroup, join_group
+from wsync_grpc.trainer.client import TrainerClient
+from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
+from wsync_grpc.trainer.source import WeightSource
+from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers
+
+__all__ = ["SEND_MODES", "FollowerGroup", "SendMode", "ShardedSender", "send_own"]
+
+log = logging.getLogger(__name__)
+
+SendMode = Literal["gather", "direct"]
+"""How a sharded trainer's bytes reach the engines: ``"gather"`` (per bucket, every rank gathers, rank 0
+sends) or ``"direct"`` (every rank sends its own shards; nothing gathered)."""
+
+SEND_MODES: tuple[str, ...] = ("gather", "direct")
+
+
+class _Either(threading.Event):
+    """Set when it is set, or when another event (the client's cancel signal) is."""
+
+    def __init__(self, other: threading.Event) -> None:
+        super().__init__()
+        self._other = other
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._other.is_set()
+
+
+def send_own(
+    group: WeightSyncGroup,
+    buckets: Sequence[Bucket],
+    layout: Layout,
+    source: WeightSource,
+    on_sent: Callable[[Bucket, int], None] | None,
+    cancel: threading.Event,
+    buffers: PackBuffers,
+) -> float:
+    """Broadcast the buckets of ``buckets`` whose sender is this group rank, in index order.
+
+    Returns:
+        The time spent packing, in seconds.
+
+    Raises:
+        Exception: the group's (a timeout, a peer gone) or :class:`~wsync_grpc.core.errors.Cancelled`.
+    """
+    own = [b for b in buckets if b.src == group.rank]
+    job = Broadcast(group, own, source.bucket_tensors, on_sent, cancel, src=group.rank)
+    if layout is Layout.FLATTENED:
+        return job.flattened(buffers.for_update())
+    return job.individual()
+
+
+class _SentRound:
+    """Rank 0's :data:`Command.SENT` round, in a helper thread, while it sends its own buckets.
+
+    Attributes:
+        error: why the round failed (a rank's sends failed, or a rank is gone); ``None`` if it did not.
+    """
+
+    def __init__(self, ranks: TrainerRanks, stop: threading.Event) -> None:
+        self._ranks = ranks
+        self._stop = stop
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="wsync-sent-round", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._ranks.lead(Command.SENT)
+        except BaseException as e:
+            self.error = e
+            self._stop.set()  # rank 0's own sends stop at their next wait
+
+    def join(self) -> None:
+        """Wait for the round (a rank that never reports fails it after the control group's timeout)."""
+        self._thread.join()
+
+
+class ShardedSender:
+    """Trainer rank 0's :class:`~wsync_grpc.trainer.sender.Sender`: one group rank per trainer rank.
+
+    Args:
+        ranks: the trainer's ranks (this process is rank 0).
+        buffers: rank 0's two pack buffers.
+
+    Attributes:
+        mode: the send mode of the next sync (set by the sharded client before each).
+    """
+
+    def __init__(self, ranks: TrainerRanks, buffers: PackBuffers) -> None:
+        self._ranks = ranks
+        self._buffers = buffers
+        self.mode: SendMode = "gather"
+        self._sent: _SentRound | None = None
+
+    @property
+    def trainer_ranks(self) -> int:
+        """See :meth:`Sender.trainer_ranks`: every trainer rank is a group rank."""
+        return self._ranks.size
+
+    @property
+    def rank(self) -> int:
+        """See :meth:`Sender.rank`: the trainer rank (0)."""
+        return self._ranks.rank
+
+    def forming(self, port: int, world_size: int) -> None:
+        """See :meth:`Sender.forming`: the other ranks join now (a :data:`Command.JOIN` round).
+
+        Raises:
+            TrainerRankLost, TrainerRankFailed: the round failed.
+        """
+        self._ranks.lead(Command.JOIN, port, world_size)
+
+    def send(
+        self,
+        group: WeightSyncGroup,
+        buckets: Sequence[Bucket],
+        layout: Layout,
+        source: WeightSource,
+        on_sent: Callable[[Bucket, int], None] | None,
+        cancel: threading.Event,
+    ) -> float:
+        """See :meth:`Sender.send`. Direct mode: this rank's buckets, while the others send theirs.
+
+        Raises:
+            TrainerRankLost, TrainerRankFailed: another rank died or its sends failed (rank 0's own
+                sends stop at once).
+            Exception: as for :meth:`Sender.send`.
+        """
+        if self.mode == "gather":
+            job = Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=self.rank)
+            return job.flattened(self._buffers.for_update()) if layout is Layout.FLATTENED else job.individual()
+        stop = _Either(cancel)
+        self._ranks.lead(Command.SEND)
+        sent = self._sent = _SentRound(self._ranks, stop)
+        try:
+            pack_s = send_own(group, buckets, layout, source, on_sent, stop, self._buffers)
+        except Exception as e:
+            if sent.error is not None:  # another rank's failure stopped this one: say which
+                raise sent.error from e
+            raise
+        self.settle()
+        return pack_s
+
+    def settle(self) -> None:
+        """Wait for the ranks' sends of the last direct sync to end (before any other round).
+
+        After a failed send it returns once the other ranks' sends ended too (the engines cancel
+        the update, which fails them).
+
+        Raises:
+            TrainerRankLost, TrainerRankFailed: the round's failure, once.
+        """
+        sent, self._sent = self._sent, None
+        if sent is None:
+            return
+        sent.join()
+        if sent.error is not None:
+            raise sent.error
+
+    def release(self) -> None:
+        """See :meth:`Sender.release`."""
+        self._buffers.release()
+
+
+class FollowerGroup:
+    """A trainer rank other than 0: its membership of the weight-sync group, joined when rank 0 forms one.
+
+    Args:
+        settings: this rank's client (its ``master_address`` is rank 0's store host; its group name,
+            backend, device and group timeout are rank 0's).
+        ranks: the trainer's ranks.
+    """
+
+    def __init__(self, settings: TrainerClient, ranks: TrainerRanks) -> None:
+        self._settings = settings
+        self._ranks = ranks
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._group: WeightSyncGroup | None = None
+        self._error: BaseException | None = None
+        self._generation = 0
+
+    def join(self, port: int, world_size: int) -> None:
+        """Leave the current group and start joining the one being formed (in a helper thread)."""
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+            old, self._group, self._error = self._group, None, None
+        if old is not None:
+            old.destroy()
+        s = self._settings
+
+        def run() -> None:
+            try:
+                g = join_group(
+                    master_address=s.master_address,
+                    master_port=port,
+                    rank=self._ranks.rank,
+                    world_size=world_size,
+                    group_name=s.group_name,
+                    backend=s.backend,
+                    device=s.device,
+                    timeout_s=s.group_timeout_s,
+                    trainer_ranks=self._ranks.size,
+                )
+            except BaseException as e:
+                with self._lock:
+                    if generation == self._generation:
+                        self._error = e
+                return
+            with self._lock:
+                if generation == self._generation:
+                    self._group = g
+                    return
+            g.destroy()  # a newer formation (or close) came first
+
+        self._thread = threading.Thread(target=run, name="wsync-follower-join", daemon=True)
+        self._thread.start()
+
+    def group(self) -> WeightSyncGroup:
+        """The joined group, waiting for a join in progress (bounded by the group timeout).
+
+        Raises:
+            RuntimeError: never joined, or the join failed or has not ended.
+        """
+        thread = self._thread
+        if thread is not None:
+            thread.join(self._settings.group_timeout_s + 5.0)
+        with self._lock:
+            if self._group is not None:
+                return self._group
+            if self._error is not None:
+                raise RuntimeError(f"trainer rank {self._ranks.rank} could not join the group: {self._error}")
+        raise RuntimeError(f"trainer rank {self._ranks.rank} is not a member of the weight-sync group")
+
+    def close(self) -> None:
+        """Leave the group (idempotent; a join in progress destroys its group when it ends)."""
+        with self._lock:
+            self._generation += 1
+            group, self._group = self._group, None
+        if group is not None:
+            group.destroy()
