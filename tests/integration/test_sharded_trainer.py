@@ -7,6 +7,7 @@ greedy answers itself (``--check``); the tests read every rank's JSON lines.
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import signal
 import time
@@ -18,6 +19,7 @@ from fsdp_ranks import start_ranks
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
+from wsync_grpc.group.process_group import free_port, join_group
 from wsync_grpc.testing import EngineProcess, spawn_engine
 
 pytest.importorskip("transformers")
@@ -37,17 +39,77 @@ def _stub(target: str) -> weight_sync_pb2_grpc.WeightSyncServiceStub:
     return weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(target))
 
 
-def test_gather_mode_is_bit_exact_and_answers_change_with_the_trainer(engine: EngineProcess) -> None:
-    ranks = start_ranks([engine.target], "--steps=2", "--modes=gather", "--check=all")
+@pytest.mark.parametrize("mode", ["gather", "direct"])
+def test_each_mode_is_bit_exact_and_answers_change_with_the_trainer(engine: EngineProcess, mode: str) -> None:
+    ranks = start_ranks([engine.target], "--steps=2", f"--modes={mode}", "--check=all")
     codes = [r.wait() for r in ranks]
     assert codes == [0, 0], [r.stderr for r in ranks]
     for r in ranks:  # every rank returns rank 0's result
         synced = [e for e in r.events if e["event"] == "synced"]
-        assert [e["version"] for e in synced] == ["step-1-gather", "step-2-gather"]
+        assert [e["version"] for e in synced] == [f"step-1-{mode}", f"step-2-{mode}"]
     checks = [e for e in ranks[0].events if e["event"] == "checked"]
-    assert [c["failures"] for c in checks] == [[], []]
+    assert [c["failures"] for c in checks] == [[], []]  # every checksum bit-exact, the answers the trainer's
+    assert checks[0]["answer"] != checks[1]["answer"]
     status = _stub(engine.target).GetStatus(pb.GetStatusRequest(), timeout=10)
-    assert status.weight_version == "step-2-gather"
+    assert status.weight_version == f"step-2-{mode}"
+
+
+def test_shards_that_do_not_tile_a_tensor_are_refused_before_anything_moves(engine: EngineProcess) -> None:
+    """Two trainer ranks join (here, as threads); pieces with a gap or an overlap are refused at Prepare."""
+    stub = _stub(engine.target)
+    before = stub.GetWeightChecksums(pb.GetWeightChecksumsRequest(names=["model.norm.weight"]), timeout=30)
+    port = free_port()
+    req = pb.InitRequest(
+        master_address="127.0.0.1", master_port=port, rank_offset=2, world_size=3, trainer_ranks=2, force=True
+    )
+    req.timeout.FromSeconds(60)
+    init = stub.Init.future(req, timeout=70)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        joins = [
+            ex.submit(join_group, master_address="127.0.0.1", master_port=port, rank=r, world_size=3,
+                      timeout_s=60, trainer_ranks=2)
+            for r in (0, 1)
+        ]  # fmt: skip
+        groups = [j.result(timeout=70) for j in joins]
+    init.result()
+    name, width = "model.norm.weight", 576
+
+    def prepare(*pieces: tuple[int, int, int]) -> grpc.RpcError:
+        buckets = [
+            pb.BucketSpec(
+                index=i, size_bytes=4 * rows, src_rank=src,
+                tensors=[pb.TensorSpec(name=name, dtype="float32", shape=[rows],
+                                       shard=pb.TensorShard(global_shape=[width], offsets=[start]))],
+            )
+            for i, (src, start, rows) in enumerate(pieces)
+        ]  # fmt: skip
+        header = pb.PrepareHeader(
+            weight_version="untiled", bucket_count=len(buckets), total_bytes=sum(b.size_bytes for b in buckets)
+        )
+        msgs = [pb.PrepareRequest(header=header)] + [pb.PrepareRequest(bucket=b) for b in buckets]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prepare(iter(msgs), timeout=30)
+        return e.value
+
+    try:
+        gap = prepare((0, 0, 288), (1, 300, 276))
+        assert gap.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "INCOMPLETE_TENSOR" in str(gap.trailing_metadata()) or "cover 564 of its 576" in (gap.details() or "")
+        assert name in (gap.details() or "")
+        overlap = prepare((0, 0, 300), (1, 288, 288))
+        assert overlap.code() == grpc.StatusCode.INVALID_ARGUMENT and "overlaps" in (overlap.details() or "")
+        assert name in (overlap.details() or "")
+        wrong_rank = prepare((0, 0, 288), (2, 288, 288))
+        assert wrong_rank.code() == grpc.StatusCode.INVALID_ARGUMENT and "src_rank 2" in (wrong_rank.details() or "")
+        # Nothing moved: the engine is ready, its weights and version as before.
+        status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        assert status.state == pb.LIFECYCLE_STATE_READY and not status.HasField("update")
+        after = stub.GetWeightChecksums(pb.GetWeightChecksumsRequest(names=[name]), timeout=30)
+        assert after == before
+    finally:
+        stub.Leave(pb.LeaveRequest(), timeout=30)
+        for g in groups:
+            g.destroy()
 
 
 def test_ranks_that_disagree_fail_on_every_rank_within_seconds(engine: EngineProcess) -> None:
@@ -75,15 +137,17 @@ def expected_checksums(step: int) -> dict[str, str]:
     return {n: tensor_sha256(p.detach()) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize(("mode", "victim"), [("gather", 1), ("gather", 0), ("direct", 1), ("direct", 0)])
 def test_a_rank_killed_mid_transfer_fails_the_others_and_the_engine_keeps_its_weights(
-    engine: EngineProcess, victim: int
+    engine: EngineProcess, mode: str, victim: int
 ) -> None:
     stub = _stub(engine.target)
-    # Small buckets: a sync is ~130 buckets, and the kill lands after a random one of the first 40 of sync 2.
-    ranks = start_ranks([engine.target], "--steps=4", "--bucket-bytes=4000000", "--progress")
-    ranks[0].wait_for("synced", version="step-1-gather")
-    ranks[0].wait_for("bucket", version="step-2-gather", sent=random.randint(2, 40))
+    # Small buckets: a sync is ~130 buckets, and the kill lands after a random one of the first 40 of sync 2
+    # (in the direct mode rank 0 sends every other bucket, and reports those).
+    ranks = start_ranks([engine.target], "--steps=4", "--bucket-bytes=4000000", "--progress", f"--modes={mode}")
+    ranks[0].wait_for("synced", version=f"step-1-{mode}")
+    after = random.randint(1, 20) * 2 - 1 if mode == "direct" else random.randint(2, 40)
+    ranks[0].wait_for("bucket", version=f"step-2-{mode}", sent=after)
     ranks[victim].proc.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     survivor = ranks[1 - victim]
@@ -91,7 +155,7 @@ def test_a_rank_killed_mid_transfer_fails_the_others_and_the_engine_keeps_its_we
     assert survivor.wait() == 1
     ranks[victim].wait()
     assert error["at"] - killed_at < 5, error
-    assert error["version"] == "step-2-gather", error  # the sync in flight failed
+    assert error["version"] == f"step-2-{mode}", error  # the sync in flight failed
     assert f"trainer rank {victim} is gone" in error["message"], error
     # The engine noticed within the bound and serves step 1's weights whole (staged apply).
     deadline = killed_at + 5
@@ -99,15 +163,15 @@ def test_a_rank_killed_mid_transfer_fails_the_others_and_the_engine_keeps_its_we
         time.sleep(0.05)
     status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
     assert not status.HasField("update"), status
-    assert status.weight_version == "step-1-gather"
+    assert status.weight_version == f"step-1-{mode}"
     served = stub.GetWeightChecksums(pb.GetWeightChecksumsRequest(), timeout=30)
-    assert served.weight_version == "step-1-gather"
+    assert served.weight_version == f"step-1-{mode}"
     got, want = {c.name: c.sha256 for c in served.checksums}, expected_checksums(step=1)
     assert {n: got.get(n) for n in want} == want
     # The trainer re-forms (new processes) and the next sync succeeds.
-    again = start_ranks([engine.target], "--steps=1", "--version-suffix=-again")
+    again = start_ranks([engine.target], "--steps=1", "--version-suffix=-again", f"--modes={mode}")
     assert [r.wait() for r in again] == [0, 0], [r.stderr for r in again]
-    assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).weight_version == "step-1-gather-again"
+    assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).weight_version == f"step-1-{mode}-again"
 
 
 def test_a_bad_argument_fails_every_rank_not_one(engine: EngineProcess) -> None:

@@ -243,11 +243,13 @@ class ShardedTrainerClient:
             if command is Command.JOIN:
                 self._group.join(arg, arg2)
             elif command is Command.SEND:
+                stop = threading.Event()
+                watch = self._ranks.watch_leader(stop)
                 try:
-                    send_own(
-                        self._group.group(), buckets, request.layout, sending, None, threading.Event(), self._buffers
-                    )
-                except Exception as e:
+                    send_own(self._group.group(), buckets, request.layout, sending, None, stop, self._buffers)
+                    watch.join(self._ranks.timeout_s)  # rank 0's word that its own sends ended
+                except Exception as e:  # rank 0 gone or failed (stop set), or this rank's own failure
+                    watch.join(self._ranks.timeout_s)
                     log.warning("trainer rank %d: sending its buckets failed: %s", self._ranks.rank, e)
                     error = error or e
                     self._ranks.report_failure()

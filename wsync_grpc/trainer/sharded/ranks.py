@@ -23,8 +23,10 @@ import datetime
 import enum
 import hashlib
 import json
+import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,8 +40,13 @@ from wsync_grpc.trainer.results import ClientError
 
 __all__ = ["Command", "RanksDisagree", "TrainerRankFailed", "TrainerRankLost", "TrainerRanks"]
 
+log = logging.getLogger(__name__)
+
 _WIDTH = 4
 """Ints per rank in a round: command, argument, argument, status."""
+
+_RELEASE_TAG = 4242
+"""Tag of rank 0's point-to-point word to each follower at the end of its direct sends."""
 
 
 class Command(enum.IntEnum):
@@ -272,6 +279,44 @@ class TrainerRanks:
         except RuntimeError as e:
             raise self.broken(what, e) from e
         return [bytes(t[:n].numpy().tobytes()) for t, n in zip(out, lengths, strict=True)]
+
+    def watch_leader(self, stop: threading.Event) -> threading.Thread:
+        """A follower in the direct mode: set ``stop`` as soon as rank 0 dies or its sends fail.
+
+        Posts a receive of rank 0's word (:meth:`release_followers`) and waits for it in a helper
+        thread: a receive that breaks (rank 0 gone) or a word saying rank 0's sends failed sets
+        ``stop``, which ends this rank's sends at their next wait. Returns the thread.
+        """
+        word = torch.zeros(1, dtype=torch.int64)
+        work = dist.irecv(word, group=self._ctl, group_src=0, tag=_RELEASE_TAG)
+        assert work is not None  # this rank is a member of the control group
+
+        def run() -> None:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                log.warning("trainer rank %d: trainer rank 0 is gone during the sends: %s", self.rank, e)
+                stop.set()
+                return
+            if int(word.item()) != 1:
+                stop.set()
+
+        t = threading.Thread(target=run, name="wsync-watch-leader", daemon=True)
+        t.start()
+        return t
+
+    def release_followers(self, ok: bool) -> None:
+        """Rank 0 in the direct mode, its own sends over: tell every follower whether they succeeded.
+
+        Followers whose own sends are still running go on when ``ok`` and stop when not. Errors (a
+        follower gone) are logged, not raised: the rounds that follow say more.
+        """
+        word = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        for r in range(1, self.size):
+            try:
+                dist.send(word, group=self._ctl, group_dst=r, tag=_RELEASE_TAG)
+            except RuntimeError as e:
+                log.warning("could not tell trainer rank %d that rank 0's sends ended: %s", r, e)
 
     def share(self, payload: bytes) -> None:
         """Rank 0: end the call, giving every other rank ``payload`` (its outcome).

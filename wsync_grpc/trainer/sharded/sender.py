@@ -16,7 +16,9 @@ Per sync the sender works in one of two modes:
   others send theirs (:func:`send_own`), and meanwhile waits in a
   :data:`~wsync_grpc.trainer.sharded.ranks.Command.SENT` round, in a helper thread, for every rank
   to report its sends done: a rank that fails or dies ends rank 0's sends at once, and the error
-  names it.
+  names it. The other ranks watch rank 0 the same way
+  (:meth:`~wsync_grpc.trainer.sharded.ranks.TrainerRanks.watch_leader`): rank 0 dying, or its
+  sends failing, ends theirs.
 
 Units: sizes in bytes, times in seconds.
 """
@@ -166,10 +168,12 @@ class ShardedSender:
         sent = self._sent = _SentRound(self._ranks, stop)
         try:
             pack_s = send_own(group, buckets, layout, source, on_sent, stop, self._buffers)
-        except Exception as e:
-            if sent.error is not None:  # another rank's failure stopped this one: say which
+        except BaseException as e:
+            self._ranks.release_followers(ok=False)  # their sends stop too
+            if sent.error is not None and isinstance(e, Exception):  # another rank's failure stopped this one
                 raise sent.error from e
             raise
+        self._ranks.release_followers(ok=True)
         self.settle()
         return pack_s
 
