@@ -364,13 +364,18 @@ def test_one_fleet_of_a_vllm_and_a_reference_engine(
         ref.stop()
 
 
-def test_fsdp2_ranks_sync_into_vllm_in_gather_mode(engine: Vllm, originals: dict[str, torch.Tensor]) -> None:
-    """Two real FSDP2 trainer ranks (``DTensor`` parameters) sync collectively; rank 0 checks every checksum."""
+def test_fsdp2_ranks_sync_into_vllm_in_both_modes(engine: Vllm, originals: dict[str, torch.Tensor]) -> None:
+    """Two real FSDP2 trainer ranks (``DTensor`` parameters) sync collectively, gathering each bucket and
+    then each sending its own shards, applied as they stream in; rank 0 checks every checksum after each."""
     before = engine.complete()
-    ranks = start_ranks([engine.target], "--steps=1", "--modes=gather", "--dtype=bfloat16", "--check=checksums")
+    ranks = start_ranks(
+        [engine.target], "--steps=2", "--modes=gather,direct", "--dtype=bfloat16", "--check=checksums",
+        "--apply-mode=streaming",
+    )  # fmt: skip
     assert [r.wait() for r in ranks] == [0, 0], [r.stderr for r in ranks]
-    assert [e["version"] for e in ranks[1].events if e["event"] == "synced"] == ["step-1-gather"]
-    assert [c["failures"] for c in ranks[0].events if c["event"] == "checked"] == [[]]
+    versions = ["step-1-gather", "step-1-direct", "step-2-gather", "step-2-direct"]
+    assert [e["version"] for e in ranks[1].events if e["event"] == "synced"] == versions
+    assert [c["failures"] for c in ranks[0].events if c["event"] == "checked"] == [[]] * 4
     assert engine.complete()[1] != before[1]
     with TrainerClient([engine.target], group_timeout_s=60) as c:
         c.sync(originals.items(), "restored", flush_cache=True)

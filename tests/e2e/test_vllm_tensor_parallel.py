@@ -100,11 +100,14 @@ def test_an_adapter_broadcast_to_every_rank_answers_as_the_same_adapter_read_fro
 
 @pytest.mark.parametrize("engine_tp3", ["plain"], indirect=True)
 def test_fsdp2_ranks_sync_into_every_tensor_parallel_worker(engine_tp3: Vllm, smollm2_dir: Path) -> None:
-    """Two real FSDP2 trainer ranks sync in the gather mode; every worker's slices match the gathered weights."""
+    """Two real FSDP2 trainer ranks sync in both modes; every worker's slices match the gathered weights
+    (in the direct mode each of the 3 workers receives both ranks' pieces and assembles the tensors)."""
     before = engine_tp3.complete()
-    ranks = start_ranks([engine_tp3.target], "--steps=1", "--modes=gather", "--dtype=bfloat16", "--check=checksums")
+    ranks = start_ranks(
+        [engine_tp3.target], "--steps=1", "--modes=gather,direct", "--dtype=bfloat16", "--check=checksums"
+    )
     assert [r.wait() for r in ranks] == [0, 0], [r.stderr for r in ranks]
-    assert [c["failures"] for c in ranks[0].events if c["event"] == "checked"] == [[]]
+    assert [c["failures"] for c in ranks[0].events if c["event"] == "checked"] == [[], []]
     assert engine_tp3.complete()[1] != before[1]
     originals = dict(safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")))
     with TrainerClient([engine_tp3.target], group_timeout_s=120) as c:
