@@ -52,11 +52,12 @@ def test_demo_fsdp_two_ranks_train_and_sync_into_two_engines() -> None:
     )
     out = r.stdout
     assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
-    assert "all checks passed: 2 FSDP2 ranks, 2 steps, modes gather, 2 engines, bit-exact" in out
-    for step in (1, 2):  # both ranks return the sync's result; rank 0 checked both engines
-        for rank in (0, 1):
-            assert re.search(rf"rank {rank}: step-{step}-gather: loss [\d.]+, \d+ buckets, 538\.1 MB", out), out
-        assert f"rank 0: step-{step}-gather: checksums and greedy answers match on every engine" in out
+    assert "all checks passed: 2 FSDP2 ranks, 2 steps, modes gather,direct, 2 engines, bit-exact" in out
+    for step in (1, 2):  # once in each mode: both ranks return the sync's result; rank 0 checked both engines
+        for mode in ("gather", "direct"):
+            for rank in (0, 1):
+                assert re.search(rf"rank {rank}: step-{step}-{mode}: loss [\d.]+, \d+ buckets, 538\.1 MB", out), out
+            assert f"rank 0: step-{step}-{mode}: checksums and greedy answers match on every engine" in out
     losses = [float(x) for x in re.findall(r"rank 0: step-\d-gather: loss ([\d.]+)", out)]
     assert losses[1] < losses[0]  # the ranks really train
     assert out.count("stopped (exit 0)") == 2
