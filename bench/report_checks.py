@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench import report_disk, report_vllm
+from bench import report_disk, report_sharded, report_vllm
 from bench.report_stats import GB, label, med, mib, ratios, secs
 
 LARGE_MODEL_BYTES = GB
@@ -151,6 +151,8 @@ def checks(results: dict[str, Any]) -> list[Check]:
     out += _memory_check(results)
     if results.get("disk"):
         out += [Check(t, m, ok, "disk", results["disk"]["model"]) for t, m, ok in report_disk.checks(results["disk"])]
+    if results.get("sharded"):
+        out += [Check(t, m, ok, "sharded", "smollm2") for t, m, ok in report_sharded.checks(results["sharded"])]
     if results.get("vllm"):
         out += [Check(t, m, ok, "vllm", "smollm2") for t, m, ok in report_vllm.checks(results["vllm"])]
     return out

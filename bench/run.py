@@ -670,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--profile-models", default="smollm2-shapes,1gb", help="models the CPU profile runs on")
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
-    p.add_argument("--cases", default="models,moe,fanout,control,disk,profile,vllm", help="which cases to run")
+    p.add_argument("--cases", default="models,moe,fanout,control,disk,sharded,profile,vllm", help="which cases to run")
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
@@ -722,6 +722,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from bench.disk_case import case_disk
 
                 results["disk"] = case_disk(h, args.disk_model, args.reps)
+            elif case == "sharded":
+                from bench.sharded_case import case_sharded
+
+                results["sharded"] = case_sharded(max(2, args.reps // 2))
             elif case == "vllm":
                 from bench.vllm_case import case_vllm
 

@@ -89,7 +89,7 @@ class ShardedTrainerClient:
         self._sender = senders[0]
         self._group = FollowerGroup(self._client, self._ranks)
         """A follower's membership of the weight-sync group (rank 0's is its client's)."""
-        self._buffers = PackBuffers(None, self._client.device)
+        self._buffers = PackBuffers(client_options.get("keep_buffers"), self._client.device)
         """A follower's pack buffers for its direct sends."""
         self._calls = 0
 
