@@ -43,8 +43,8 @@ DEFAULT_GROUP_NAME = "weight_sync_group"
 """Group name used when the caller leaves it empty."""
 
 
-_PARKED: list[Any] = []
-"""Process groups that were left while a collective was still posted on them.
+_PARKED: list[list[Any]] = []
+"""Process groups (a member's broadcast groups, as one list) that were left while a collective was still posted.
 
 Destroying a gloo process group joins its worker threads, which blocks until a
 posted receive completes or times out; if that happened in whatever thread
@@ -59,15 +59,15 @@ _PRUNE_MIN = 64
 """Completed works are dropped from a group's pending list once it holds this many (or twice the last survivors)."""
 
 
-def _park(pg: Any, drain: Callable[[], list[dist.Work]]) -> None:
-    """Keep ``pg`` alive until the works ``drain`` returns (once no post is in progress) have ended."""
-    _PARKED.append(pg)
+def _park(pgs: list[Any], drain: Callable[[], list[dist.Work]]) -> None:
+    """Keep ``pgs`` alive until the works ``drain`` returns (once no post is in progress) have ended."""
+    _PARKED.append(pgs)
 
     def reap() -> None:
         for work in drain():
             with contextlib.suppress(Exception):
                 work.get_future().wait()
-        _PARKED.remove(pg)  # the destructor runs here, with nothing pending
+        _PARKED.remove(pgs)  # the destructors run here, with nothing pending
 
     threading.Thread(target=reap, name="wsync-group-reaper", daemon=True).start()
 

@@ -161,7 +161,7 @@ class ShardedSender:
             Exception: as for :meth:`Sender.send`.
         """
         if self.mode == "gather":
-            job = Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=self.rank)
+            job = Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=self.rank, materialises=True)
             return job.flattened(self._buffers.for_update()) if layout is Layout.FLATTENED else job.individual()
         stop = _Either(cancel)
         self._ranks.lead(Command.SEND)

@@ -29,7 +29,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from wsync_grpc.core.layout import Bucket, Piece
@@ -41,8 +42,31 @@ __all__ = ["DirectSource", "LockstepSource", "ShardedTensors", "full", "local"]
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """``t`` whole: a ``DTensor``'s ``full_tensor()`` (collective over its mesh), a plain tensor itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """``t`` whole: a ``DTensor`` gathered (collective over its mesh), a plain tensor itself.
+
+    A ``DTensor`` sharded by rows over a one-dimensional mesh (FSDP2's ``Shard(0)``) is gathered
+    straight into the whole tensor, one broadcast of each rank's rows into their place: the whole
+    tensor is the only memory it takes. ``full_tensor()`` (any other placement) takes about twice
+    the tensor on gloo, whose all-gathers go through a buffer of their own.
+    """
+    if not isinstance(t, DTensor):
+        return t
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or t.ndim == 0:
+        return t.full_tensor()
+    part = t.to_local()
+    rows, size, me = t.shape[0], mesh.size(), mesh.get_local_rank()
+    step = -(-rows // size)  # torch.chunk's split: ceil(rows / size) rows per rank, the last ranks fewer or none
+    starts = [min(r * step, rows) for r in range(size + 1)]
+    if part.shape[0] != starts[me + 1] - starts[me]:
+        return t.full_tensor()
+    whole = torch.empty(t.shape, dtype=part.dtype, device=part.device)
+    whole[starts[me] : starts[me + 1]].copy_(part)
+    group = mesh.get_group()
+    for src in range(size):
+        if starts[src + 1] > starts[src]:
+            dist.broadcast(whole[starts[src] : starts[src + 1]], group=group, group_src=src)
+    return whole
 
 
 def local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

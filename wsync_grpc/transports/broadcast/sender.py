@@ -84,6 +84,10 @@ class Broadcast:
     cancel: threading.Event
     src: int = 0
     """The sending group rank (the trainer's; wsync's trainers join first, from rank 0)."""
+    materialises: bool = False
+    """Whether ``tensors(bucket)`` builds the tensors (a sharded trainer's gather) rather than
+    returning ones held anyway: then at most one bucket's built tensors live at a time, in hand
+    or in flight (a lone one is broadcast from itself), besides the two pack buffers."""
     sent: int = 0
     """Bytes on every engine so far, in bytes."""
 
@@ -105,12 +109,14 @@ class Broadcast:
         :data:`FLAT_WINDOW` broadcasts are in flight, so that the wire never
         waits for this thread between two buckets.
 
-        Returns the time spent packing, in seconds.
+        The buffers are sized once for the largest bucket to pack, so that no buffer is replaced
+        by a larger one during the update. Returns the time spent packing, in seconds.
         """
         group = self.group
         pack_s = 0.0
         window: collections.deque[tuple[torch.distributed.Work, Bucket, int]] = collections.deque()
         packed = 0  # buckets packed so far; bucket p uses slot p % 2
+        largest = max((b.size_bytes for b in self.buckets if b.lone is None), default=0)
 
         def finish() -> None:
             work, b, _slot = window.popleft()
@@ -118,23 +124,34 @@ class Broadcast:
             self.sent += b.size_bytes
             self._report(b)
 
+        def free(slot_index: int) -> None:
+            while any(s == slot_index for _w, _b, s in window):  # the slot is still on the wire
+                finish()
+
         for b in self.buckets:
             t = time.monotonic()
-            by_name = self.tensors(b)
+            if self.materialises:  # the built tensors of a lone bucket in flight go before more are built
+                free(-1)
+                if b.lone is None:
+                    free(packed % 2)
+            by_name: Mapping[str, torch.Tensor] | None = self.tensors(b)
+            assert by_name is not None
             buf = bucket_bytes_view(b, by_name, group.device)
             slot_index = -1
             if buf is None:
                 slot_index = packed % 2
                 packed += 1
-                while any(s == slot_index for _w, _b, s in window):  # the slot is still on the wire
-                    finish()
+                free(slot_index)
                 t = time.monotonic()
                 slot = slots[slot_index]
                 if slot is None or slot.numel() < b.size_bytes or slot.device != group.device:
-                    slot = slots[slot_index] = torch.empty(b.size_bytes, dtype=torch.uint8, device=group.device)
+                    size = max(b.size_bytes, largest)
+                    slot = slots[slot_index] = None  # the old one goes before the new one is allocated
+                    slot = slots[slot_index] = torch.empty(size, dtype=torch.uint8, device=group.device)
                 buf = slot[: b.size_bytes]
                 # Padding zeroed: a reused or fresh buffer never puts stale trainer memory on the wire.
                 pack_bucket(b, by_name, buf, zero_padding=True)
+            by_name = None  # packed (or viewed by buf): the tensors need not live on
             pack_s += time.monotonic() - t
             while len(window) >= FLAT_WINDOW:
                 finish()
