@@ -6,6 +6,10 @@ import statistics
 from typing import Any
 
 WAYS = ("ceiling", "gather", "direct", "gather_all")
+
+BOOKKEEPING = 2 << 20
+"""Slack on the memory bounds for the call's own bookkeeping (its plan, its messages, the exchanged
+piece lists), in bytes: the figures are a whole process's resident memory."""
 LABELS = {
     "ceiling": "ceiling: raw gloo broadcast of the same bytes, rank 0 to the others (no engine)",
     "gather": '`sync(mode="gather")`',
@@ -41,11 +45,13 @@ def checks(d: dict[str, Any]) -> list[tuple[str, str, bool]]:
     out = []
     for ranks in (1, 2):
         direct, gather, everything = (peak(d, w, ranks) for w in ("direct", "gather", "gather_all"))
+        slack = BOOKKEEPING
         out += [
-            (f"direct, {ranks} rank(s): peak extra memory per rank <= 2 buckets",
-             f"{direct / 1e6:.0f} MB (2 buckets: {2 * bucket / 1e6:.0f} MB)", direct <= 2 * bucket),
-            (f"gather, {ranks} rank(s): peak extra memory per rank <= 2 buckets + the largest tensor",
-             f"{gather / 1e6:.0f} MB (bound {(2 * bucket + largest) / 1e6:.0f} MB)", gather <= 2 * bucket + largest),
+            (f"direct, {ranks} rank(s): peak extra memory per rank <= 2 buckets (+2 MiB bookkeeping)",
+             f"{direct / 1e6:.1f} MB (2 buckets: {2 * bucket / 1e6:.1f} MB)", direct <= 2 * bucket + slack),
+            (f"gather, {ranks} rank(s): peak extra memory per rank <= 2 buckets + the largest tensor (+2 MiB)",
+             f"{gather / 1e6:.1f} MB (bound {(2 * bucket + largest) / 1e6:.1f} MB)",
+             gather <= 2 * bucket + largest + slack),
         ]  # fmt: skip
         if ranks > 1:  # one rank holds every tensor whole: there is nothing to gather
             out.append(
@@ -71,8 +77,9 @@ def section(d: dict[str, Any]) -> str:
         f"reference engine (staged) in buckets of {d['bucket_bytes'] / 2**20:.0f} MiB, each way back to back in "
         f"every repetition (measured {d['date']}, `--cases sharded`). Time is rank 0's wall time of the call; "
         "peak extra memory is the rank's peak resident memory above what it held before the call (the client "
-        "keeps no pack buffers between calls here); bytes sent are from the plan. Median (min-max) over the "
-        "repetitions:",
+        "keeps no pack buffers between calls here, so each call pays for its two); bytes sent are from the plan. "
+        "The memory targets allow 2 MiB for the call's own bookkeeping (plan, messages, exchanged piece lists). "
+        "Median (min-max) over the repetitions:",
         "",
         "| ranks | way | seconds | peak extra memory per rank (MB) | bytes sent per rank (MB) |",
         "|---|---|---|---|---|",

@@ -160,6 +160,11 @@ class WeightSyncGroup:
                 self._idle.notify_all()
         return work
 
+    def forget_completed(self) -> None:
+        """Drop the completed broadcasts this member still keeps (and the tensors they hold)."""
+        with self._lock:
+            self._pending = [w for w in self._pending if not w.is_completed()]
+
     def _drain(self) -> list[dist.Work]:
         """Once no broadcast is being posted, the works posted so far (forgotten here): for the reaper."""
         with self._idle:
@@ -168,8 +173,18 @@ class WeightSyncGroup:
         return pending
 
     def _record(self, work: dist.Work) -> None:
-        """Add ``work`` to the pending list. Lock held."""
-        self._pending.append(work)
+        """Add ``work`` to the pending list, dropping the completed ones at its head. Lock held.
+
+        A work holds its tensor until it is dropped, so completed ones go at once: a sender's
+        bucket (or a sharded trainer's gathered tensor) must not outlive its broadcast.
+        """
+        pending = self._pending
+        head = 0
+        while head < len(pending) and pending[head].is_completed():
+            head += 1
+        if head:
+            del pending[:head]
+        pending.append(work)
         if len(self._pending) >= self._prune_at:
             # Amortized: thousands of per-tensor broadcasts may be posted back to back, and
             # scanning every pending one on each post made posting quadratic.

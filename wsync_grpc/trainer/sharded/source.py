@@ -41,18 +41,31 @@ from wsync_grpc.trainer.source import NamedTensors
 __all__ = ["DirectSource", "LockstepSource", "ShardedTensors", "full", "local"]
 
 
+DIRECT_GATHER_BYTES = 4 << 20
+"""A row-sharded ``DTensor`` of at least this many bytes is gathered rank by rank into the whole
+tensor (see :func:`full`); smaller ones with ``full_tensor()`` (one collective)."""
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: a ``DTensor`` gathered (collective over its mesh), a plain tensor itself.
 
-    A ``DTensor`` sharded by rows over a one-dimensional mesh (FSDP2's ``Shard(0)``) is gathered
-    straight into the whole tensor, one broadcast of each rank's rows into their place: the whole
-    tensor is the only memory it takes. ``full_tensor()`` (any other placement) takes about twice
-    the tensor on gloo, whose all-gathers go through a buffer of their own.
+    A large ``DTensor`` sharded by rows over a one-dimensional mesh (FSDP2's ``Shard(0)``) is
+    gathered straight into the whole tensor, one broadcast of each rank's rows into their place:
+    the whole tensor is the only memory it takes, where ``full_tensor()`` takes about twice the
+    tensor on gloo (its all-gathers go through a buffer of their own). On a mesh of one rank the
+    local tensor is the whole one.
     """
     if not isinstance(t, DTensor):
         return t
     mesh = t.device_mesh
-    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or t.ndim == 0:
+    if mesh.ndim == 1 and mesh.size() == 1:
+        return t.to_local()
+    if (
+        mesh.ndim != 1
+        or tuple(t.placements) != (Shard(0),)
+        or t.ndim == 0
+        or t.numel() * t.dtype.itemsize < DIRECT_GATHER_BYTES
+    ):
         return t.full_tensor()
     part = t.to_local()
     rows, size, me = t.shape[0], mesh.size(), mesh.get_local_rank()

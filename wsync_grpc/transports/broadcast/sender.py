@@ -156,8 +156,10 @@ class Broadcast:
             while len(window) >= FLAT_WINDOW:
                 finish()
             window.append((group.broadcast(buf, self.src), b, slot_index))
+            buf = None  # the posted work holds it until it completes, and no longer
         while window:
             finish()
+        group.forget_completed()
         return pack_s
 
     def individual(self) -> float:
@@ -199,4 +201,5 @@ class Broadcast:
                     finish(INDIVIDUAL_WINDOW // 2)
                 window.append((group.broadcast(wire, self.src), wire, b, pt))
         finish(len(window))
+        group.forget_completed()
         return pack_s
