@@ -397,7 +397,9 @@ def test_streaming_apply_freezes_requests_left_running_by_a_timed_out_drain(serv
     weights_of = {start: "A", "B-streamed": "B"}
     with TrainerClient([fx.target], group_timeout_s=30, rpc_timeout_s=30) as trainer:
         stub = trainer.stubs[fx.target]
-        futures = [gen_stub.Generate.future(long_request(200), timeout=120) for _ in range(2)]
+        # The group first: the sync below must reach Prepare while both requests still decode.
+        trainer.init()
+        futures = [gen_stub.Generate.future(long_request(), timeout=120) for _ in range(2)]
         assert wait_until(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=10).engine.running_requests == 2, 20)
         time.sleep(0.05)
         with pytest.raises(grpc.RpcError) as e:  # the drain cannot finish in 1 ms
