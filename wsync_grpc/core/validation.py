@@ -122,27 +122,22 @@ class _Tiling:
         """Pieces declared so far."""
         return len(self.ranges) + len(self.boxes)
 
-    def overlaps(self, offsets: tuple[int, ...], shape: tuple[int, ...], whole: tuple[int, ...]) -> bool:
-        """Whether a piece at ``offsets`` of ``shape`` overlaps one declared so far."""
+    def add(self, offsets: tuple[int, ...], shape: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+        """Record a piece at ``offsets`` of ``shape`` unless it overlaps one declared so far; whether it did not."""
         run = _run(offsets, shape, whole)
-        for o, s in self.boxes:
-            if _boxes_meet(o, s, offsets, shape):
-                return True
-        if run is not None:
-            i = bisect.bisect_left(self.ranges, run)
-            if i > 0 and self.ranges[i - 1][1] > run[0]:
-                return True
-            return i < len(self.ranges) and self.ranges[i][0] < run[1]
-        return any(_boxes_meet(o, s, offsets, shape) for o, s in (_run_box(r, whole) for r in self.ranges))
-
-    def add(self, offsets: tuple[int, ...], shape: tuple[int, ...], whole: tuple[int, ...]) -> None:
-        """Record a piece (checked by :meth:`overlaps` first)."""
-        run = _run(offsets, shape, whole)
+        if any(_boxes_meet(o, s, offsets, shape) for o, s in self.boxes):
+            return False
         if run is None:
+            if any(_boxes_meet(o, s, offsets, shape) for o, s in (_run_box(r, whole) for r in self.ranges)):
+                return False
             self.boxes.append((offsets, shape))
         else:
-            bisect.insort(self.ranges, run)
+            i = bisect.bisect_left(self.ranges, run)
+            if (i > 0 and self.ranges[i - 1][1] > run[0]) or (i < len(self.ranges) and self.ranges[i][0] < run[1]):
+                return False
+            self.ranges.insert(i, run)
         self.covered += math.prod(shape)
+        return True
 
 
 def _run(offsets: tuple[int, ...], shape: tuple[int, ...], whole: tuple[int, ...]) -> tuple[int, int] | None:
@@ -479,7 +474,7 @@ class UpdateValidator:
             raise InvalidArgument(
                 "INVALID_SHARD", f"tensor {_show(name)} is sent in more than {MAX_PIECES} pieces", tensor=name
             )
-        if tiling.overlaps(offsets, shape, whole):
+        if not tiling.add(offsets, shape, whole):
             raise InvalidArgument(
                 "OVERLAPPING_PIECES",
                 f"a piece of tensor {_show(name)} at offsets {list(offsets)} of shape {list(shape)} overlaps "
@@ -487,7 +482,6 @@ class UpdateValidator:
                 bucket=idx,
                 tensor=name,
             )
-        tiling.add(offsets, shape, whole)
         return shape, Piece(whole, offsets)
 
     def _offset(self, t: TensorSpecFields, b: BucketSpecFields, esize: int, nbytes: int) -> int:

@@ -113,10 +113,9 @@ class BroadcastSender:
         cancel: threading.Event,
     ) -> float:
         """See :meth:`Sender.send`: a broadcast from rank 0 per bucket (flattened) or per tensor (individual)."""
-        job = Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=SENDING_RANK)
-        if layout is Layout.FLATTENED:
-            return job.flattened(self._buffers.for_update())
-        return job.individual()
+        return Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=SENDING_RANK).run(
+            layout, self._buffers
+        )
 
     def release(self) -> None:
         """See :meth:`Sender.release`."""

@@ -94,13 +94,21 @@ class NamedTensors:
             self._metadata = [meta for meta, _t in unique]
         return self._metadata
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor named ``name``, as given (the pairs are read first if they were not yet).
+
+        Raises:
+            KeyError: no such name.
+        """
+        if self._by_name is None:
+            self.metadata()
+        assert self._by_name is not None
+        return self._by_name[name]
+
     def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
         """See :meth:`WeightSource.bucket_tensors`: the tensors themselves (nothing to materialise).
 
         Raises:
             KeyError: a slot the source does not hold.
         """
-        if self._by_name is None:
-            self.metadata()
-        assert self._by_name is not None
-        return {s.name: self._by_name[s.name] for s in bucket.tensors}
+        return {s.name: self.tensor(s.name) for s in bucket.tensors}

@@ -77,10 +77,7 @@ def send_own(
         Exception: the group's (a timeout, a peer gone) or :class:`~wsync_grpc.core.errors.Cancelled`.
     """
     own = [b for b in buckets if b.src == group.rank]
-    job = Broadcast(group, own, source.bucket_tensors, on_sent, cancel, src=group.rank)
-    if layout is Layout.FLATTENED:
-        return job.flattened(buffers.for_update())
-    return job.individual()
+    return Broadcast(group, own, source.bucket_tensors, on_sent, cancel, src=group.rank).run(layout, buffers)
 
 
 class _SentRound:
@@ -162,7 +159,7 @@ class ShardedSender:
         """
         if self.mode == "gather":
             job = Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=self.rank, materialises=True)
-            return job.flattened(self._buffers.for_update()) if layout is Layout.FLATTENED else job.individual()
+            return job.run(layout, self._buffers)
         stop = _Either(cancel)
         self._ranks.lead(Command.SEND)
         sent = self._sent = _SentRound(self._ranks, stop)

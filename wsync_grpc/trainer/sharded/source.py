@@ -128,20 +128,6 @@ class ShardedTensors(NamedTensors):
         """
         return {name: full(t) for name, t in super().bucket_tensors(bucket).items()}
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The tensor (or ``DTensor``) named ``name``, as given.
-
-        Raises:
-            KeyError: no such name.
-        """
-        return self._tensors()[name]
-
-    def _tensors(self) -> Mapping[str, torch.Tensor]:
-        if self._by_name is None:
-            self.metadata()
-        assert self._by_name is not None
-        return self._by_name
-
 
 class DirectSource:
     """A rank's source in the direct mode: every rank's pieces to plan with, this rank's shards to send.
@@ -162,13 +148,14 @@ class DirectSource:
     """
 
     def __init__(self, source: ShardedTensors, ranks: TrainerRanks) -> None:
-        self._source = source
         metas = source.metadata()
+        self._parts: dict[str, torch.Tensor] = {}  # name -> this rank's part, to send from
         mine: list[list[object]] = []
         problem = ""
         try:
             for m in metas:
                 part, offsets = local(source.tensor(m.name))
+                self._parts[m.name] = part
                 if part.numel():
                     mine.append([m.name, list(offsets), list(part.shape)])
         except ValueError as e:
@@ -190,7 +177,7 @@ class DirectSource:
         Raises:
             KeyError: a slot the source does not hold.
         """
-        return {s.name: local(self._source.tensor(s.name))[0] for s in bucket.tensors}
+        return {s.name: self._parts[s.name] for s in bucket.tensors}
 
 
 def _pieces(metas: Sequence[TensorMeta], per_rank: Sequence[Sequence[Sequence[object]]]) -> list[PieceMeta]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wsync_grpc.core.layout import Bucket, TensorSlot
+from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import bucket_bytes_view, pack_bucket, wire_tensor
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.group.waits import wait_all, wait_work
@@ -90,6 +90,15 @@ class Broadcast:
     or in flight (a lone one is broadcast from itself), besides the two pack buffers."""
     sent: int = 0
     """Bytes on every engine so far, in bytes."""
+
+    def run(self, layout: Layout, buffers: PackBuffers) -> float:
+        """Every bucket in ``layout``: :meth:`flattened` (packing into ``buffers``) or :meth:`individual`.
+
+        Returns the time spent packing or preparing tensors, in seconds.
+        """
+        if layout is Layout.FLATTENED:
+            return self.flattened(buffers.for_update())
+        return self.individual()
 
     def _deadline(self) -> float:
         return time.monotonic() + self.group.timeout_s
