@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,3 +61,75 @@ def test_minimal_trainer_example(tmp_path: Path) -> None:
         assert [ln.split(":")[0] for ln in out.splitlines()] == ["step 1", "step 2", "step 3"]
         stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(target))
         assert stub.GetStatus(pb.GetStatusRequest(), timeout=30).weight_version == "step-3"
+
+
+def _readme_block(containing: str) -> list[str]:
+    """The commands of the README's ``bash`` block that contains ``containing``, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```bash\n")[1:]]
+    block = next(b for b in blocks if containing in b)
+    commands: list[str] = []
+    pending = ""
+    for line in block.splitlines():
+        pending += line.rstrip().removesuffix("\\")
+        if line.rstrip().endswith("\\"):
+            pending += " "
+            continue
+        if pending.strip():
+            commands.append(pending.strip())
+        pending = ""
+    return commands
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+def test_the_readmes_vllm_commands_run_as_written(smollm2_dir: Path) -> None:
+    """``wsync serve --engine vllm ... --vllm-args "--enforce-eager"``, the ``curl`` and ``wsync status``, by a shell.
+
+    The ``pip`` lines are the environment this suite already runs in; every
+    other line runs exactly as the README prints it.
+    """
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    commands = _readme_block("wsync serve --engine vllm")
+    if smollm2_dir != Path.home() / ".cache" / "wsync" / "smollm2-135m-instruct":
+        pytest.skip("the model is not where the README's command reads it (WSYNC_CACHE_DIR is set)")
+    if _port_in_use(50051) or _port_in_use(8000):
+        pytest.skip("the README's ports 50051/8000 are taken on this host")
+    serve, curl, status = (next(c for c in commands if word in c) for word in ("wsync serve", "curl ", "wsync status"))
+    assert all(c.startswith("pip ") for c in commands if c not in (serve, curl, status)), commands
+    env = {**ENV, "PATH": f"{Path(sys.executable).parent}:{ENV.get('PATH', os.defpath)}"}
+    proc = subprocess.Popen(
+        ["bash", "-c", serve],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode()[-3000:]
+            r = subprocess.run(["bash", "-c", status], env=env, capture_output=True, text=True, timeout=60)
+            if r.returncode == 0 and _port_in_use(8000):
+                break
+            assert time.monotonic() < deadline, r.stdout + r.stderr
+            time.sleep(2)
+        st = json.loads(r.stdout)
+        assert st["state"] == "LIFECYCLE_STATE_UNINITIALIZED" and not st["dirty"], st
+        out = subprocess.run(["bash", "-c", curl], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        answer = json.loads(out.stdout)
+        assert answer["model"] == str(smollm2_dir) and answer["choices"][0]["text"].strip(), answer
+        assert answer["usage"]["completion_tokens"] == 8
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert shlex.split(serve)[-2:] == ["--vllm-args", "--enforce-eager"]

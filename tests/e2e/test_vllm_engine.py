@@ -180,6 +180,44 @@ def test_a_disk_update_reads_a_saved_checkpoint_in_every_worker(
     assert engine.complete() == before
 
 
+@pytest.mark.parametrize("transport", ["broadcast", "disk"])
+def test_a_streaming_restore_across_a_frozen_request_serves_what_its_checksums_say(
+    engine: Vllm, originals: dict[str, torch.Tensor], smollm2_tokenizer: Any, transport: str
+) -> None:
+    """Staged sync of new weights, a request running, streaming sync of the originals back with a flush.
+
+    After it the greedy answer and its log probabilities are those of the
+    originals, and the checksums (which read the LM head through its own
+    kernel) equal the originals'. The LM head tied to the embeddings loads
+    nothing itself in a streaming reload; it must be processed again, or it
+    keeps serving the staged weights' logits.
+    """
+    assert engine.checkpoints is not None
+    ids = list(smollm2_tokenizer(PROMPT)["input_ids"])
+    new = perturbed(originals, seed=11)
+    with TrainerClient([engine.target], group_timeout_s=60, rpc_timeout_s=120) as c:
+        c.sync(originals.items(), "frozen-0", flush_cache=True)
+        before = engine.complete(max_tokens=24)
+        c.sync(new.items(), "frozen-1", apply_mode="staged", flush_cache=True)
+        assert_serves(c, engine.target, new, "frozen-1")
+        staged = engine.complete(max_tokens=24)
+        assert staged[1] != before[1]
+        stream = GenerateStream(engine.http, engine.model, ids, 200)
+        stream.start()
+        stream.wait_tokens(5)
+        if transport == "disk":
+            c.save_and_sync(
+                originals.items(), engine.checkpoints / "frozen-2", "frozen-2", apply_mode="streaming", flush_cache=True
+            )
+        else:
+            c.sync(originals.items(), "frozen-2", apply_mode="streaming", flush_cache=True)
+        stream.join(300)
+        assert not stream.is_alive() and len(stream.arrivals) >= 5
+        assert [v["version"] for v in stream.versions] == ["frozen-1", "frozen-2"], stream.versions
+        assert_serves(c, engine.target, originals, "frozen-2")
+        assert engine.complete(max_tokens=24) == before
+
+
 def test_individual_layout(engine: Vllm, originals: dict[str, torch.Tensor]) -> None:
     new = perturbed(originals, seed=2)
     with TrainerClient([engine.target], group_timeout_s=60) as c:

@@ -1739,7 +1739,9 @@ class GetWeightChecksumsRequest(_message.Message):
     @_builtins.property
     def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """names are the tensors to digest. Empty means every tensor an update may
-        carry (tied aliases reported once, under the canonical name).
+        carry (tied aliases reported once, under the canonical name; the digest
+        then covers every copy the engine serves, and copies that differ give a
+        digest that no tensor's bytes produce).
         """
 
     def __init__(

@@ -161,6 +161,12 @@ class VllmEngine:
     def weight_checksums(self, names: Sequence[str]) -> list[tuple[str, torch.dtype, tuple[int, ...], str]]:
         """SHA-256 of each served tensor in checkpoint coordinates, every worker read between two steps.
 
+        A tied tensor (the embeddings, also served by the LM head's own
+        kernel on CPU) is read wherever it is served: the digest is of the
+        bytes every copy holds, or, where the copies differ, the SHA-256 of
+        their digests joined by commas in name order, which no tensor's
+        bytes produce (so a stale copy never passes for the update).
+
         Raises:
             KeyError: unknown name.
         """
@@ -168,19 +174,27 @@ class VllmEngine:
         for n, c in zip(names, canonical, strict=True):
             if c not in self._specs:
                 raise KeyError(n)
-        per_worker = self._rpc("wsync_served", sorted(set(canonical)))
+        copies = {c: sorted([c, *(a for a, t in self._aliases.items() if t == c)]) for c in set(canonical)}
+        per_worker = self._rpc("wsync_served", sorted({x for c in copies.values() for x in c}))
+        served = {e["name"] for w in per_worker for e in w}
         out = []
         for n, c in zip(names, canonical, strict=True):
-            entries = [e for w in per_worker for e in w if e["name"] == c]
-            if not entries:
+            if c not in served:
                 raise KeyError(n)
-            whole = next((e for e in entries if e.get("shard") is None), None)
-            if whole is not None:
-                out.append((n, parse_dtype(whole["dtype"]), tuple(self._specs[c].shape), str(whole["sha256"])))
-                continue
-            t = self._gather(c, per_worker)
-            out.append((n, t.dtype, tuple(t.shape), hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()))
+            digests = [self._digest(x, per_worker) for x in copies[c] if x in served]
+            dtype, shape = digests[0][0], tuple(self._specs[c].shape)
+            shas = [d[1] for d in digests]
+            sha = shas[0] if len(set(shas)) == 1 else hashlib.sha256(",".join(shas).encode()).hexdigest()
+            out.append((n, dtype, shape, sha))
         return out
+
+    def _digest(self, name: str, per_worker: list[list[dict[str, Any]]]) -> tuple[torch.dtype, str]:
+        """``(dtype, SHA-256)`` of served tensor ``name`` from ``per_worker``'s ``wsync_served`` answers."""
+        whole = next((e for w in per_worker for e in w if e["name"] == name and e.get("shard") is None), None)
+        if whole is not None:
+            return parse_dtype(whole["dtype"]), str(whole["sha256"])
+        t = self._gather(name, per_worker)
+        return t.dtype, hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
 
     def _gather(self, name: str, per_worker: list[list[dict[str, Any]]]) -> torch.Tensor:
         """Tensor ``name`` from its slices (or its whole copy) in ``per_worker``'s ``wsync_served`` answers."""
@@ -248,8 +262,18 @@ class VllmEngine:
         return self._mode
 
     def flush_cache(self) -> None:
-        """``reset_prefix_cache``: drop every KV block computed with the old weights."""
-        self._call(self.client.reset_prefix_cache())
+        """``reset_prefix_cache(reset_running_requests=True)``: drop every KV block computed with the old weights.
+
+        Running requests (frozen ones too) are preempted and recompute their
+        whole context with the new weights at their next step, as vLLM's own
+        ``pause_generation(clear_cache=True)`` does; without that the reset
+        refuses while any request holds a block.
+
+        Raises:
+            RuntimeError: vLLM could not reset the cache (e.g. a request waits for a remote KV transfer).
+        """
+        if not self._call(self.client.reset_prefix_cache(reset_running_requests=True)):
+            raise RuntimeError("vLLM did not reset its prefix cache")
 
     def request_counts(self) -> tuple[int, int]:
         """``(unfinished requests, 0)``: vLLM's front does not tell running from waiting."""

@@ -3,15 +3,16 @@
 vLLM serves a model in its own layout: ``q_proj``/``k_proj``/``v_proj``
 fused into one ``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``,
 every tensor-parallel rank holding a slice, and, on the CPU backend, every
-linear layer's weight prepacked into a oneDNN handle after loading (the
-layer's ``weight`` parameter is then empty, so vLLM's own
-``compute_weight_checksums`` hashes nothing for them). This module undoes
-all three for one worker: it reads each served weight back (a prepacked one
-by multiplying the identity matrix through the layer's own kernel, which
-returns ``W^T`` exactly: every output element is one product by 1.0 plus
-products by 0.0), splits fused layers along the sizes the layer declares,
-and reports which slice of the checkpoint tensor this rank holds. The front
-process concatenates the slices of all ranks.
+linear layer's weight (and the LM head's) prepacked into a oneDNN handle
+after loading (a linear's ``weight`` parameter is then empty, so vLLM's own
+``compute_weight_checksums`` hashes nothing for them; the LM head keeps a
+``weight`` that its kernel no longer reads). This module undoes all three
+for one worker: it reads each served weight back (one with a kernel by
+multiplying the identity matrix through it, which returns ``W^T`` exactly:
+every output element is one product by 1.0 plus products by 0.0), splits
+fused layers along the sizes the layer declares, and reports which slice of
+the checkpoint tensor this rank holds. The front process concatenates the
+slices of all ranks.
 
 Runs inside a worker process, between two inference steps (the probe uses
 the layer's kernel, which is not thread-safe against a running step).
@@ -54,9 +55,15 @@ class ServedTensor:
 
 
 def _weight(module: Any) -> torch.Tensor:
-    """A linear layer's served weight ``[out_local, in_local]``, probing a prepacked one through its kernel."""
+    """A linear layer's served weight ``[out_local, in_local]``, probed through its kernel where it has one.
+
+    On CPU a layer multiplies through the kernel its weight processing
+    built (``cpu_linear``), which may hold its own packed copy of the
+    weight even where the ``weight`` parameter is kept (the LM head): what
+    that kernel computes is what is served, so it is what is read.
+    """
     w: torch.Tensor = module.weight
-    if w.numel() > 0 or not callable(getattr(module, "cpu_linear", None)):
+    if not callable(getattr(module, "cpu_linear", None)):
         return w.detach()
     k = int(getattr(module, "input_size_per_partition", 0) or module.embedding_dim)
     rows = []
@@ -103,10 +110,11 @@ def _linear(name: str, module: Any, packed: dict[str, list[str]]) -> Iterator[Se
 
 
 def _embedding(name: str, module: Any) -> ServedTensor:
-    """A vocabulary-parallel embedding or LM head: this rank's rows, padding cut off."""
+    """A vocabulary-parallel embedding (its table) or LM head (its kernel): this rank's rows, padding cut off."""
     idx = module.shard_indices
     rows = int(idx.org_vocab_end_index - idx.org_vocab_start_index)
-    w = _weight(module)[:rows]
+    head = any(c.__name__ == "ParallelLMHead" for c in type(module).__mro__)
+    w = (_weight(module) if head else module.weight.detach())[:rows]
     return ServedTensor(f"{name}.weight", w, _shard(0, int(getattr(module, "tp_rank", 0)), int(module.tp_size)))
 
 

@@ -10,7 +10,9 @@ receiver made by its transport, progress, apply, abandon) and gives it
 (``initialize_layerwise_reload`` -> ``model.load_weights`` with
 checkpoint-format names -> ``finalize_layerwise_reload``, re-running each
 layer's weight processing: fused ``qkv_proj``/``gate_up_proj``, the CPU
-backend's prepacked linears) and prepares a staged update beside the live
+backend's prepacked linears; then the processing of every layer that shares
+a loaded parameter without loading it, see :meth:`VllmModelGlue.end_reload`)
+and prepares a staged update beside the live
 model (:class:`~wsync_grpc.engines.vllm.shadow.ShadowUpdate`).
 
 The engine's front process drives it through the methods of
@@ -31,7 +33,9 @@ from typing import Any
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.messages import bucket_from_msg
@@ -101,6 +105,7 @@ class VllmModelGlue:
         self.model = model
         self.vllm_config = vllm_config
         self.model_config = model_config
+        self._tied = tied_layers(model)
 
     def begin_reload(self) -> None:
         """``initialize_layerwise_reload``: each layer reloads once all of its tensors arrived."""
@@ -113,9 +118,24 @@ class VllmModelGlue:
             self.model.load_weights(iter(tensors))
 
     def end_reload(self) -> None:
-        """``finalize_layerwise_reload``: the layers left process what they received."""
-        with set_current_vllm_config(self.vllm_config):
+        """``finalize_layerwise_reload``, then the processing of tied layers that loaded nothing themselves.
+
+        A layer that shares its parameter with another (the LM head tied to
+        the token embeddings) receives no tensor of its own: the model's
+        ``load_weights`` skips ``lm_head.weight`` and loads the embeddings.
+        vLLM's finalization then puts its parameter back (which now holds
+        the new values) but does not re-run its weight processing, so what
+        processing built from the old values keeps serving (on CPU, the LM
+        head's oneDNN-prepacked copy of the embeddings: every logit from the
+        old weights). Such a layer is processed again here, as at load time.
+        """
+        untouched = [layer for layer in self._tied if _loaded_nothing(layer)]
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
             finalize_layerwise_reload(self.model, self.model_config)
+            for layer in untouched:
+                method = getattr(layer, "quant_method", None)
+                if isinstance(method, QuantizeMethodBase):
+                    method.process_weights_after_loading(layer)
 
     def prepare(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Swap:
         """The processed weights built beside the live model (:class:`ShadowUpdate`); their swap.
@@ -126,6 +146,22 @@ class VllmModelGlue:
         shadow = ShadowUpdate(self.model, self.vllm_config)
         shadow.prepare(list(tensors))
         return shadow.swap
+
+
+def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of ``model`` holding a parameter that another layer holds too (tied embeddings), in module order."""
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for layer in model.modules():
+        for p in layer.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(layer)
+    tied = {id(layer): layer for layers in holders.values() if len(layers) > 1 for layer in layers}
+    return [layer for layer in model.modules() if id(layer) in tied]
+
+
+def _loaded_nothing(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``, in a layerwise reload, is still waiting for its first tensor."""
+    info = get_layerwise_info(layer)
+    return bool(info.can_load()) and int(info.load_numel) == 0
 
 
 class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
