@@ -1,0 +1,217 @@
+"""TRL's ``GRPOTrainer`` training SmolLM2-135M on CPU with rollouts from a real ``wsync serve --engine vllm``.
+
+One engine (vLLM's OpenAI API for TRL's generation, ``wsync.v1`` for the
+weights) and a :class:`~wsync_grpc.trainer.grpo.WsyncGRPOTrainer` in this
+process: 2 optimizer steps over a few prompts, 2 generations each, short
+completions. TRL syncs before each step's generation; after every sync the
+engine serves weight version ``step-N`` (N the trainer's global step), its
+checksums equal the trainer's parameters in the served dtype, and its greedy
+answer is the one the trainer's own model gives with the served weights.
+A sync that fails raises out of ``train()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support import ENV, ROOT
+
+from wsync_grpc.testing import EngineProcess, free_port
+from wsync_grpc.testing_vllm import VLLM_TEST_ARGS, spawn_vllm_engine
+from wsync_grpc.trainer import SyncError, SyncResult, TrainerClient
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+pytest.importorskip("trl", reason="the trl extra is not installed")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SERVED = torch.bfloat16
+PROBE = "The capital of France is"
+PROMPTS = ["Write a word.", "Name a color.", "Say hello.", "Count to three."]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProcess, str]]:
+    tmp = tmp_path_factory.mktemp("trl")
+    http_port = free_port()
+    proc = spawn_vllm_engine(
+        smollm2_dir,
+        port_file=tmp / "port",
+        http_port=http_port,
+        log=tmp / "engine.log",
+        vllm_args=f"{VLLM_TEST_ARGS} --logprobs-mode processed_logprobs",
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
+    try:
+        yield proc, f"http://127.0.0.1:{http_port}"
+    finally:
+        proc.stop(grace_s=30)
+
+
+def _greedy_engine(http: str, model: str, max_tokens: int = 8) -> list[int]:
+    body = {"model": model, "prompt": PROBE, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    req = urllib.request.Request(
+        f"{http}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+def _greedy_trainer(model_dir: Path, params: dict[str, torch.Tensor], tokenizer: Any, max_tokens: int = 8) -> list[int]:
+    """A fresh copy of the model holding the trainer's ``params`` rounded to the served dtype, greedy, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    served = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        own = dict(served.named_parameters())
+        for name, p in params.items():
+            own[name].copy_(p.detach().to(SERVED).float())
+        ids = tokenizer(PROBE, return_tensors="pt")["input_ids"]
+        out = served.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().to(SERVED).contiguous().view(-1).view(torch.uint8).numpy().data).hexdigest()
+
+
+def _trainer(model: Any, tokenizer: Any, http: str, target: str, out: Path, **hooks: Any) -> Any:
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from wsync_grpc.trainer.grpo import WsyncGRPOTrainer
+
+    g = torch.Generator().manual_seed(0)
+
+    def reward(completions: list[str], **_: Any) -> list[float]:
+        """Shorter is better, with a little noise so that every group has an advantage to learn from."""
+        return [-len(c) / 10 + float(torch.rand((), generator=g)) for c in completions]
+
+    config = GRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        max_steps=2,
+        learning_rate=1e-3,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=http,
+        vllm_group_port=free_port(),
+        seed=0,
+    )
+    return WsyncGRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        wsync_targets=[target],
+        wsync_options={"group_timeout_s": 60},
+        **hooks,
+    )
+
+
+def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
+    engine: tuple[EngineProcess, str], smollm2_dir: Path, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    proc, http = engine
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32)
+    seen: list[dict[str, Any]] = []
+    holder: dict[str, Any] = {}
+
+    def check(result: SyncResult) -> None:
+        """After each sync: the engine serves the trainer's parameters as version step-N, and answers as they do."""
+        trainer = holder["trainer"]
+        step = int(trainer.state.global_step)
+        assert result.weight_version == f"step-{step}"
+        params = dict(trainer.model.named_parameters())
+        with TrainerClient([proc.target]) as reader:
+            sums = reader.checksums()[proc.target]
+        assert sums.weight_version == f"step-{step}"
+        wrong = [c.name for c in sums.checksums if c.sha256 != _sha(params[c.name])]
+        assert not wrong and len(sums.checksums) == len(params), wrong[:3]
+        seen.append(
+            {
+                "step": step,
+                "sums": sums.by_name,
+                "engine": _greedy_engine(http, str(smollm2_dir)),
+                "trainer": _greedy_trainer(smollm2_dir, params, smollm2_tokenizer),
+            }
+        )
+
+    trainer = _trainer(model, smollm2_tokenizer, http, proc.target, tmp_path / "out", wsync_on_sync=check)
+    holder["trainer"] = trainer
+    trainer.train()
+    assert [s["step"] for s in seen] == [0, 1]
+    for s in seen:
+        assert s["engine"] == s["trainer"], s
+    assert seen[0]["sums"] != seen[1]["sums"]  # the first optimizer step changed the served weights
+    client = trainer.wsync_client
+    assert client is not None and client.last_result is not None
+    assert client.last_result.engines[proc.target].cache_flushed
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2
+    client.close_communicator()
+
+
+def test_a_failed_sync_raises_out_of_train(
+    engine: tuple[EngineProcess, str], smollm2_dir: Path, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    """A trainer whose parameters do not fit the engine's model: the first sync's refusal stops ``train()``."""
+    from transformers import AutoModelForCausalLM
+
+    proc, http = engine
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32)
+    model.model.norm.weight = torch.nn.Parameter(torch.ones(7))  # a shape the engine does not serve
+    trainer = _trainer(model, smollm2_tokenizer, http, proc.target, tmp_path / "out")
+    with pytest.raises(SyncError) as e:
+        trainer.train()
+    assert e.value.failures[proc.target].reason == "SHAPE_MISMATCH"
+    with TrainerClient([proc.target]) as reader:
+        assert not reader.status()[proc.target].dirty
+    client = trainer.wsync_client
+    assert client is not None
+    client.close_communicator()
+
+
+def test_the_trl_example_trains_and_leaves_the_engine_on_the_final_policy(
+    engine: tuple[EngineProcess, str], tmp_path: Path
+) -> None:
+    """``examples/trl_grpo.py`` as the README runs it, for 2 steps: a sync before each step and one after."""
+    proc, http = engine
+    example = [sys.executable, str(ROOT / "examples" / "trl_grpo.py")]
+    r = subprocess.run(
+        [*example, "--target", proc.target, "--http", http, "--steps", "2", "--output-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("synced")] == [
+        "synced step-0",
+        "synced step-1",
+        "synced step-2",
+    ]
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("step ")] == ["step 1", "step 2"]
+    with TrainerClient([proc.target]) as reader:
+        st = reader.status()[proc.target]
+    assert st.weight_version == "step-2" and not st.dirty
