@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 Swap = Callable[[], None]
 """Puts weights prepared beside the live model into service (between two steps)."""
 
+PREPARE_POLL_S = 0.05
+"""Longest a staged update's preparation sleeps between looks at the receive, in seconds."""
+
 
 class ModelGlue(Protocol):
     """What a worker host needs of the engine's model in one worker process (the engine's glue)."""
@@ -59,16 +62,32 @@ class ModelGlue(Protocol):
         """Finish the reload: the model serves what was loaded (processed as at load time)."""
         ...
 
-    def prepare(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Swap | None:
-        """Staged: build the served form of ``tensors`` beside the live model, off the step loop.
+    def preparation(self) -> Preparation | None:
+        """Staged: start building the served form of an update beside the live model, off the step loop.
 
         Returns:
-            The swap that puts it into service at apply; ``None`` when this engine prepares
-            nothing beside the model (the apply then reloads).
+            The preparation the host feeds each received bucket to; ``None`` when this
+            engine prepares nothing beside the model (the apply then reloads).
 
         Raises:
-            Exception: the preparation failed; the apply then reloads (not the update's failure).
+            Exception: it could not start; the apply then reloads (not the update's failure).
         """
+        ...
+
+
+class Preparation(Protocol):
+    """A staged update's served form, built beside the live model while its buckets arrive (off the step loop)."""
+
+    def add(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Take one received bucket's checkpoint-format ``(name, tensor)`` pairs (read, not kept past the swap)."""
+        ...
+
+    def finish(self) -> None:
+        """Complete what the buckets given to :meth:`add` left to do, once the last one arrived."""
+        ...
+
+    def swap(self) -> None:
+        """Put the prepared weights into service (between two steps)."""
         ...
 
 
@@ -119,6 +138,7 @@ class WorkerHost:
         self._reloading = False
         self._swap: Swap | None = None
         self._preparer: threading.Thread | None = None
+        self._arrived = threading.Event()  # set by the receiver after each bucket and at its end
 
     # --------------------------------------------------------------- group
 
@@ -160,8 +180,8 @@ class WorkerHost:
         """Start receiving ``plan`` in the background; return once the first receive is posted.
 
         Streaming: a reload begins (the front has frozen the engine). Staged base
-        weights: once every bucket arrived they are prepared beside the model
-        (:meth:`ModelGlue.prepare`). A LoRA adapter is kept apart until :meth:`take`.
+        weights: each bucket is prepared beside the model as it arrives
+        (:meth:`ModelGlue.preparation`). A LoRA adapter is kept apart until :meth:`take`.
 
         Raises:
             RuntimeError: the transport needs the group and this worker is not a member, or an update is
@@ -189,7 +209,7 @@ class WorkerHost:
             target,
             self.feed,
             self.cancel,
-            lambda r: None,
+            lambda r: self._arrived.set(),
             self.group if transport.needs_group else None,
             self.pool,
         )
@@ -210,22 +230,43 @@ class WorkerHost:
             self.feed.close()
 
     def _prepare(self) -> None:
-        """Staged: once every bucket arrived, prepare the served form beside the model (its own thread).
+        """Staged: build the served form beside the model as the buckets arrive (its own thread).
 
-        A failure here is not the update's: :meth:`apply` then reloads between two steps.
+        Each received bucket is handed to the engine's :class:`Preparation` as
+        soon as it arrived, so that after the last byte only that bucket's
+        share is left. A failure here is not the update's: :meth:`apply` then
+        reloads between two steps.
         """
         r = self.receiver
         assert r is not None
-        r.done.wait()
-        if r.error is not None or self.cancel.is_set():
-            return
         t0 = time.monotonic()
         try:
-            self._swap = self.glue.prepare([pair for named in r.staged for pair in named])
+            prep = self.glue.preparation()
+            if prep is None:
+                return
+            fed = 0
+            while True:
+                self._arrived.clear()
+                ended = r.done.is_set()  # read first: a bucket appended after it is drained below
+                while fed < len(r.staged):
+                    prep.add(r.staged[fed])
+                    fed += 1
+                if ended or self.cancel.is_set():
+                    break
+                self._arrived.wait(PREPARE_POLL_S)
+            if r.error is not None or self.cancel.is_set():
+                return
+            last = time.monotonic()
+            prep.finish()
         except Exception:
             log.exception("preparing the update beside the model failed; it is applied by a reload")
             return
-        log.debug("update prepared beside the model in %.3f s", time.monotonic() - t0)
+        self._swap = prep.swap
+        log.debug(
+            "update prepared beside the model in %.3f s, %.3f s after the last bucket",
+            time.monotonic() - t0,
+            time.monotonic() - last,
+        )
 
     def progress(self) -> ReceiverProgress:
         """Where this worker's receive stands (all zero with no update in flight).

@@ -60,7 +60,11 @@ def _weight(module: Any) -> torch.Tensor:
     On CPU a layer multiplies through the kernel its weight processing
     built (``cpu_linear``), which may hold its own packed copy of the
     weight even where the ``weight`` parameter is kept (the LM head): what
-    that kernel computes is what is served, so it is what is read.
+    that kernel computes is what is served, so it is what is read. The
+    weight is passed as vLLM's ``apply`` passes it: a prepacked kernel
+    ignores it, the ``torch.nn.functional.linear`` fallback (taken where
+    oneDNN cannot build a matmul for the dtype, e.g. bfloat16 without
+    AVX-512) multiplies by it.
     """
     w: torch.Tensor = module.weight
     if not callable(getattr(module, "cpu_linear", None)):
@@ -72,7 +76,7 @@ def _weight(module: Any) -> torch.Tensor:
             n = min(PROBE_ROWS, k - r0)
             eye = torch.zeros(n, k, dtype=w.dtype, device=w.device)
             eye[torch.arange(n), torch.arange(r0, r0 + n)] = 1
-            rows.append(module.cpu_linear(eye, None, None))
+            rows.append(module.cpu_linear(eye, w, None))
     return torch.cat(rows).t().contiguous()
 
 

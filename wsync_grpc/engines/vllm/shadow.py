@@ -7,17 +7,19 @@ run a step from its start to its end. For a staged update the same work can
 run beside the live model while the engine keeps generating:
 :class:`ShadowUpdate` gives every layer a *shadow*, a shallow copy of the
 layer with fresh parameters shaped as vLLM recorded them at load time; loads
-the received tensors into the shadows through the model's own
-``load_weights`` (every live parameter's ``weight_loader`` is pointed at its
-shadow for the duration), then runs each layer's own
-``quant_method.process_weights_after_loading`` on its shadow. At Complete
+each bucket's received tensors into the shadows as the bucket arrives,
+through the model's own ``load_weights`` (every live parameter's
+``weight_loader`` is pointed at its shadow for the duration), and runs a
+layer's own ``quant_method.process_weights_after_loading`` on its shadow as
+soon as the shadow's parameters are whole (counted as vLLM's layerwise
+reload counts them, with its ``CopyCounter``). At Complete
 :meth:`ShadowUpdate.swap` copies the shadows' parameters into the live ones
 (same addresses) and hands over what processing built (e.g. the CPU
 ``cpu_linear`` kernel): a few milliseconds between two steps instead of a
 whole reload.
 
-Runs in a vLLM worker process; :meth:`ShadowUpdate.prepare` on a thread of
-its own (the received tensors are read, nothing live is written),
+Runs in a vLLM worker process; :meth:`ShadowUpdate.begin`, ``add`` and
+``finish`` on a thread of its own (the received tensors are read, nothing live is written),
 :meth:`ShadowUpdate.swap` on the worker's main thread between two steps.
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,8 +35,9 @@ import torch
 from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+from vllm.model_executor.model_loader.reload.meta import CopyCounter, materialize_meta_tensor
 from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,14 @@ _MODULE_STATE = ("_parameters", "_buffers", "_modules")
 
 
 class ShadowUpdate:
-    """One staged update's processed weights, built beside the live model.
+    """One staged update's processed weights, built beside the live model as its buckets arrive.
+
+    :meth:`begin` gives every layer its shadow; :meth:`add` loads one
+    bucket's tensors into the shadows and processes each layer whose
+    parameters are then whole; :meth:`finish` processes the layers left
+    (those that received nothing, such as an LM head tied to the
+    embeddings, or only part of their padded parameters), so that what is
+    left after the last byte is one bucket's loads and those layers.
 
     Args:
         model: the worker's model (as vLLM loaded it; its load-time metadata recorded).
@@ -55,24 +65,63 @@ class ShadowUpdate:
         self.layers: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         """``(live layer, its shadow)`` for every layer with parameters."""
         self._shadow_of: dict[int, torch.Tensor] = {}  # id(live parameter) -> its shadow (shared when tied)
+        self._loaded: dict[int, int] = {}  # id(shadow parameter) -> checkpoint elements copied into it
+        self._processed: set[int] = set()  # id(shadow layer)
 
     def prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint-format ``(name, tensor)`` pairs into shadows and process them (off the step loop).
+        """:meth:`begin`, :meth:`add` of every ``(name, tensor)`` pair and :meth:`finish`, in one call.
+
+        Raises:
+            Exception: whatever vLLM's loaders or processing raise; the live model is untouched.
+        """
+        self.begin()
+        self.add(tensors)
+        self.finish()
+
+    def begin(self) -> None:
+        """Give every layer with parameters its shadow (memory for a whole copy of the model's parameters)."""
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for layer in self.model.modules():
+                if any(True for _ in layer.parameters(recurse=False)):
+                    self.layers.append((layer, self._shadow(layer)))
+
+    def add(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint-format ``(name, tensor)`` pairs into the shadows; process the layers now whole.
+
+        Runs off the step loop (the received tensors are read, nothing live is written).
 
         Raises:
             Exception: whatever vLLM's loaders or processing raise; the live model is untouched.
         """
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            for layer in self.model.modules():
-                if any(True for _ in layer.parameters(recurse=False)):
-                    self.layers.append((layer, self._shadow(layer)))
             with self._loads_into_shadows():
                 load: Any = self.model.load_weights
                 load(iter(tensors))
             for _, shadow in self.layers:
-                method = getattr(shadow, "quant_method", None)
-                if isinstance(method, QuantizeMethodBase):
-                    method.process_weights_after_loading(shadow)
+                if id(shadow) not in self._processed and self._whole(shadow):
+                    self._process(shadow)
+
+    def finish(self) -> None:
+        """Process every layer not processed yet; the shadows are then ready for :meth:`swap`.
+
+        Raises:
+            Exception: whatever vLLM's processing raises; the live model is untouched.
+        """
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for _, shadow in self.layers:
+                if id(shadow) not in self._processed:
+                    self._process(shadow)
+
+    def _whole(self, shadow: torch.nn.Module) -> bool:
+        """Whether every checkpoint element of ``shadow``'s parameters was copied in (padding excluded)."""
+        params = list(shadow.parameters(recurse=False))
+        return all(self._loaded.get(id(p), 0) >= get_tensor_load_numel(p) for p in params)
+
+    def _process(self, shadow: torch.nn.Module) -> None:
+        self._processed.add(id(shadow))
+        method = getattr(shadow, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase):
+            method.process_weights_after_loading(shadow)
 
     def _shadow(self, layer: torch.nn.Module) -> torch.nn.Module:
         """A shallow copy of ``layer`` whose parameters are new tensors shaped as vLLM first loaded them."""
@@ -106,7 +155,7 @@ class ShadowUpdate:
                 shadow = self._shadow_of[id(live)]
                 own = _unwrapped(getattr(live, "weight_loader", None))
                 saved[id(live)] = (live, own)
-                live.weight_loader = _redirect(own or getattr(shadow, "weight_loader", None), shadow)  # type: ignore[attr-defined]
+                live.weight_loader = self._redirect(own or getattr(shadow, "weight_loader", None), shadow)  # type: ignore[attr-defined]
         try:
             yield
         finally:
@@ -115,6 +164,21 @@ class ShadowUpdate:
                     param.__dict__.pop("weight_loader", None)
                 else:
                     param.weight_loader = old  # type: ignore[attr-defined]
+
+    def _redirect(self, loader: Any, shadow: torch.Tensor) -> Any:
+        """``loader`` called with ``shadow`` in place of the parameter it is given, counting what it copies."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        target = loader or default_weight_loader
+        cap = get_tensor_load_numel(shadow)
+
+        def load(param: torch.nn.Parameter, *args: Any, **kwargs: Any) -> Any:
+            with CopyCounter() as counter:
+                out = target(shadow, *args, **kwargs)
+            self._loaded[id(shadow)] = min(cap, self._loaded.get(id(shadow), 0) + int(counter.copied_numel))
+            return out
+
+        return load
 
     def swap(self) -> None:
         """Serve the shadows: copy their parameters into the live ones and hand over what processing built.
@@ -134,7 +198,7 @@ class ShadowUpdate:
                 for key, value in shadow.__dict__.items():
                     if key not in _MODULE_STATE and layer.__dict__.get(key) is not value:
                         layer.__dict__[key] = value
-        self.layers, self._shadow_of = [], {}
+        self.layers, self._shadow_of, self._loaded, self._processed = [], {}, {}, set()
 
 
 def _unwrapped(loader: Any) -> Any:
@@ -142,15 +206,3 @@ def _unwrapped(loader: Any) -> Any:
     while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
         loader = loader.__wrapped__
     return loader
-
-
-def _redirect(loader: Any, shadow: torch.Tensor) -> Any:
-    """``loader`` called with ``shadow`` in place of the parameter it is given."""
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    target = loader or default_weight_loader
-
-    def load(param: torch.nn.Parameter, *args: Any, **kwargs: Any) -> Any:
-        return target(shadow, *args, **kwargs)
-
-    return load

@@ -41,7 +41,7 @@ from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.messages import bucket_from_msg
 from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
-from wsync_grpc.engines.host import Swap, WorkerHost
+from wsync_grpc.engines.host import WorkerHost
 from wsync_grpc.engines.vllm.shadow import ShadowUpdate
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.group.waits import wait_work
@@ -137,15 +137,18 @@ class VllmModelGlue:
                 if isinstance(method, QuantizeMethodBase):
                     method.process_weights_after_loading(layer)
 
-    def prepare(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Swap:
-        """The processed weights built beside the live model (:class:`ShadowUpdate`); their swap.
+    def preparation(self) -> ShadowUpdate:
+        """A staged update's processed weights, to be built beside the live model as buckets arrive.
+
+        The shadows are made here (:meth:`ShadowUpdate.begin`); the host feeds
+        each received bucket to ``add`` and calls ``finish`` after the last one.
 
         Raises:
-            Exception: from vLLM's loaders (the host then reloads at apply).
+            Exception: from vLLM's metadata (the host then reloads at apply).
         """
         shadow = ShadowUpdate(self.model, self.vllm_config)
-        shadow.prepare(list(tensors))
-        return shadow.swap
+        shadow.begin()
+        return shadow
 
 
 def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
