@@ -215,3 +215,32 @@ def test_the_trl_example_trains_and_leaves_the_engine_on_the_final_policy(
     with TrainerClient([proc.target]) as reader:
         st = reader.status()[proc.target]
     assert st.weight_version == "step-2" and not st.dirty
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_two_training_processes_take_part_and_the_main_one_syncs(
+    engine: tuple[EngineProcess, str], tmp_path: Path, fsdp: bool
+) -> None:
+    """``torch.distributed.run`` with 2 CPU processes (gloo): every process iterates the parameters at each
+    sync (FSDP2's gathers are collectives), the main one sends; the engine serves what it sent, as ``step-N``."""
+    proc, http = engine
+    env = {**ENV, "WSYNC_TEST_GROUP_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        + [str(ROOT / "tests" / "grpo_rank.py"), proc.target, http, str(tmp_path)]
+        + (["--fsdp"] if fsdp else []),
+        capture_output=True,
+        text=True,
+        timeout=800,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    main = [x for x in ranks if x["main"]]
+    assert len(main) == 1 and main[0]["rank"] == 0
+    assert [s["version"] for s in main[0]["synced"]] == ["step-0", "step-1", "step-2"]
+    assert all(len(x["losses"]) == 2 for x in ranks)
+    with TrainerClient([proc.target]) as reader:
+        sums = reader.checksums()[proc.target]
+    assert sums.weight_version == "step-2"
+    assert sums.by_name == main[0]["synced"][-1]["sums"]

@@ -73,6 +73,8 @@ class WsyncVLLMClient(VLLMClient):
         trainer_client: the :class:`~wsync_grpc.trainer.client.TrainerClient`, once
             :meth:`init_communicator` ran.
         last_result: the last sync's result.
+        last_sent: while ``on_sync`` runs, the ``(name, tensor)`` pairs that sync sent (whole
+            tensors, as TRL gathered them); empty otherwise.
 
     Raises:
         ConnectionError: TRL's: the HTTP server did not answer within ``connection_timeout`` seconds.
@@ -102,6 +104,7 @@ class WsyncVLLMClient(VLLMClient):
         self.version_of: Callable[[], str] = lambda: f"sync-{self.syncs}"
         self.trainer_client: TrainerClient | None = None
         self.last_result: SyncResult | None = None
+        self.last_sent: list[tuple[str, torch.Tensor]] = []
 
     def init_communicator(self, device: torch.device | str | int = 0) -> None:
         """Form the weight-sync group with every engine (``Init``), on ``device``'s backend (gloo on CPU).
@@ -145,7 +148,11 @@ class WsyncVLLMClient(VLLMClient):
         self.syncs += 1
         self.last_result = result
         if self.on_sync is not None:
-            self.on_sync(result)
+            self.last_sent = pairs
+            try:
+                self.on_sync(result)
+            finally:
+                self.last_sent = []
 
     def reset_prefix_cache(self) -> None:
         """Nothing to do: every sync flushed the engines' caches as part of the update (``flush_cache``)."""
