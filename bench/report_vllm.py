@@ -73,7 +73,8 @@ def section(v: dict[str, Any]) -> str:
         "a request streams from `/inference/v1/generate`; idle, the same request makes "
         f"{idle} tokens/s. vLLM's own flow is driven as its RL API does: `/pause?mode=keep`, `/start_weight_update`, "
         "`/update_weights` while the trainer broadcasts, `/finish_weight_update`, `/resume`, on the same group and "
-        "buckets (the `wsync` backend implements vLLM's `update_weights` too).",
+        "buckets (the `wsync` backend implements vLLM's `update_weights` too)."
+        + (f" Measured {v['measured']}." if v.get("measured") else ""),
         "",
         "| way | transfer s (Prepare to last byte) | x ceiling | apply s (generation stopped) "
         "| Complete s (last byte to applied) | tokens/s during the sync | longest token gap s |",
@@ -93,9 +94,11 @@ def section(v: dict[str, Any]) -> str:
         "With staged apply the engine keeps generating while the bytes arrive (the receive runs on a thread of "
         "each worker process), then loads and processes the new weights beside the served ones with vLLM's own "
         "loaders and weight processing (on CPU: re-packing each linear weight for oneDNN); Complete waits for that "
-        "and stops generation only for the swap, between two steps (the apply column). On this 2-core host that "
-        "preparation competes with generation and with vLLM's polling loops for the cores, which is what the "
-        "Complete column shows. Streaming apply and vLLM's own flow stop generation from the first byte to the "
-        "last.",
+        "and stops generation only for the swap, between two steps (the apply column). Each bucket is prepared as "
+        "it arrives, so what Complete waits for after the last byte is the preparation still behind the wire: on "
+        "this 2-core host it competes with generation, the receive and vLLM's polling loops for the cores, and "
+        "most of it is writing fresh memory (the shadow copy of the served weights is allocated per sync, and its "
+        "first write page-faults every 4 KiB). Streaming apply and vLLM's own flow stop generation from the first "
+        "byte to the last.",
     ]
     return "\n".join(lines)

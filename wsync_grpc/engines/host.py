@@ -256,16 +256,16 @@ class WorkerHost:
                 self._arrived.wait(PREPARE_POLL_S)
             if r.error is not None or self.cancel.is_set():
                 return
-            last = time.monotonic()
             prep.finish()
         except Exception:
             log.exception("preparing the update beside the model failed; it is applied by a reload")
             return
         self._swap = prep.swap
+        last = r.last_arrival_at
         log.debug(
-            "update prepared beside the model in %.3f s, %.3f s after the last bucket",
+            "update prepared beside the model in %.3f s, %.3f s after the last bucket arrived",
             time.monotonic() - t0,
-            time.monotonic() - last,
+            time.monotonic() - last if last is not None else 0.0,
         )
 
     def progress(self) -> ReceiverProgress:
