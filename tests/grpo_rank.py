@@ -30,35 +30,36 @@ from wsync_grpc.trainer.grpo import WsyncGRPOTrainer
 SERVED = torch.bfloat16
 
 
-def _sha(t: torch.Tensor) -> str:
+def served_sha(t: torch.Tensor) -> str:
+    """Hex SHA-256 of ``t``'s bytes in the served dtype (what the engine's checksums read)."""
     return hashlib.sha256(t.detach().to(SERVED).contiguous().view(-1).view(torch.uint8).numpy().data).hexdigest()
 
 
-def main() -> None:
-    target, http, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    fsdp = "--fsdp" in sys.argv[4:]
-    rank = int(os.environ["RANK"])
-    model_dir = ensure_smollm2_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    g = torch.Generator().manual_seed(rank)
+def tiny_trainer(
+    model: Any,
+    tokenizer: Any,
+    http: str,
+    target: str,
+    out: Path,
+    group_port: int,
+    seed: int,
+    prompts: list[str],
+    extra_args: dict[str, Any] | None = None,
+    **hooks: Any,
+) -> WsyncGRPOTrainer:
+    """A 2-step GRPO run on CPU: 2 prompts per device batch, 2 generations each, 8-token completions.
+
+    Rollouts from the vLLM server at ``http``, weights synced into ``target``;
+    the reward prefers short completions, with noise from ``seed`` so that
+    every group has an advantage to learn from.
+    """
+    g = torch.Generator().manual_seed(seed)
 
     def reward(completions: list[str], **_: Any) -> list[float]:
         return [-len(c) / 10 + float(torch.rand((), generator=g)) for c in completions]
 
-    synced: list[dict[str, Any]] = []
-    holder: dict[str, Any] = {}
-
-    def on_sync(result: SyncResult) -> None:
-        trainer = holder["trainer"]
-        sent = trainer.wsync_client.last_sent
-        synced.append({"version": result.weight_version, "sums": {n: _sha(t) for n, t in sent}})
-
-    extra: dict[str, Any] = {}
-    if fsdp:
-        extra = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True}}
     config = GRPOConfig(
-        output_dir=str(out / "run"),
+        output_dir=str(out),
         use_cpu=True,
         bf16=False,
         max_steps=2,
@@ -72,19 +73,43 @@ def main() -> None:
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=http,
-        vllm_group_port=int(os.environ["WSYNC_TEST_GROUP_PORT"]),
+        vllm_group_port=group_port,
         seed=0,
-        **extra,
+        **(extra_args or {}),
     )
-    trainer = WsyncGRPOTrainer(
+    return WsyncGRPOTrainer(
         model=model,
         reward_funcs=reward,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": ["Write a word.", "Name a color.", "Say hello.", "Count."]}),
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
         wsync_targets=[target],
         wsync_options={"group_timeout_s": 60},
-        wsync_on_sync=on_sync,
+        **hooks,
+    )
+
+
+def main() -> None:
+    target, http, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    fsdp = "--fsdp" in sys.argv[4:]
+    rank = int(os.environ["RANK"])
+    model_dir = ensure_smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    synced: list[dict[str, Any]] = []
+    holder: dict[str, Any] = {}
+
+    def on_sync(result: SyncResult) -> None:
+        sent = holder["trainer"].wsync_client.last_sent
+        synced.append({"version": result.weight_version, "sums": {n: served_sha(t) for n, t in sent}})
+
+    extra: dict[str, Any] = {}
+    if fsdp:
+        extra = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True}}
+    prompts = ["Write a word.", "Name a color.", "Say hello.", "Count."]
+    port = int(os.environ["WSYNC_TEST_GROUP_PORT"])
+    trainer = tiny_trainer(
+        model, tokenizer, http, target, out / "run", port, rank, prompts, extra, wsync_on_sync=on_sync
     )
     holder["trainer"] = trainer
     trainer.train()

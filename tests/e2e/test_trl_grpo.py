@@ -12,7 +12,6 @@ A sync that fails raises out of ``train()``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -81,49 +80,15 @@ def _greedy_trainer(model_dir: Path, params: dict[str, torch.Tensor], tokenizer:
 
 
 def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().to(SERVED).contiguous().view(-1).view(torch.uint8).numpy().data).hexdigest()
+    from grpo_rank import served_sha
+
+    return served_sha(t)
 
 
 def _trainer(model: Any, tokenizer: Any, http: str, target: str, out: Path, **hooks: Any) -> Any:
-    from datasets import Dataset
-    from trl import GRPOConfig
+    from grpo_rank import tiny_trainer
 
-    from wsync_grpc.trainer.grpo import WsyncGRPOTrainer
-
-    g = torch.Generator().manual_seed(0)
-
-    def reward(completions: list[str], **_: Any) -> list[float]:
-        """Shorter is better, with a little noise so that every group has an advantage to learn from."""
-        return [-len(c) / 10 + float(torch.rand((), generator=g)) for c in completions]
-
-    config = GRPOConfig(
-        output_dir=str(out),
-        use_cpu=True,
-        bf16=False,
-        max_steps=2,
-        learning_rate=1e-3,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=8,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=http,
-        vllm_group_port=free_port(),
-        seed=0,
-    )
-    return WsyncGRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=tokenizer,
-        wsync_targets=[target],
-        wsync_options={"group_timeout_s": 60},
-        **hooks,
-    )
+    return tiny_trainer(model, tokenizer, http, target, out, free_port(), 0, PROMPTS, **hooks)
 
 
 def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
