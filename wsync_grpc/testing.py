@@ -329,20 +329,27 @@ def in_process_server(
         srv.stop(stop_grace_s)
 
 
-def join_as_trainer(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, timeout_s: float = 30) -> WeightSyncGroup:
+def join_as_trainer(
+    stub: weight_sync_pb2_grpc.WeightSyncServiceStub,
+    timeout_s: float = 30,
+    *,
+    owner: str = "",
+    metadata: Sequence[tuple[str, str]] = (),
+) -> WeightSyncGroup:
     """Init the engine behind ``stub`` and join its group as rank 0 (world size 2) from this process.
 
     Returns the trainer's group (CPU, gloo); ``destroy()`` it when done. ``timeout_s`` (seconds)
-    bounds the join and is the Init request's group timeout.
+    bounds the join and is the Init request's group timeout. ``owner`` is the Init's owner name
+    (default: the anonymous owner); ``metadata`` goes with the call (a token).
 
     Raises:
         grpc.RpcError: Init failed.
         GroupTimeout, GroupError: the group did not form (see :func:`~wsync_grpc.group.process_group.join_group`).
     """
     port = free_port()
-    req = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2)
+    req = pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, owner=owner)
     req.timeout.FromSeconds(int(timeout_s))
-    fut = stub.Init.future(req, timeout=timeout_s + 10)
+    fut = stub.Init.future(req, timeout=timeout_s + 10, metadata=tuple(metadata))
     group = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=timeout_s)
     fut.result()
     return group

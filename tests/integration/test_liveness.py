@@ -7,6 +7,14 @@
   other engine's update is cancelled with its weights intact.
 - A trainer process is SIGKILLed at a random point of an engine's read of a 0.25 GB checkpoint (chosen by
   the bytes read): staged, the engine abandons the update within 2 s; streaming, it finishes the read.
+- A trainer process stopped (SIGSTOP) for 3 s mid-broadcast, then continued: a stall below the
+  keepalive's tolerance (20 s by default) is not a death, and the sync completes.
+- The trainer's held Watch ends while it lives on (a dropped connection): the engine keeps the broadcast
+  update while buckets arrive and once the trainer re-attaches a held Watch; with neither, it declares
+  the trainer lost within two periods of ``REATTACH_S``.
+- A frozen trainer or engine (SIGSTOP for good) is dropped by HTTP/2 keepalive, configured here to a
+  ping every second with 2 s to answer (``--keepalive-interval``/``--keepalive-timeout``, and
+  ``TrainerClient(keepalive=...)``), within their sum plus a margin.
 The group timeout is 60 s, so nothing here can pass by waiting for it.
 """
 
@@ -24,15 +32,17 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from support import ENV, ROOT
+from support import ENV, ROOT, join_as_trainer, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.engines import synthetic
+from wsync_grpc.group.waits import wait_work
+from wsync_grpc.service.watch import REATTACH_S
 from wsync_grpc.testing import EngineProcess, spawn_engine
-from wsync_grpc.trainer import EngineStatus, SyncError, SyncProgress, TrainerClient
+from wsync_grpc.trainer import EngineStatus, Keepalive, SyncError, SyncProgress, TrainerClient
 
 GROUP_TIMEOUT_S = 60.0
 BOUND_S = 2.0
@@ -41,6 +51,8 @@ PRESET = "0.25gb"
 TRAINER = r"""
 import sys, time, torch
 from wsync_grpc.engines import synthetic
+from wsync_grpc.group.waits import wait_work
+from wsync_grpc.service.watch import REATTACH_S
 from wsync_grpc.trainer import TrainerClient
 
 target, mode = sys.argv[1], sys.argv[2]
@@ -91,15 +103,21 @@ def served(target: str) -> tuple[EngineStatus, dict[str, str]]:
         return c.status()[target], {x.name: x.sha256 for x in c.checksums()[target].checksums}
 
 
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[EngineProcess]:
-    e = spawn_engine(
-        ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1"],
-        port_file=tmp_path / "engine.port",
-        log=tmp_path / "engine.log",
+def spawn(tmp_path: Path, *args: str, name: str = "engine") -> EngineProcess:
+    """An engine process serving the synthetic model, with ``args`` added to ``wsync serve``'s."""
+    return spawn_engine(
+        ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1", *args],
+        port_file=tmp_path / f"{name}.port",
+        log=tmp_path / f"{name}.log",
         env=ENV,
         cwd=ROOT,
+        name=name,
     )
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[EngineProcess]:
+    e = spawn(tmp_path)
     yield e
     e.stop()
 
@@ -145,17 +163,7 @@ def test_a_killed_trainer_is_noticed_within_two_seconds(engine: EngineProcess, m
 
 def spawn_pair(tmp_path: Path) -> list[EngineProcess]:
     """Two engines serving the same synthetic model: ``survivor`` and ``victim``."""
-    return [
-        spawn_engine(
-            ["--synthetic", PRESET, "--dtype", "bfloat16", "--grace", "1"],
-            port_file=tmp_path / f"{name}.port",
-            log=tmp_path / f"{name}.log",
-            env=ENV,
-            cwd=ROOT,
-            name=name,
-        )
-        for name in ("survivor", "victim")
-    ]
+    return [spawn(tmp_path, name=name) for name in ("survivor", "victim")]
 
 
 @pytest.mark.timeout(300)
@@ -190,13 +198,79 @@ def test_a_killed_engine_is_named_within_two_seconds(tmp_path: Path) -> None:
             e.stop()
 
 
-FROZEN_BOUND_S = 8.0
-"""A frozen peer announces nothing: HTTP/2 keepalive (a ping every 2 s, 2 s to answer) notices it."""
+SLOW_TRAINER = r"""
+import sys, time, torch
+from wsync_grpc.engines import synthetic
+from wsync_grpc.group.waits import wait_work
+from wsync_grpc.service.watch import REATTACH_S
+from wsync_grpc.trainer import TrainerClient
+
+target = sys.argv[1]
+old = synthetic.build("0.25gb", seed=1, dtype=torch.bfloat16)
+new = synthetic.build("0.25gb", seed=2, dtype=torch.bfloat16)
+with TrainerClient([target], group_timeout_s=60, rpc_timeout_s=30, bucket_bytes=8 << 20, solo_bytes=0) as c:
+    c.sync(old.items(), "old")
+    print("synced old", flush=True)
+    def progress(p):
+        print(f"bucket {p.buckets_sent}/{p.bucket_count}", flush=True)
+        time.sleep(0.2)  # a broadcast of several seconds: the stall lands inside it
+    c.sync(new.items(), "new", progress=progress)
+    print("synced new", flush=True)
+    time.sleep(120)
+"""
+
+STALL_S = 3.0
+"""A stall of the trainer's whole process (garbage collection, a loaded host), in seconds: below the tolerance."""
 
 
 @pytest.mark.timeout(300)
-def test_a_frozen_trainer_is_noticed_by_keepalive_long_before_the_group_timeout(engine: EngineProcess) -> None:
+def test_a_trainer_stalled_for_three_seconds_mid_broadcast_completes_its_sync(engine: EngineProcess) -> None:
+    """SIGSTOP for 3 s then SIGCONT: keepalive tolerates 20 s without an answer, so the stall is no death."""
+    new = {n: tensor_sha256(t) for n, t in synthetic.build(PRESET, seed=2, dtype=torch.bfloat16).items()}
+    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(engine.target))
+    cmd = [sys.executable, "-c", SLOW_TRAINER, engine.target]
+    trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        wait_for(trainer, "synced old", 120)
+        wait_for(trainer, "bucket 2/", 60)
+        trainer.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(STALL_S)
+            during = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+        finally:
+            trainer.send_signal(signal.SIGCONT)
+        assert during.state == pb.LIFECYCLE_STATE_RECEIVING, "the stall landed inside the broadcast"
+        assert during.update.buckets_received < during.update.buckets_expected, during.update
+        wait_for(trainer, "synced new", 120)
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    status, sums = served(engine.target)
+    assert status.weight_version == "new" and status.last_error is None, status
+    assert sums == new
+
+
+FAST_KEEPALIVE = Keepalive(interval_s=1.0, timeout_s=2.0)
+"""Keepalive of the frozen-peer tests: a ping every second, 2 s to answer (the defaults take 10 s + 20 s)."""
+
+FROZEN_BOUND_S = 8.0
+"""A frozen peer announces nothing: HTTP/2 keepalive (here a ping every 1 s, 2 s to answer) notices it."""
+
+
+@pytest.fixture
+def fast_keepalive_engine(tmp_path: Path) -> Iterator[EngineProcess]:
+    """An engine whose server pings every second and drops a connection after 2 s without an answer."""
+    e = spawn(tmp_path, "--keepalive-interval", "1", "--keepalive-timeout", "2")
+    yield e
+    e.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_trainer_is_noticed_by_keepalive_long_before_the_group_timeout(
+    fast_keepalive_engine: EngineProcess,
+) -> None:
     """SIGSTOP, not SIGKILL: no FIN or RST reaches the engine, only its keepalive pings go unanswered."""
+    engine = fast_keepalive_engine
     old = {n: tensor_sha256(t) for n, t in synthetic.build(PRESET, seed=1, dtype=torch.bfloat16).items()}
     stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(engine.target))
     cmd = [sys.executable, "-c", TRAINER, engine.target, "staged"]
@@ -236,7 +310,9 @@ def test_a_frozen_engine_is_named_by_keepalive_long_before_the_group_timeout(tmp
                 frozen.append(time.monotonic())
 
         targets = [survivor.target, victim.target]
-        with TrainerClient(targets, group_timeout_s=GROUP_TIMEOUT_S, rpc_timeout_s=30, solo_bytes=0) as client:
+        with TrainerClient(
+            targets, group_timeout_s=GROUP_TIMEOUT_S, rpc_timeout_s=30, solo_bytes=0, keepalive=FAST_KEEPALIVE
+        ) as client:
             tensors = synthetic.build(PRESET, seed=9, dtype=torch.bfloat16)
             with pytest.raises(SyncError) as info:
                 client.sync(tensors.items(), "doomed", bucket_bytes=8 << 20, progress=freeze_after_first)
@@ -334,3 +410,61 @@ def test_a_trainer_killed_while_the_engine_reads_a_checkpoint(tmp_path: Path, mo
         assert status.state is State.UNINITIALIZED
     finally:
         engine.stop()
+
+
+NAMES = ("model.norm.weight", "model.layers.1.input_layernorm.weight")
+
+
+def two_buckets(version: str) -> list[pb.PrepareRequest]:
+    """A Prepare stream of two one-tensor buckets (64 bfloat16 each) of the tiny synthetic model."""
+    stream = [pb.PrepareRequest(header=pb.PrepareHeader(weight_version=version, bucket_count=2, total_bytes=256))]
+    for i, name in enumerate(NAMES):
+        spec = pb.BucketSpec(index=i, size_bytes=128)
+        spec.tensors.add(name=name, dtype="bfloat16", shape=[64], offset_bytes=0)
+        stream.append(pb.PrepareRequest(bucket=spec))
+    return stream
+
+
+def held(stub: weight_sync_pb2_grpc.WeightSyncServiceStub, update_id: str) -> Any:
+    """A held Watch on ``update_id``, its first message read."""
+    call = stub.Watch(pb.WatchRequest(update_id=update_id, hold=True))
+    next(call)
+    return call
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_watch_is_no_death_while_buckets_arrive_or_the_trainer_reattaches() -> None:
+    with tensor_server("tiny") as (_srv, _engine, stub):
+        trainer = join_as_trainer(stub)
+        try:
+            bucket = torch.zeros(128, dtype=torch.uint8)
+            update = stub.Prepare(iter(two_buckets("kept")), timeout=30).update_id
+            held(stub, update).cancel()  # the connection dropped; the trainer lives on
+            time.sleep(REATTACH_S * 0.6)
+            wait_work(trainer.broadcast(bucket), time.monotonic() + 30)  # type: ignore[attr-defined]
+            time.sleep(REATTACH_S * 0.6)
+            again = held(stub, update)  # the trainer re-attaches
+            time.sleep(REATTACH_S * 3)
+            st = status(stub)
+            assert st.state == pb.LIFECYCLE_STATE_RECEIVING and st.last_error.reason == "", st
+            wait_work(trainer.broadcast(bucket), time.monotonic() + 30)  # type: ignore[attr-defined]
+            done = stub.Complete(pb.CompleteRequest(update_id=update), timeout=30)
+            assert done.weight_version == "kept"
+            again.cancel()
+
+            # Neither a bucket nor a new held Watch: the trainer is declared lost.
+            update = stub.Prepare(iter(two_buckets("lost")), timeout=30).update_id
+            call = held(stub, update)
+            call.cancel()
+            dropped = time.monotonic()
+            st = status(stub)
+            while st.state != pb.LIFECYCLE_STATE_FAILED:
+                assert time.monotonic() - dropped < REATTACH_S * 2 + 1.0, pb.LifecycleState.Name(st.state)
+                time.sleep(0.02)
+                st = status(stub)
+            lost_after = time.monotonic() - dropped
+            print(f"the engine declared the trainer lost {lost_after:.2f} s after its Watch ended")
+            assert lost_after >= REATTACH_S * 0.8 and st.last_error.reason == "PEER_LOST", (lost_after, st.last_error)
+            assert st.weight_version == "kept" and not st.dirty
+        finally:
+            trainer.destroy()  # type: ignore[attr-defined]

@@ -1,8 +1,9 @@
 """The control port when exposed: TLS and the bearer token, on the server and in the ``wsync`` CLI.
 
 Real servers on loopback ports with real certificates (``trustme``'s test CA); the CLI runs as its
-own process. Refusals of a half TLS configuration, a missing file and an exposed port without TLS and
-token come before any model is loaded, as one line on stderr with exit status 2.
+own process. Refusals of a half TLS configuration, a missing file, an exposed port without TLS and
+token, and server bounds that cannot work come before any model is loaded, as one line on stderr
+with exit status 2. With a token on an exposed port, reflection needs the token; health never does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import grpc
 import pytest
 import torch
 import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import ENV, ROOT, code_of
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
@@ -92,6 +95,34 @@ def test_every_kind_of_call_without_the_token_is_unauthenticated(tls: dict[str, 
     assert code_of(e.value) == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"], ids=["loopback", "exposed"])
+def test_reflection_needs_the_token_on_an_exposed_port_and_health_never_does(host: str) -> None:
+    engine = TensorEngine(synthetic.build("tiny", dtype=torch.bfloat16))
+    srv = build_server(engine, host=host, token=TOKEN)
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    try:
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+        def services(metadata: tuple[tuple[str, str], ...]) -> list[str]:
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            (reply,) = list(reflection.ServerReflectionInfo(iter([ask]), metadata=metadata, timeout=10))
+            return [s.name for s in reply.list_services_response.service]
+
+        assert "wsync.v1.WeightSyncService" in services((("authorization", f"Bearer {TOKEN}"),))
+        if host == "127.0.0.1":
+            assert "wsync.v1.WeightSyncService" in services(())
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                services(())
+            assert code_of(e.value) == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        channel.close()
+        srv.stop(0.5)
+
+
 def test_half_a_tls_configuration_is_refused_by_the_server(tls: dict[str, Path]) -> None:
     engine = TensorEngine(synthetic.build("tiny", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="both a certificate and its key"):
@@ -117,8 +148,22 @@ def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server:
         (["--host", "0.0.0.0"], "--insecure"),
         (["--host", "0.0.0.0", "--token", "t"], "--insecure"),
         (["--host", "0.0.0.0", "--tls-cert", "{cert}", "--tls-key", "{key}"], "--insecure"),
+        (["--max-calls", "everything=3"], "--max-calls takes CLASS=N with CLASS one of control"),
+        (["--max-calls", "watch=0"], "at least one watch call must be allowed"),
+        (["--keepalive-timeout", "0"], "keepalive interval and timeout must be positive"),
+        (["--update-idle-timeout", "-1"], "server bounds must be positive"),
     ],
-    ids=["half-tls", "missing-file", "exposed-plain", "exposed-token-only", "exposed-tls-only"],
+    ids=[
+        "half-tls",
+        "missing-file",
+        "exposed-plain",
+        "exposed-token-only",
+        "exposed-tls-only",
+        "unknown-call-class",
+        "no-call-allowed",
+        "no-keepalive-timeout",
+        "negative-idle-limit",
+    ],
 )
 def test_cli_serve_refuses_what_cannot_be_safe_in_one_line(tls: dict[str, Path], args: list[str], says: str) -> None:
     fill = {"cert": str(tls["cert"]), "key": str(tls["key"]), "dir": str(tls["ca"].parent)}

@@ -20,6 +20,7 @@ from wsync_grpc.core.errors import (
     NotFound,
     PermissionDenied,
     Phase,
+    ResourceExhausted,
     Unavailable,
     Unimplemented,
     WsyncError,
@@ -113,6 +114,7 @@ EXPECTED_CODES: dict[type[WsyncError], grpc.StatusCode] = {
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Internal: grpc.StatusCode.INTERNAL,
 }
 """The contract's canonical codes (docs/architecture.md, "Errors")."""

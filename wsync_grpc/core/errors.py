@@ -69,6 +69,10 @@ class NotFound(WsyncError):
     """A named file, checkpoint or adapter that does not exist (NOT_FOUND)."""
 
 
+class ResourceExhausted(WsyncError):
+    """Too many calls of one kind at once: the engine refuses the excess rather than queue it (RESOURCE_EXHAUSTED)."""
+
+
 class Internal(WsyncError):
     """Anything else (INTERNAL); logged by the engine."""
 

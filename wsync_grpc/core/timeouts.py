@@ -24,6 +24,21 @@ DEFAULT_PAUSE_TIMEOUT_S = 60.0
 DEFAULT_PREPARE_TIMEOUT_S = 30.0
 """An engine's default bound on arming its receivers at Prepare and on a Prepare stream's silence, in seconds."""
 
+DEFAULT_MAX_TIMEOUT_S = 1800.0
+"""An engine's default cap on the waits callers choose (Init's group timeout, Complete, Pause's drain), in seconds."""
+
+DEFAULT_MAX_LEASE_TTL_S = 600.0
+"""An engine's default cap on the lease ttl an owner asks for at Init, in seconds."""
+
+DEFAULT_MIN_INTERVAL_S = 0.1
+"""An engine's default floor on the interval between two messages of a Watch or KeepAlive stream, in seconds."""
+
+MAX_INTERVAL_S = 60.0
+"""The ceiling on the interval between two messages of a Watch or KeepAlive stream, in seconds."""
+
+DEFAULT_UPDATE_IDLE_S = 600.0
+"""An engine's default bound on an update's idleness (no bucket arriving, no Complete running), in seconds."""
+
 JOIN_OVERRUN_S = 10.0
 """How long an engine waits for a join past the join's own timeout before it gives up on it, in seconds.
 
@@ -87,3 +102,49 @@ class Deadline:
     def passed(self) -> bool:
         """Whether the deadline has passed."""
         return time.monotonic() >= self.at
+
+
+@dataclass(frozen=True)
+class ServerBounds:
+    """The engine operator's bounds on what callers choose: every wait a request asks for is capped by them.
+
+    A duration over its cap is clamped (the reply or the status shows the value in force), never refused.
+
+    Attributes:
+        max_timeout_s: cap on Init's group timeout (the join and every collective), Complete's timeout and
+            Pause's drain, in seconds (default :data:`DEFAULT_MAX_TIMEOUT_S`, 30 min).
+        max_lease_ttl_s: cap on Init's lease ttl, in seconds (default :data:`DEFAULT_MAX_LEASE_TTL_S`, 10 min).
+        min_interval_s: floor on the message interval of Watch and KeepAlive streams, in seconds (default
+            :data:`DEFAULT_MIN_INTERVAL_S`); the ceiling is :data:`MAX_INTERVAL_S`.
+        update_idle_s: an update in flight with no bucket arriving, no Update declaring more and no Complete
+            running for this long fails (DEADLINE_EXCEEDED / ``UPDATE_IDLE``) and its owner loses the engine, in
+            seconds (default :data:`DEFAULT_UPDATE_IDLE_S`, 10 min). It must exceed the longest gap a trainer
+            leaves: before its first bucket, between two, and between the last one (or its fleet's slowest
+            verification) and the applying Complete.
+
+    Raises:
+        ValueError: a bound that is not positive, or a floor above the ceiling.
+    """
+
+    max_timeout_s: float = DEFAULT_MAX_TIMEOUT_S
+    max_lease_ttl_s: float = DEFAULT_MAX_LEASE_TTL_S
+    min_interval_s: float = DEFAULT_MIN_INTERVAL_S
+    update_idle_s: float = DEFAULT_UPDATE_IDLE_S
+
+    def __post_init__(self) -> None:
+        if min(self.max_timeout_s, self.max_lease_ttl_s, self.min_interval_s, self.update_idle_s) <= 0:
+            raise ValueError("server bounds must be positive")
+        if self.min_interval_s > MAX_INTERVAL_S:
+            raise ValueError(f"the minimum interval must not exceed {MAX_INTERVAL_S:g} s")
+
+    def timeout(self, seconds: float) -> float:
+        """A caller's wait (group timeout, Complete, Pause drain) in seconds, capped by :attr:`max_timeout_s`."""
+        return min(seconds, self.max_timeout_s)
+
+    def lease_ttl(self, seconds: float) -> float:
+        """A caller's lease ttl in seconds, capped by :attr:`max_lease_ttl_s`."""
+        return min(seconds, self.max_lease_ttl_s)
+
+    def interval(self, seconds: float) -> float:
+        """A stream's message interval in seconds, within [:attr:`min_interval_s`, :data:`MAX_INTERVAL_S`]."""
+        return min(max(seconds, self.min_interval_s), MAX_INTERVAL_S)

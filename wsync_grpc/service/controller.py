@@ -30,7 +30,7 @@ from wsync_grpc.core.lifecycle import Event, Rpc, State, WrongState
 from wsync_grpc.core.lora import LoraAdapters, adapter_param_specs
 from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.ownership import describe
-from wsync_grpc.core.timeouts import DEFAULT_PREPARE_TIMEOUT_S
+from wsync_grpc.core.timeouts import DEFAULT_PREPARE_TIMEOUT_S, ServerBounds
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.outcome import CompleteResult, PrepareResult
@@ -94,9 +94,13 @@ class UpdateController:
             :class:`~wsync_grpc.worker.buffers.BufferPool`); ``None``: on CPU workers only.
         checkpoint_roots: directories disk updates may read checkpoints from; empty: disk updates are
             refused with PERMISSION_DENIED.
+        bounds: the operator's bounds (``None``: the defaults); the controller applies their update idle
+            limit (read at each Prepare): an update idle for longer fails and its owner loses the engine
+            (:meth:`~wsync_grpc.service.session.UpdateSession.armed`).
 
     Attributes:
         state: the engine-wide state; its lock guards every method's changes.
+        bounds: see above; assigning it applies from the next update.
 
     Raises:
         ValueError: a checkpoint root that is not a directory.
@@ -109,8 +113,10 @@ class UpdateController:
         prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S,
         keep_buffers: bool | None = None,
         checkpoint_roots: Sequence[str] = (),
+        bounds: ServerBounds | None = None,
     ) -> None:
         self.engine = engine
+        self.bounds = bounds if bounds is not None else ServerBounds()
         self.checkpoint_roots = CheckpointRoots(checkpoint_roots)
         self.prepare_timeout_s = prepare_timeout_s
         self.state = EngineState(engine, keep_buffers)
@@ -221,7 +227,7 @@ class UpdateController:
             with self._lock:
                 if reader.cancel.is_set():
                     raise cancelled_while_preparing()
-                session = UpdateSession(st, planned, transport, validator, started)
+                session = UpdateSession(st, planned, transport, validator, started, self.bounds.update_idle_s)
                 session.trace_context = trace_context
                 session.start()
         except BaseException:

@@ -210,7 +210,9 @@ class RpcMetrics(_Interceptor):
             return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
-        return handler  # no bidirectional RPC in wsync.v1
+        if handler.stream_stream is not None:  # a streamed call behind the call bounds, or refused by the token
+            return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
+        return handler
 
 
 def _code(context: grpc.ServicerContext, *, failed: bool) -> str:

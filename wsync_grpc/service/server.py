@@ -5,12 +5,17 @@
 health checking (``grpc.health.v1``) and server reflection, so that
 ``grpcurl`` and ``buf curl`` work without proto files. It binds to loopback
 by default (``docs/architecture.md``, "Invariants"); when exposed, use TLS and a shared-secret
-token (``authorization: Bearer <token>`` metadata).
+token (``authorization: Bearer <token>`` metadata, :mod:`wsync_grpc.service.auth`).
+
+Every call belongs to a class with its own bound on concurrent calls, and the server's pool has a
+thread for each call every class may run (:mod:`wsync_grpc.service.call_limits`), so that no traffic
+starves the owner's calls; every duration a caller chooses is capped by the operator's
+:class:`~wsync_grpc.core.timeouts.ServerBounds`; HTTP/2 keepalive notices a frozen peer
+(:mod:`wsync_grpc.wire.keepalive`).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import signal
@@ -27,8 +32,12 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from wsync.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
 from wsync_grpc.core.engine import Engine
+from wsync_grpc.core.timeouts import ServerBounds
+from wsync_grpc.service.auth import TokenAuth, is_loopback
+from wsync_grpc.service.call_limits import CallLimiter, CallLimits
 from wsync_grpc.service.metrics import RpcMetrics
 from wsync_grpc.service.servicer import WeightSyncServicer
+from wsync_grpc.wire.keepalive import Keepalive
 
 log = logging.getLogger(__name__)
 
@@ -39,46 +48,6 @@ if TYPE_CHECKING:
     _Interceptor = grpc.ServerInterceptor[Any, Any]
 else:
     _Interceptor = grpc.ServerInterceptor
-
-_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-class _TokenAuth(_Interceptor):
-    """Refuse calls without ``authorization: Bearer <token>`` (health and reflection stay open).
-
-    The scheme is case-insensitive (RFC 6750 section 2.1 after RFC 7235); the token is compared in
-    constant time.
-    """
-
-    def __init__(self, token: str) -> None:
-        self._expected = token.encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>'")
-
-        self._deny: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            "Prepare": grpc.stream_unary_rpc_method_handler(deny),
-            "Watch": grpc.unary_stream_rpc_method_handler(deny),
-        }
-        self._deny_unary: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(deny)
-
-    def _authorized(self, value: str | bytes) -> bool:
-        raw = value.encode() if isinstance(value, str) else value
-        scheme, _, token = raw.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        if details.method.startswith(_OPEN_METHODS):
-            return continuation(details)
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization" and self._authorized(value):
-                return continuation(details)
-        deny = self._deny.get(details.method.rsplit("/", 1)[-1], self._deny_unary)
-        return deny
 
 
 @dataclass
@@ -91,6 +60,7 @@ class WsyncServer:
         address: ``host:port`` to give clients.
         servicer: the weight-sync servicer.
         health: the health servicer (``""`` and the service name report SERVING).
+        limiter: the bounds on each class of calls, with the calls of each running now.
         metrics_http: the HTTP server of ``/metrics`` (Prometheus), ``None`` when not asked for.
     """
 
@@ -99,6 +69,7 @@ class WsyncServer:
     address: str
     servicer: WeightSyncServicer
     health: health.HealthServicer
+    limiter: CallLimiter
     metrics_http: Any = None
     _stopped: threading.Event = field(default_factory=threading.Event)
 
@@ -118,27 +89,11 @@ class WsyncServer:
         self.server.wait_for_termination()
 
 
-KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.http2.ping_timeout_ms", 2000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-"""HTTP/2 keepalive of the engine's server: it pings every connection every 2 s and drops one whose peer
-does not answer within 2 s (``keepalive_timeout_ms``, and ``http2.ping_timeout_ms`` in gRPC's current
-core). A frozen or partitioned trainer announces nothing (no FIN, no RST); the dropped connection ends
-its held ``Watch`` and ``KeepAlive`` calls as its death would. The trainer's own pings are accepted
-down to one a second (gRPC's A8 client-side keepalive)."""
-
-
 def build_server(
     engine: Engine,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
-    max_workers: int = 32,
     token: str | None = None,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
@@ -146,6 +101,9 @@ def build_server(
     metrics_host: str = "127.0.0.1",
     metrics_port: int | None = None,
     checkpoint_roots: Sequence[str] = (),
+    limits: CallLimits | None = None,
+    bounds: ServerBounds | None = None,
+    keepalive: Keepalive | None = None,
 ) -> WsyncServer:
     """Start a server for ``engine`` on ``host:port`` (port 0 = any free port).
 
@@ -153,10 +111,8 @@ def build_server(
         engine: the engine.
         host: bind address; loopback by default.
         port: TCP port; 0 picks a free one (see :attr:`WsyncServer.port`).
-        max_workers: gRPC handler threads (each RPC holds one while it runs;
-            Init and Complete may hold one for up to their timeout).
-        token: if set, every call but health and reflection must carry
-            ``authorization: Bearer <token>``.
+        token: if set, every call but health must carry ``authorization: Bearer <token>``, and
+            reflection too when ``host`` is not a loopback address.
         tls_cert, tls_key: PEM files of the server's certificate chain and key; both set = TLS.
         extra: registers further services on the server; returns their full names
             (for reflection and health).
@@ -164,6 +120,13 @@ def build_server(
         metrics_port: its TCP port; ``None`` (default) serves no metrics; 0 picks a free port.
         checkpoint_roots: directories disk updates may read checkpoints from
             (``--checkpoint-root``); empty: disk updates get PERMISSION_DENIED.
+        limits: how many calls of each class may run at once (``--max-calls``); ``None``: the defaults
+            (:data:`~wsync_grpc.service.call_limits.DEFAULT_CALL_LIMITS`). The server's pool has a thread for
+            each (:meth:`~wsync_grpc.service.call_limits.CallLimits.pool_threads`).
+        bounds: the caps on the durations callers choose and the update idle limit (``--max-timeout``,
+            ``--max-lease-ttl``, ``--min-interval``, ``--update-idle-timeout``); ``None``: the defaults.
+        keepalive: HTTP/2 keepalive of the server (``--keepalive-interval``, ``--keepalive-timeout``);
+            ``None``: a ping every 10 s, 20 s to answer.
 
     Raises:
         ValueError: only one of ``tls_cert`` and ``tls_key`` given; a checkpoint root that is not a directory.
@@ -176,14 +139,19 @@ def build_server(
     creds = (
         grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())]) if tls_cert and tls_key else None
     )
-    servicer = WeightSyncServicer(engine, checkpoint_roots=checkpoint_roots)
-    # First, so that calls the token check refuses are counted too.
+    limits = limits if limits is not None else CallLimits()
+    keepalive = keepalive if keepalive is not None else Keepalive()
+    servicer = WeightSyncServicer(engine, checkpoint_roots=checkpoint_roots, bounds=bounds)
+    limiter = CallLimiter(limits)
+    # Metrics first, so that calls the token check or a class's bound refuses are counted too; the
+    # token check before the bounds, so that a caller without the token takes no slot.
     interceptors: list[_Interceptor] = [RpcMetrics(servicer.engine.metrics)]
-    interceptors += [_TokenAuth(token)] if token else []
+    interceptors += [TokenAuth(token, exposed=not is_loopback(host))] if token else []
+    interceptors.append(limiter)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="wsync-grpc"),
+        futures.ThreadPoolExecutor(max_workers=limits.pool_threads(), thread_name_prefix="wsync-grpc"),
         interceptors=interceptors,
-        options=[("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS],
+        options=[("grpc.so_reuseport", 0), *keepalive.server_options()],
     )
     weight_sync_pb2_grpc.add_WeightSyncServiceServicer_to_server(servicer, server)
     names = [WEIGHT_SYNC_SERVICE]
@@ -202,7 +170,7 @@ def build_server(
     server.start()
     shown = host if ":" not in host else f"[{host}]"
     log.info("wsync serving %s on %s:%d", engine.name, shown, bound)
-    return WsyncServer(server, bound, f"{shown}:{bound}", servicer, health_servicer, metrics_http)
+    return WsyncServer(server, bound, f"{shown}:{bound}", servicer, health_servicer, limiter, metrics_http)
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"

@@ -4,7 +4,9 @@ Each RPC converts its request to domain values (:mod:`wsync_grpc.wire.convert`),
 delegates to the engine's :class:`~wsync_grpc.service.controller.UpdateController`
 (Init, Leave, Prepare, Update, Complete, Cancel, checksums) or engine-wide state
 (:class:`~wsync_grpc.service.engine_state.EngineState`: Pause, Resume, status),
-and builds the response. Every method is wrapped by
+and builds the response. Every duration a request chooses passes through the
+operator's :class:`~wsync_grpc.core.timeouts.ServerBounds` here, the one place
+where they are capped. Every method is wrapped by
 :func:`~wsync_grpc.wire.status.grpc_errors`, the one place where errors become
 gRPC statuses; spans join the caller's trace here (:mod:`wsync_grpc.service.tracing`).
 """
@@ -24,7 +26,7 @@ from wsync_grpc.core.engine import Engine, PauseMode
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.lifecycle import Lifecycle, Rpc, State
 from wsync_grpc.core.ownership import DEFAULT_LEASE_TTL_S
-from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TIMEOUT_S
+from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TIMEOUT_S, ServerBounds
 from wsync_grpc.service.adapters import list_adapters, unload_adapter
 from wsync_grpc.service.controller import CancelOutcome, UpdateController
 from wsync_grpc.service.engine_state import EngineState
@@ -51,9 +53,11 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     Args:
         engine: the engine.
-        prepare_timeout_s, keep_buffers, checkpoint_roots: see
+        prepare_timeout_s, keep_buffers, checkpoint_roots, bounds: see
             :class:`~wsync_grpc.service.controller.UpdateController` (a Prepare stream that stalls
-            longer than ``prepare_timeout_s`` is cancelled: the client sees CANCELLED).
+            longer than ``prepare_timeout_s`` is cancelled: the client sees CANCELLED). ``bounds`` also
+            caps Init's group timeout and lease ttl, Complete's and Pause's timeouts, and the Watch and
+            KeepAlive intervals (``None``: the defaults).
 
     Attributes:
         controller: the protocol-agnostic side every RPC delegates to.
@@ -69,9 +73,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S,
         keep_buffers: bool | None = None,
         checkpoint_roots: Sequence[str] = (),
+        bounds: ServerBounds | None = None,
     ) -> None:
         self.controller = UpdateController(
-            engine, prepare_timeout_s=prepare_timeout_s, keep_buffers=keep_buffers, checkpoint_roots=checkpoint_roots
+            engine,
+            prepare_timeout_s=prepare_timeout_s,
+            keep_buffers=keep_buffers,
+            checkpoint_roots=checkpoint_roots,
+            bounds=bounds,
         )
 
     @property
@@ -87,6 +96,15 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     @prepare_timeout_s.setter
     def prepare_timeout_s(self, value: float) -> None:
         self.controller.prepare_timeout_s = value
+
+    @property
+    def bounds(self) -> ServerBounds:
+        """The operator's caps on the durations callers choose; assigning it applies from the next call."""
+        return self.controller.bounds
+
+    @bounds.setter
+    def bounds(self, value: ServerBounds) -> None:
+        self.controller.bounds = value
 
     @property
     def lifecycle(self) -> Lifecycle:
@@ -116,10 +134,11 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     @grpc_errors
     def Init(self, request: pb.InitRequest, context: grpc.ServicerContext) -> pb.InitResponse:
-        """Join the weight-sync group (see the contract for semantics)."""
+        """Join the weight-sync group (see the contract for semantics); the group timeout and ttl capped."""
         st = self.controller.state
         params = st.membership.params_of(request)
-        ttl_s = seconds(request.lease_ttl, DEFAULT_LEASE_TTL_S)
+        params = dataclasses.replace(params, timeout_s=self.bounds.timeout(params.timeout_s))
+        ttl_s = self.bounds.lease_ttl(seconds(request.lease_ttl, DEFAULT_LEASE_TTL_S))
         outcome = self.controller.init(params, request.owner, ttl_s, request.force)
         with st.lock:
             view = st.owner_view()
@@ -164,7 +183,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         upd, timeout = self.controller.begin_complete(
             request.owner,
             request.update_id,
-            lambda default_s: seconds(request.timeout, default_s),  # refused before anything changes
+            lambda default_s: self.bounds.timeout(seconds(request.timeout, default_s)),  # refused before any change
             request.verify_only,
         )
         phase = "verify" if request.verify_only else "apply"
@@ -186,7 +205,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     def Pause(self, request: pb.PauseRequest, context: grpc.ServicerContext) -> pb.PauseResponse:
         """Stop admission; handle requests in flight per the mode."""
         mode = from_proto(PAUSE_MODES, request.mode, PauseMode.ABORT, "pause mode")
-        timeout = seconds(request.timeout, DEFAULT_PAUSE_TIMEOUT_S)
+        timeout = self.bounds.timeout(seconds(request.timeout, DEFAULT_PAUSE_TIMEOUT_S))
         already, outcome, current = self.controller.state.pause(mode, timeout)
         return pb.PauseResponse(
             already_paused=already,
@@ -213,7 +232,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchResponse]:
         """Stream the progress of the update in flight until it ends; with ``hold``, its end fails the update."""
         st = self.controller.state
-        interval_s = seconds(request.interval, DEFAULT_WATCH_INTERVAL_S)
+        interval_s = self.bounds.interval(seconds(request.interval, DEFAULT_WATCH_INTERVAL_S))
         with st.lock:
             st.lifecycle.check(Rpc.WATCH)
             session = st.current(request.update_id)
@@ -225,7 +244,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     @grpc_errors
     def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> Iterator[pb.KeepAliveResponse]:
         """Hold the owner's lease while the call is open; its end releases it."""
-        interval_s = seconds(request.interval, DEFAULT_KEEPALIVE_INTERVAL_S)
+        interval_s = self.bounds.interval(seconds(request.interval, DEFAULT_KEEPALIVE_INTERVAL_S))
         generation = open_keepalive(self.controller.state, request.owner, context)
         return keepalive_stream(self.controller.state, request.owner, generation, interval_s, context)
 

@@ -18,6 +18,12 @@ that already changed weights, or a staged apply that broke half-way, marks
 the weights dirty and keeps the engine paused until an update succeeds or an
 operator forces a Resume.
 
+An update is also abandoned when it stays idle past the operator's limit (``--update-idle-timeout``):
+no bucket arriving, no Update declaring more, no Complete running. A trainer that stalls with its
+connection alive (its held ``Watch`` and ``KeepAlive`` still open) would otherwise hold the engine
+forever; the update fails with DEADLINE_EXCEEDED / ``UPDATE_IDLE`` by the policy above, and the owner
+loses the engine, so that another trainer can claim it.
+
 Locking: the engine's lock (:attr:`~wsync_grpc.service.engine_state.EngineState.lock`)
 comes before the adapter's own locks. Each method says whether it expects the
 lock held, takes it, or must run without it (the bounded waits).
@@ -44,7 +50,8 @@ from wsync_grpc.core.errors import (
 )
 from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.lora import LoraAdapters
-from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, Deadline
+from wsync_grpc.core.ownership import describe
+from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_UPDATE_IDLE_S, Deadline
 from wsync_grpc.core.update import Payload, PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
@@ -57,6 +64,9 @@ from wsync_grpc.worker.feed import BucketFeed
 from wsync_grpc.worker.receiver import Receiver
 
 log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 1.0
+"""Longest time between two looks at an update's progress by its idle watch, in seconds."""
 
 
 def may_step(engine: Engine) -> bool:
@@ -73,6 +83,8 @@ class UpdateSession:
         transport: the update's transport (:func:`~wsync_grpc.transports.transport_for`).
         validator: the validator that read the Prepare stream (it holds what was declared).
         started: when the Prepare began, on the monotonic clock (seconds).
+        idle_s: once armed, the update fails when idle (no bucket arriving, no Update, no Complete running)
+            for this long, in seconds (default :data:`~wsync_grpc.core.timeouts.DEFAULT_UPDATE_IDLE_S`).
 
     Attributes:
         feed: the declared buckets, read by every receiver; closed at Complete or failure (at once if not incremental).
@@ -88,6 +100,7 @@ class UpdateSession:
         verifying: a verifying Complete (``verify_only``) was called; no bucket may be declared any more.
         verified: every bucket arrived and was verified; the applying Complete only applies.
         auto_paused: the session paused the engine for a streaming update and resumes it afterwards.
+        held_watches: the trainer's held ``Watch`` calls open on the update (:mod:`wsync_grpc.service.watch`).
         error: why the update failed; ``None`` while it has not.
         trace_context: the OpenTelemetry context of its Prepare span (:mod:`wsync_grpc.service.tracing`).
     """
@@ -99,8 +112,10 @@ class UpdateSession:
         transport: TransportPart,
         validator: UpdateValidator,
         started: float,
+        idle_s: float = DEFAULT_UPDATE_IDLE_S,
     ) -> None:
         self.state = state
+        self.idle_s = idle_s
         self.header = header = planned.header
         self.payload = Payload.of(header)
         self.transport = transport
@@ -123,6 +138,7 @@ class UpdateSession:
         self.completing = self.verifying = self.verified = False
         self.verify_s = 0.0
         self.auto_paused = False
+        self.held_watches = 0
         self.error: WsyncError | None = None
         self.trace_context: Context | None = None
         self.ended = threading.Event()
@@ -191,6 +207,7 @@ class UpdateSession:
             raise self.error
         self.state.lifecycle.fire(Event.ARMED)
         self.armed_at = time.monotonic()
+        threading.Thread(target=self._watch_idle, name="wsync-idle", daemon=True).start()
         # Receivers may have finished already (tiny updates): re-check.
         if self.receivers and all(r.buckets_done == len(self.feed) for r in self.receivers):
             self.state.lifecycle.fire_if(Event.ALL_RECEIVED)
@@ -375,6 +392,46 @@ class UpdateSession:
         self.receivers[0].tensors_applied = engine.load_adapter(h.adapter, h.weight_version, tensors)
 
     # ----------------------------------------------------------------- progress
+
+    def progress_mark(self) -> tuple[int, int, int, bool]:
+        """What changes whenever the update moves: buckets and bytes received, buckets declared, verified."""
+        received = sum(r.buckets_done for r in self.receivers)
+        return received, sum(r.bytes_done for r in self.receivers), len(self.feed), self.verified
+
+    def _watch_idle(self) -> None:
+        """Fail the update once it has been idle for :attr:`idle_s` seconds (runs until it ends).
+
+        A Complete running is not idleness (its own timeout bounds it); the end of a verifying Complete is progress.
+        """
+        mark, since = self.progress_mark(), time.monotonic()
+        while not self.ended.wait(min(IDLE_POLL_S, self.idle_s / 4)):
+            now, current = time.monotonic(), self.progress_mark()
+            if current != mark or self.completing or (self.verifying and not self.verified):
+                mark, since = current, now
+            elif now - since >= self.idle_s:
+                self._fail_idle(now - since)
+                return
+
+    def _fail_idle(self, idle_s: float) -> None:
+        """Abandon the idle update and take the engine from its owner, so that another trainer may claim it."""
+        eng = self.state
+        err = DeadlineExceeded(
+            "UPDATE_IDLE",
+            f"no bucket arrived and no Complete came for {idle_s:.1f} s (the engine's update idle limit is "
+            f"{self.idle_s:g} s); the update is abandoned and its owner loses the engine",
+        )
+        with eng.lock:
+            if eng.update is not self:
+                return
+            self.fail(err)
+            owner = eng.ownership.owner
+            eng.ownership.release()
+        log.warning(
+            "update %s idle for %.1f s: abandoned; %s loses the engine",
+            clip(self.header.update_id),
+            idle_s,
+            describe(owner) if owner is not None else "no owner",
+        )
 
     def progress(self) -> Progress:
         """Where the update stands (the slowest worker's counts; sizes in bytes, times in seconds). Lock held."""

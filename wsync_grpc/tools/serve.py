@@ -9,7 +9,10 @@ beside it), and any engine a package registers in the ``wsync.engines``
 entry-point group. Each engine adds its own options (a group of its own in
 ``wsync serve --help``); an option of another engine is refused. Loopback by
 default; a reachable port needs TLS and a token (or ``--insecure``).
-``--checkpoint-root`` allows disk updates.
+``--checkpoint-root`` allows disk updates. The server's own bounds: ``--max-calls CLASS=N`` (calls of
+one class at once), ``--max-timeout``, ``--max-lease-ttl``, ``--min-interval`` (caps on what callers
+choose), ``--update-idle-timeout`` (an idle update fails), ``--keepalive-interval`` and
+``--keepalive-timeout`` (how a frozen peer is noticed, and the stall tolerated).
 """
 
 from __future__ import annotations
@@ -21,6 +24,15 @@ import sys
 import threading
 from pathlib import Path
 
+from wsync_grpc.core.timeouts import (
+    DEFAULT_MAX_LEASE_TTL_S,
+    DEFAULT_MAX_TIMEOUT_S,
+    DEFAULT_MIN_INTERVAL_S,
+    DEFAULT_UPDATE_IDLE_S,
+    ServerBounds,
+)
+from wsync_grpc.service.auth import is_loopback
+from wsync_grpc.service.call_limits import DEFAULT_CALL_LIMITS, CallLimits
 from wsync_grpc.service.server import stop_on_signals, write_port_file
 from wsync_grpc.tools.common import DEFAULT_PORT, UsageError
 from wsync_grpc.tools.engines import (
@@ -35,14 +47,12 @@ from wsync_grpc.tools.engines import (
     engine_plugin,
     registered_engines,
 )
+from wsync_grpc.wire.keepalive import DEFAULT_KEEPALIVE_INTERVAL_S, DEFAULT_KEEPALIVE_TIMEOUT_S, Keepalive
 
 log = logging.getLogger("wsync")
 
 SERVED_DTYPES = ("bfloat16", "float16", "float32")
 """The dtypes ``wsync serve --dtype`` serves a model in (names as in :data:`wsync_grpc.core.dtypes.DTYPES`)."""
-
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-"""Bind addresses that only this host reaches."""
 
 
 def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
@@ -57,7 +67,7 @@ def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
         if path is not None and not path.is_file():
             raise UsageError(f"cannot read {path}: no such file")
     tls = args.tls_cert is not None
-    if args.host in LOOPBACK:
+    if is_loopback(args.host):
         return
     if not (tls and token) and not args.insecure:
         raise UsageError(
@@ -95,6 +105,22 @@ def chosen_engine(args: argparse.Namespace) -> EnginePlugin:
 
 
 def _server_options(args: argparse.Namespace, token: str | None) -> ServerOptions:
+    """The server ``args`` ask for.
+
+    Raises:
+        UsageError: a bound that is not positive, a ``--max-calls`` that is not ``CLASS=N``.
+    """
+    try:
+        limits = CallLimits.parse(args.max_calls)
+        bounds = ServerBounds(
+            max_timeout_s=args.max_timeout,
+            max_lease_ttl_s=args.max_lease_ttl,
+            min_interval_s=args.min_interval,
+            update_idle_s=args.update_idle_timeout,
+        )
+        keepalive = Keepalive(args.keepalive_interval, args.keepalive_timeout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return ServerOptions(
         host=args.host,
         port=args.port,
@@ -106,14 +132,17 @@ def _server_options(args: argparse.Namespace, token: str | None) -> ServerOption
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         checkpoint_roots=args.checkpoint_root,
+        limits=limits,
+        bounds=bounds,
+        keepalive=keepalive,
     )
 
 
 def _serve(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("WSYNC_TOKEN") or None
     _check_exposure(args, token)
-    plugin = chosen_engine(args)
     server = _server_options(args, token)
+    plugin = chosen_engine(args)
     if isinstance(plugin, EngineServer):
         return plugin.serve(args, server)
     assert isinstance(plugin, EngineFactory)  # the registry holds only the two kinds
@@ -220,4 +249,63 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="DIR",
         help="allow disk updates to read safetensors checkpoints under DIR (repeatable; default: none)",
     )
+    _add_bound_options(s)
     s.set_defaults(func=_serve, engine_options=_add_engine_options(s, engines))
+
+
+def _add_bound_options(s: argparse.ArgumentParser) -> None:
+    """``wsync serve``'s bounds: calls at once per class, caps on what callers choose, idleness, keepalive."""
+    g = s.add_argument_group("server bounds")
+    classes = ", ".join(f"{c.value}={n}" for c, n in DEFAULT_CALL_LIMITS.items())
+    g.add_argument(
+        "--max-calls",
+        action="append",
+        default=[],
+        metavar="CLASS=N",
+        help=f"at most N calls of CLASS at once, the excess refused with RESOURCE_EXHAUSTED (repeatable; "
+        f"defaults {classes})",
+    )
+    g.add_argument(
+        "--max-timeout",
+        type=float,
+        default=DEFAULT_MAX_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"cap on Init's group timeout, Complete's and Pause's timeouts (default {DEFAULT_MAX_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--max-lease-ttl",
+        type=float,
+        default=DEFAULT_MAX_LEASE_TTL_S,
+        metavar="SECONDS",
+        help=f"cap on Init's lease ttl (default {DEFAULT_MAX_LEASE_TTL_S:g})",
+    )
+    g.add_argument(
+        "--min-interval",
+        type=float,
+        default=DEFAULT_MIN_INTERVAL_S,
+        metavar="SECONDS",
+        help=f"floor on the message interval of Watch and KeepAlive streams (default {DEFAULT_MIN_INTERVAL_S:g})",
+    )
+    g.add_argument(
+        "--update-idle-timeout",
+        type=float,
+        default=DEFAULT_UPDATE_IDLE_S,
+        metavar="SECONDS",
+        help="an update with no bucket arriving and no Complete for this long fails, and its owner loses the "
+        f"engine (default {DEFAULT_UPDATE_IDLE_S:g})",
+    )
+    g.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=DEFAULT_KEEPALIVE_INTERVAL_S,
+        metavar="SECONDS",
+        help=f"HTTP/2 ping of every connection every SECONDS (default {DEFAULT_KEEPALIVE_INTERVAL_S:g})",
+    )
+    g.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="drop a connection whose peer leaves a ping unanswered this long: the stall tolerated before a "
+        f"frozen trainer's update fails (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})",
+    )

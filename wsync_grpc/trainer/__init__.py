@@ -52,6 +52,7 @@ from wsync_grpc.trainer.views import (
     TensorChecksum,
     UpdateInFlight,
 )
+from wsync_grpc.wire.keepalive import Keepalive
 
 __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
@@ -74,6 +75,7 @@ __all__ = [
     "EngineSyncResult",
     "InitError",
     "InitResult",
+    "Keepalive",
     "Layout",
     "LeaveResult",
     "NamedTensors",

@@ -62,6 +62,7 @@ from wsync_grpc.trainer.views import (
 )
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 from wsync_grpc.transports.disk.writer import save_checkpoint
+from wsync_grpc.wire.keepalive import Keepalive
 
 __all__ = ["TrainerClient"]
 
@@ -158,6 +159,10 @@ class TrainerClient:
         credentials: TLS channel credentials (``grpc.ssl_channel_credentials``);
             ``None`` (default) uses plaintext channels.
         channel_options: extra gRPC channel options.
+        keepalive: HTTP/2 keepalive of the client's channels (:class:`~wsync_grpc.wire.keepalive.Keepalive`):
+            an engine that freezes or is cut off mid-update is named after ``interval_s + timeout_s``
+            at most, and a stall shorter than ``timeout_s`` is never taken for a death; ``None`` (default):
+            a ping every 10 s, 20 s to answer.
         keep_buffers: keep the two flat bucket buffers (up to twice the
             largest bucket, in bytes) between syncs. ``None`` (default) keeps
             them when the trainer's device is CPU, where freed memory returns
@@ -215,6 +220,7 @@ class TrainerClient:
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        keepalive: Keepalive | None = None,
         keep_buffers: bool | None = None,
         owner: str | None = None,
         metrics_registry: CollectorRegistry | None = None,
@@ -237,7 +243,7 @@ class TrainerClient:
             solo_bytes=solo_bytes,
         )
         owner = owner if owner is not None else f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._fleet = Fleet(targets, self._settings, token, credentials, channel_options, owner)
+        self._fleet = Fleet(targets, self._settings, token, credentials, channel_options, owner, keepalive)
         self._op_lock = threading.Lock()
         self._cancel_event = threading.Event()
         self._leases = Leases(self._fleet.engines, owner, self._fleet.metadata)

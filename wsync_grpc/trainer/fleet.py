@@ -24,22 +24,10 @@ from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.trainer.results import EngineCallError, EngineFailure, failure_lines
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.wire.convert import PAUSE_MODES, duration
+from wsync_grpc.wire.keepalive import Keepalive
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Largest reply the client accepts, in bytes (checksums of 100k tensors exceed gRPC's 4 MiB default)."""
-
-KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.http2.ping_timeout_ms", 2000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-"""HTTP/2 keepalive of the client's channels: a ping every 2 s, the connection dropped when an engine
-does not answer within 2 s (``keepalive_timeout_ms``, and ``http2.ping_timeout_ms`` in gRPC's current
-core). A frozen or partitioned engine announces nothing; the dropped connection ends the update's held
-``Watch`` calls as its death would. Engines accept pings down to one a second (their server's
-``KEEPALIVE_OPTIONS``)."""
 
 R = TypeVar("R")
 
@@ -74,6 +62,9 @@ class Fleet:
         channel_options: extra gRPC channel options.
         owner: the client's owner name, sent with every call that needs the engine's ownership
             (``InitRequest.owner``...).
+        keepalive: HTTP/2 keepalive of every channel (:mod:`wsync_grpc.wire.keepalive`): an engine that
+            freezes or is cut off is dropped after ``keepalive.timeout_s`` without an answer, which ends the
+            update's held ``Watch`` on it as its death would; ``None``: a ping every 10 s, 20 s to answer.
     """
 
     def __init__(
@@ -84,6 +75,7 @@ class Fleet:
         credentials: grpc.ChannelCredentials | None,
         channel_options: Sequence[tuple[str, Any]],
         owner: str,
+        keepalive: Keepalive | None = None,
     ) -> None:
         self._settings = settings
         self.owner = owner
@@ -93,7 +85,7 @@ class Fleet:
         options = [
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-            *KEEPALIVE_OPTIONS,
+            *(keepalive if keepalive is not None else Keepalive()).channel_options(),
             *channel_options,
         ]
         self.engines: list[RemoteEngine] = []

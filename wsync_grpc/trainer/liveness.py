@@ -7,18 +7,33 @@ end of an engine's stream (the engine died, or its update failed on its own)
 as that engine's failure: it records it and sets the sync's cancel signal, so
 that the broadcast stops at its next bounded wait instead of at the group
 timeout (``docs/architecture.md``, "Liveness").
+
+A stream that breaks with UNAVAILABLE (its connection dropped) is not taken
+for the engine's death at once: the trainer re-attaches, opening a new held
+``Watch`` on the same update, and takes the engine for lost only when that does
+not answer within :data:`REATTACH_S` (a dead engine refuses the connection at
+once; a frozen one never answers; one whose update ended refuses the Watch).
+The engine, in turn, keeps a broadcast update alive while the new call comes
+or buckets keep arriving.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.trainer.fleet import RemoteEngine
 from wsync_grpc.trainer.results import EngineFailure
+
+REATTACH_S = 2.0
+"""How long a re-opened held Watch may take to send its first message, in seconds."""
+
+MAX_REATTACHES = 3
+"""Re-attachments allowed per engine and update: connections that keep dropping are a failure."""
 
 
 class Holds:
@@ -45,11 +60,12 @@ class Holds:
         self._lock = threading.Lock()
         self._failures: dict[str, EngineFailure] = {}
         self._calls: list[grpc.Call] = []
-        req = pb.WatchRequest(update_id=update_id, hold=True, owner=owner)  # the engine's default interval
+        self._request = pb.WatchRequest(update_id=update_id, hold=True, owner=owner)  # the engine's default interval
+        self._metadata = metadata
         for e in engines:
-            stream = e.stub.Watch(req, metadata=metadata)
+            stream = e.stub.Watch(self._request, metadata=metadata)
             self._calls.append(stream)
-            threading.Thread(target=self._read, args=(e.target, stream), name="wsync-hold", daemon=True).start()
+            threading.Thread(target=self._read, args=(e, stream), name="wsync-hold", daemon=True).start()
 
     @property
     def failures(self) -> dict[str, EngineFailure]:
@@ -57,20 +73,53 @@ class Holds:
         with self._lock:
             return dict(self._failures)
 
-    def _read(self, target: str, stream: grpc.Call) -> None:
+    def _read(self, engine: RemoteEngine, stream: grpc.Call) -> None:
+        target = engine.target
         last: pb.WatchResponse | None = None
-        try:
-            for msg in stream:  # type: ignore[attr-defined]
-                last = msg
-        except Exception as exc:
-            if not self._released.is_set():
-                self._fail(EngineFailure.from_exception(target, "Watch", exc))
-            return
+        messages: Iterator[pb.WatchResponse] = stream  # type: ignore[assignment]
+        reattached = 0
+        while True:
+            try:
+                for msg in messages:
+                    last = msg
+                break
+            except Exception as exc:
+                if self._released.is_set():
+                    return
+                again = self._reattach(engine, exc) if reattached < MAX_REATTACHES else None
+                if again is None:
+                    self._fail(EngineFailure.from_exception(target, "Watch", exc))
+                    return
+                reattached += 1
+                messages = again
         if self._released.is_set() or (last is not None and last.state == pb.LIFECYCLE_STATE_READY):
             return  # applied (Complete replies with the result)
         error = last.last_error if last is not None else pb.ErrorDetail()
         why = error.message or "the engine ended the update"
         self._fail(EngineFailure(target, "Watch", grpc.StatusCode.ABORTED, error.reason, why))
+
+    def _reattach(self, engine: RemoteEngine, exc: Exception) -> Iterator[pb.WatchResponse] | None:
+        """A new held Watch on the update after ``exc`` broke the last one; ``None`` when it cannot be had.
+
+        Only a dropped connection (UNAVAILABLE) is worth it; the new call must answer within :data:`REATTACH_S`.
+        """
+        if not isinstance(exc, grpc.RpcError) or exc.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            return None
+        call = engine.stub.Watch(self._request, metadata=self._metadata)
+        with self._lock:
+            self._calls.append(call)
+        if self._released.is_set():
+            call.cancel()  # type: ignore[no-untyped-call]
+            return None
+        timer = threading.Timer(REATTACH_S, call.cancel)  # type: ignore[attr-defined]
+        timer.start()
+        try:
+            first: pb.WatchResponse = next(call)  # type: ignore[call-overload]
+        except (grpc.RpcError, StopIteration):
+            return None
+        finally:
+            timer.cancel()
+        return itertools.chain([first], call)  # type: ignore[arg-type]
 
     def _fail(self, failure: EngineFailure) -> None:
         with self._lock:
@@ -85,5 +134,7 @@ class Holds:
     def close(self) -> None:
         """End every held call (once the update ended everywhere, or was cancelled everywhere). Idempotent."""
         self._released.set()
-        for call in self._calls:
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
             call.cancel()  # type: ignore[no-untyped-call]

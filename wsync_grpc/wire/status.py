@@ -30,6 +30,7 @@ from wsync_grpc.core.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     Unavailable,
     Unimplemented,
     WsyncError,
@@ -52,6 +53,7 @@ STATUS_CODES: dict[type[WsyncError], grpc.StatusCode] = {
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Internal: grpc.StatusCode.INTERNAL,
 }
 """Error category -> canonical gRPC status code (``docs/architecture.md``, "Errors")."""

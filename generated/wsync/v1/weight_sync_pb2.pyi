@@ -26,7 +26,16 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   DEADLINE_EXCEEDED   a join, receive, drain or apply ran past its timeout
   UNAVAILABLE         the group broke (a peer died or closed its connection)
   UNIMPLEMENTED       a transport this engine does not implement yet
+  RESOURCE_EXHAUSTED  too many calls of one class at once (reason
+                      TOO_MANY_CALLS): the excess is refused, not queued;
+                      retry later
   INTERNAL            anything else (logged by the engine)
+
+Every duration a caller chooses is capped by the engine's operator (timeouts
+and lease_ttl clamped to a maximum, stream intervals to [minimum, 60 s]);
+the replies show the values in force. An update in flight that stays idle
+(no bucket arriving, no Update, no Complete running) past the operator's
+limit fails (DEADLINE_EXCEEDED, UPDATE_IDLE) and its owner loses the engine.
 """
 
 from collections import abc as _abc
@@ -366,13 +375,16 @@ class InitRequest(_message.Message):
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """timeout bounds the join and, afterwards, every collective on the group
-        (each bucket's receive). Unset or zero means 120 seconds.
+        (each bucket's receive). Unset or zero means 120 seconds; capped by the
+        engine's operator (GroupInfo.timeout is the value in force).
         """
 
     @_builtins.property
     def lease_ttl(self) -> _duration_pb2.Duration:
         """lease_ttl is how long the ownership outlives the owner's last call while
-        none of its KeepAlive calls is open. Unset or zero means 60 seconds.
+        none of its KeepAlive calls is open. Unset or zero means 60 seconds;
+        capped by the engine's operator (OwnerInfo.lease_ttl is the value in
+        force).
         """
 
     def __init__(
@@ -1068,7 +1080,7 @@ class CompleteRequest(_message.Message):
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """timeout bounds the wait for the remaining buckets. Unset or zero means
-        the group's collective timeout.
+        the group's collective timeout; capped by the engine's operator.
         """
 
     def __init__(
@@ -1181,7 +1193,8 @@ class PauseRequest(_message.Message):
     def timeout(self) -> _duration_pb2.Duration:
         """timeout bounds the drain in PAUSE_MODE_WAIT; past it Pause fails with
         DEADLINE_EXCEEDED and the engine stays paused with the rest still
-        running. Unset or zero means 60 seconds. Ignored by the other modes.
+        running. Unset or zero means 60 seconds; capped by the engine's
+        operator. Ignored by the other modes.
         """
 
     def __init__(
@@ -1331,7 +1344,9 @@ class WatchRequest(_message.Message):
     """
     @_builtins.property
     def interval(self) -> _duration_pb2.Duration:
-        """interval is the time between two messages; unset or zero means 0.5 s."""
+        """interval is the time between two messages; unset or zero means 0.5 s.
+        Clamped to the engine's minimum (0.1 s by default) and to 60 s.
+        """
 
     def __init__(
         self,
@@ -1837,7 +1852,9 @@ class KeepAliveRequest(_message.Message):
     """
     @_builtins.property
     def interval(self) -> _duration_pb2.Duration:
-        """interval is the time between two messages; unset or zero means 1 s."""
+        """interval is the time between two messages; unset or zero means 1 s.
+        Clamped to the engine's minimum (0.1 s by default) and to 60 s.
+        """
 
     def __init__(
         self,

@@ -26,7 +26,16 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   DEADLINE_EXCEEDED   a join, receive, drain or apply ran past its timeout
   UNAVAILABLE         the group broke (a peer died or closed its connection)
   UNIMPLEMENTED       a transport this engine does not implement yet
+  RESOURCE_EXHAUSTED  too many calls of one class at once (reason
+                      TOO_MANY_CALLS): the excess is refused, not queued;
+                      retry later
   INTERNAL            anything else (logged by the engine)
+
+Every duration a caller chooses is capped by the engine's operator (timeouts
+and lease_ttl clamped to a maximum, stream intervals to [minimum, 60 s]);
+the replies show the values in force. An update in flight that stays idle
+(no bucket arriving, no Update, no Complete running) past the operator's
+limit fails (DEADLINE_EXCEEDED, UPDATE_IDLE) and its owner loses the engine.
 """
 
 from collections import abc as _abc

@@ -38,8 +38,11 @@ from typing import Any
 import grpc
 
 from wsync_grpc.core.engine import Engine
+from wsync_grpc.core.timeouts import ServerBounds
+from wsync_grpc.service.call_limits import CallLimits
 from wsync_grpc.service.server import WsyncServer, build_server
 from wsync_grpc.tools.common import UsageError
+from wsync_grpc.wire.keepalive import Keepalive
 
 log = logging.getLogger("wsync")
 
@@ -115,6 +118,9 @@ class ServerOptions:
         grace: seconds in-flight RPCs get at shutdown.
         metrics_host, metrics_port: the Prometheus ``/metrics`` endpoint (``None`` port: not served).
         checkpoint_roots: directories disk updates may read checkpoints from (``--checkpoint-root``).
+        limits: calls of each class at once (``--max-calls``); ``None``: the defaults.
+        bounds: caps on what callers choose, and the update idle limit; ``None``: the defaults.
+        keepalive: HTTP/2 keepalive of the server; ``None``: the defaults.
     """
 
     host: str = "127.0.0.1"
@@ -127,6 +133,9 @@ class ServerOptions:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     checkpoint_roots: Sequence[str] = ()
+    limits: CallLimits | None = None
+    bounds: ServerBounds | None = None
+    keepalive: Keepalive | None = None
 
     def start(self, engine: Engine, services: Callable[[grpc.Server], list[str]] | None = None) -> WsyncServer:
         """Start the weight-sync server for ``engine`` (with ``services`` beside it); it serves until stopped.
@@ -145,6 +154,9 @@ class ServerOptions:
             metrics_host=self.metrics_host,
             metrics_port=self.metrics_port,
             checkpoint_roots=self.checkpoint_roots,
+            limits=self.limits,
+            bounds=self.bounds,
+            keepalive=self.keepalive,
         )
 
 
