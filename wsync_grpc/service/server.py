@@ -178,7 +178,8 @@ def build_server(
     )
     servicer = WeightSyncServicer(engine, checkpoint_roots=checkpoint_roots)
     # First, so that calls the token check refuses are counted too.
-    interceptors: list[_Interceptor] = [RpcMetrics(servicer.engine.metrics)]
+    rpc_metrics = RpcMetrics(servicer.engine.metrics)
+    interceptors: list[_Interceptor] = [rpc_metrics]
     interceptors += [_TokenAuth(token)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="wsync-grpc"),
@@ -189,6 +190,7 @@ def build_server(
     names = [WEIGHT_SYNC_SERVICE]
     if extra is not None:
         names += extra(server)
+    rpc_metrics.count_services(names)  # only these methods get series of their own
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ["", *names]:
