@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,6 +77,31 @@ def start_stub_trainer(target: str, port: int, *args: str) -> subprocess.Popen[s
 def status(stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> pb.GetStatusResponse:
     """GetStatus with a short deadline."""
     return stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+
+
+class StatusProbe:
+    """Calls GetStatus in a loop on a thread of its own; records the slowest answer, in seconds."""
+
+    def __init__(self, stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> None:
+        self.stub, self.slowest, self.calls = stub, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            status(self.stub)
+            self.slowest = max(self.slowest, time.monotonic() - t0)
+            self.calls += 1
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> StatusProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 def code_of(e: grpc.RpcError) -> grpc.StatusCode:

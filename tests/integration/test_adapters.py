@@ -8,6 +8,8 @@ trainer's real ``TrainerClient`` (its broadcast over a real gloo group, or the e
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from support import code_of, status, train
+from support import StatusProbe, code_of, status, train
 from wsync.v1 import generation_pb2, generation_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
@@ -27,6 +29,7 @@ from wsync_grpc.engines.reference import FinishReason, ReferenceEngine
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.testing import in_process_server
 from wsync_grpc.trainer import SyncError, TrainerClient
+from wsync_grpc.transports.disk.checkpoint import MAX_ADAPTER_CONFIG_BYTES
 from wsync_grpc.wire.status import error_reason
 
 PROMPT = "What is the capital of France?"
@@ -306,4 +309,101 @@ def test_an_adapter_update_in_flight_cannot_be_unloaded(tiny: Tiny, make_tiny_ll
     assert code_of(e.value) == grpc.StatusCode.FAILED_PRECONDITION
     assert error_reason(e.value) == "ADAPTER_UPDATE_IN_FLIGHT"
     assert tiny.stub.Complete(pb.CompleteRequest(update_id=r.update_id), timeout=30).weight_version == "v1"
+    assert tiny.listed() == [("a", "v1")]
+
+
+def _with_targets(root: Path, src: Path, name: str, targets: Any) -> Path:
+    """A copy of the PEFT directory ``src`` whose adapter_config.json sets ``target_modules`` to ``targets``."""
+    d = root / name
+    d.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": targets}))
+    (d / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    return d
+
+
+@pytest.mark.timeout(120)
+def test_a_backtracking_target_regex_is_matched_in_bounded_time(tiny: Tiny, make_tiny_llama: Any) -> None:
+    """PEFT's one-string target_modules is matched whole in linear time: ``(.|.)*`` regexes never freeze the engine.
+
+    With Python's ``re``, each module name the regex does not match (k_proj, o_proj, the MLP...)
+    backtracks through 2^len(name) paths: the engine, GIL held, would not answer for hours.
+    """
+    good = randomize(lora(make_tiny_llama(seed=0)), seed=1)
+    good.save_pretrained(tiny.root / "listed")
+    matching = _with_targets(tiny.root, tiny.root / "listed", "regex", r"(.|.)*\.(q_proj|v_proj)")
+    hopeless = _with_targets(tiny.root, tiny.root / "listed", "hopeless", "(.|.)*!")
+    lookahead = _with_targets(tiny.root, tiny.root / "listed", "lookahead", r"(?=.*q_proj).*")
+    ids = tiny.engine.encode_prompt(PROMPT)
+    with StatusProbe(tiny.stub) as probe, TrainerClient([tiny.target], rpc_timeout_s=30) as c:
+        t0 = time.monotonic()
+        with pytest.raises(SyncError) as e:
+            c.sync_adapter(hopeless, "h", "v1")
+        refused_s = time.monotonic() - t0
+        failure = e.value.failures[tiny.target]
+        assert (failure.code, failure.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "NO_TARGET_MODULES")
+        assert "(.|.)" not in failure.message  # the file's content is not echoed
+        with pytest.raises(SyncError) as e:
+            c.sync_adapter(lookahead, "h", "v1")
+        assert e.value.failures[tiny.target].reason == "BAD_TARGET_REGEX"
+        c.sync_adapter(matching, "a", "v1")
+    assert refused_s < 5, refused_s
+    assert probe.calls > 0 and probe.slowest < 1.0, (probe.calls, probe.slowest)
+    assert tiny.listed() == [("a", "v1")]
+    listed = tiny.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10).adapters[0]
+    assert list(listed.target_modules) == [r"(.|.)*\.(q_proj|v_proj)"]
+    peft_sums = {n: tensor_sha256(t) for n, t in peft.get_peft_model_state_dict(good).items()}
+    assert {n: tensor_sha256(t) for n, t in tiny.engine.adapter_tensors("a").items()} == peft_sums
+    out = answer(tiny.engine, "a", 12)
+    assert list(out.token_ids) == greedy(good, ids, 12)[: len(out.token_ids)]
+
+
+MARKER = "OUTSIDE-THE-ROOT-7f3a"
+
+
+def test_adapter_files_are_opened_beneath_the_root_only(
+    tiny: Tiny, make_tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A symlinked or FIFO adapter_config.json or weights file is refused; nothing outside is read or echoed."""
+    good = randomize(lora(make_tiny_llama(seed=0)), seed=1)
+    good.save_pretrained(tiny.root / "good")
+    outside = tmp_path_factory.mktemp("outside")
+    cfg = json.loads((tiny.root / "good" / "adapter_config.json").read_text())
+    (outside / "adapter_config.json").write_text(json.dumps({**cfg, "peft_type": MARKER}))
+    (outside / "adapter_model.safetensors").write_bytes((tiny.root / "good" / "adapter_model.safetensors").read_bytes())
+
+    def variant(name: str) -> Path:
+        d = tiny.root / name
+        d.mkdir()
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            (d / f).write_bytes((tiny.root / "good" / f).read_bytes())
+        return d
+
+    (variant("config-link") / "adapter_config.json").unlink()
+    (tiny.root / "config-link" / "adapter_config.json").symlink_to(outside / "adapter_config.json")
+    (variant("weights-link") / "adapter_model.safetensors").unlink()
+    (tiny.root / "weights-link" / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    (variant("config-fifo") / "adapter_config.json").unlink()
+    os.mkfifo(tiny.root / "config-fifo" / "adapter_config.json")
+    with (variant("config-huge") / "adapter_config.json").open("r+b") as f:  # sparse: costs no disk
+        f.truncate(MAX_ADAPTER_CONFIG_BYTES + 1)
+    (tiny.root / "dir-link").symlink_to(tiny.root / "good")
+    denied, invalid = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT
+    cases = {
+        "config-link": (denied, "SYMLINK_IN_PATH"),
+        "weights-link": (denied, "SYMLINK_IN_PATH"),
+        "dir-link": (denied, "SYMLINK_IN_PATH"),
+        "config-fifo": (denied, "NOT_A_REGULAR_FILE"),
+        "config-huge": (invalid, "ADAPTER_CONFIG_TOO_LARGE"),
+    }
+    with StatusProbe(tiny.stub) as probe, TrainerClient([tiny.target], rpc_timeout_s=30) as c:
+        for name, expected in cases.items():
+            with pytest.raises(SyncError) as e:
+                c.sync_adapter(tiny.root / name, "a", f"bad-{name}")
+            failure = e.value.failures[tiny.target]
+            assert (failure.code, failure.reason) == expected, (name, failure)
+            assert MARKER not in failure.message
+            assert tiny.listed() == []
+        c.sync_adapter(tiny.root / "good", "a", "v1")
+    assert probe.calls > 0 and probe.slowest < 1.0
     assert tiny.listed() == [("a", "v1")]

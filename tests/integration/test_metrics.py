@@ -8,6 +8,8 @@ add up to its total.
 from __future__ import annotations
 
 import json
+import random
+import string
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +148,51 @@ def test_rpcs_refused_by_the_token_check_are_counted() -> None:
             stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=(("authorization", "Bearer s3cret"),))
         m = scrape(srv.metrics_http.server_port)
         assert value(m, "wsync_rpcs_total", method="GetStatus", code="UNAUTHENTICATED") == 2
+        assert value(m, "wsync_rpcs_total", method="GetStatus", code="OK") == 1
+    finally:
+        srv.stop(1)
+
+
+def rpc_series(m: Samples) -> set[frozenset[tuple[str, str]]]:
+    """The label sets of every ``wsync_rpcs_total`` series."""
+    return {labels for (name, labels) in m if name == "wsync_rpcs_total"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_made_up_method_names_add_at_most_one_unknown_series(token: str | None) -> None:
+    """10k random method names (under wsync.v1's service and elsewhere) leave the series bounded.
+
+    With a token, the token check answers every path (UNAUTHENTICATED), so the counter sees each
+    made-up name; without one, gRPC answers UNIMPLEMENTED. Either way: one ``unknown`` series at most.
+    """
+    rng = random.Random(7)
+    srv = build_server(TensorEngine(synthetic.build("tiny")), token=token, metrics_port=0)
+    auth = (("authorization", f"Bearer {token}"),) if token else ()
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
+            stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=auth)
+            before = rpc_series(scrape(srv.metrics_http.server_port))
+            paths = [
+                rng.choice(["/wsync.v1.WeightSyncService/", "/wsync.v1.Made", "/x.Y/", "/"])
+                + "".join(rng.choices(string.ascii_letters + string.digits + "._", k=rng.randint(1, 40)))
+                for _ in range(10_000)
+            ]
+            codes = set()
+            for chunk in range(0, len(paths), 500):
+                calls = [ch.unary_unary(p).future(b"", timeout=30) for p in paths[chunk : chunk + 500]]
+                for c in calls:
+                    with pytest.raises(grpc.RpcError) as e:
+                        c.result()
+                    codes.add(e.value.code())  # type: ignore[attr-defined]
+            assert codes == {grpc.StatusCode.UNAUTHENTICATED if token else grpc.StatusCode.UNIMPLEMENTED}
+        m = scrape(srv.metrics_http.server_port)
+        after = rpc_series(m)
+        added = after - before
+        code = "UNAUTHENTICATED" if token else "UNIMPLEMENTED"
+        assert added == {frozenset({("method", "unknown"), ("code", code)})}, sorted(map(sorted, added))[:5]
+        assert value(m, "wsync_rpcs_total", method="unknown", code=code) == 10_000
         assert value(m, "wsync_rpcs_total", method="GetStatus", code="OK") == 1
     finally:
         srv.stop(1)

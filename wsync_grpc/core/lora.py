@@ -11,16 +11,24 @@ model's linear modules, so that the same
 buckets (or its file's headers) before anything is loaded, and
 :func:`lora_spec_from_config` reads a PEFT ``adapter_config.json`` (already
 parsed as JSON: never a pickle) and refuses what the engines do not serve.
-Pure: no I/O.
+
+A ``target_modules`` regex (PEFT's one-string form, matched whole against
+module names as PEFT's ``re.fullmatch``) is matched with Google RE2
+(:func:`target_pattern`), in time linear in the name's length: Python's
+``re`` backtracks, and a pattern such as ``(.|.)*!`` would hold the GIL (the
+whole engine) for hours. Patterns RE2 does not accept (lookarounds,
+backreferences) are refused. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import re2
 import torch
 
 from wsync_grpc.core.engine import ParamSpec
@@ -34,6 +42,45 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 LORA_DTYPE = torch.float32
 """The dtype engines keep adapters in (PEFT's default, whatever the base model's dtype)."""
+
+MAX_TARGET_REGEX_CHARS = 1024
+"""Longest ``target_modules`` regex, in characters (PEFT's own patterns are tens of characters)."""
+
+
+@functools.lru_cache(maxsize=64)
+def target_pattern(regex: str) -> Any:
+    """``regex`` compiled by RE2 (a ``re2._Regexp``: its ``fullmatch`` runs in linear time); cached.
+
+    Raises:
+        InvalidArgument: TARGET_REGEX_TOO_LONG (over :data:`MAX_TARGET_REGEX_CHARS`), BAD_TARGET_REGEX
+            (not a regular expression both RE2 and Python's ``re`` accept: lookarounds, backreferences...).
+            The message names what is wrong, never the pattern's text.
+    """
+    if len(regex) > MAX_TARGET_REGEX_CHARS:
+        raise InvalidArgument(
+            "TARGET_REGEX_TOO_LONG",
+            f"the target_modules regex has {len(regex)} characters; at most {MAX_TARGET_REGEX_CHARS} are accepted",
+        )
+    options = re2.Options()
+    options.log_errors = False
+    options.never_capture = True
+    try:
+        compiled = re2.compile(regex, options)
+    except re2.error as e:
+        raw = e.args[0] if e.args else b""
+        what = (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)).split(":", 1)[0]
+        raise InvalidArgument(
+            "BAD_TARGET_REGEX",
+            f"the target_modules regex is not one RE2 matches in bounded time ({what[:80]}); lookarounds and "
+            "backreferences are not supported: list the module names instead",
+        ) from None
+    try:
+        re.compile(regex)  # the engines hand it on (PEFT, vLLM), which compile it with Python's re
+    except re.error as e:
+        raise InvalidArgument(
+            "BAD_TARGET_REGEX", f"the target_modules regex is not a Python regular expression ({e.msg[:80]})"
+        ) from None
+    return compiled
 
 
 @dataclass(frozen=True)
@@ -59,7 +106,7 @@ class LoraSpec:
         alpha: ``LoraConfig.lora_alpha``; the update is scaled by ``alpha / rank``.
         target_modules: ``LoraConfig.target_modules`` as a list (names matched as the last parts of module names).
         target_regex: ``LoraConfig.target_modules`` when it is one string: a regular expression that must
-            match whole module names; then ``target_modules`` is empty.
+            match whole module names (matched with RE2, :func:`target_pattern`); then ``target_modules`` is empty.
     """
 
     name: str
@@ -69,9 +116,13 @@ class LoraSpec:
     target_regex: str = ""
 
     def targets(self, module: str) -> bool:
-        """Whether this adapter adapts the module named ``module`` (PEFT's matching rule)."""
+        """Whether this adapter adapts the module named ``module`` (PEFT's matching rule), in bounded time.
+
+        Raises:
+            InvalidArgument: see :func:`target_pattern`.
+        """
         if self.target_regex:
-            return re.fullmatch(self.target_regex, module) is not None
+            return target_pattern(self.target_regex).fullmatch(module) is not None
         return any(module == t or module.endswith("." + t) for t in self.target_modules)
 
 
@@ -93,7 +144,8 @@ def check_spec(spec: LoraSpec) -> LoraSpec:
     """Return ``spec`` if its fields are complete and sane.
 
     Raises:
-        InvalidArgument: BAD_ADAPTER_NAME, BAD_ADAPTER_CONFIG (rank 0, alpha not positive, no target).
+        InvalidArgument: BAD_ADAPTER_NAME, BAD_ADAPTER_CONFIG (rank 0, alpha not positive, no target),
+            and for a ``target_regex`` the reasons of :func:`target_pattern`.
     """
     check_name(spec.name)
     if spec.rank < 1 or not spec.alpha > 0 or not (spec.target_modules or spec.target_regex):
@@ -103,6 +155,8 @@ def check_spec(spec: LoraSpec) -> LoraSpec:
             "target_modules non-empty",
             adapter=spec.name,
         )
+    if spec.target_regex:
+        target_pattern(spec.target_regex)
     return spec
 
 
@@ -135,13 +189,28 @@ def adapter_param_specs(linears: Mapping[str, LinearShape], spec: LoraSpec, max_
             out[a] = ParamSpec(a, LORA_DTYPE, (spec.rank, shape.in_features))
             out[b] = ParamSpec(b, LORA_DTYPE, (shape.out_features, spec.rank))
     if not out:
-        targets = spec.target_regex or ", ".join(spec.target_modules)
+        # What the targets are is not repeated: they may come from a file (adapter_config.json).
+        targets = "its target_modules regex" if spec.target_regex else f"its {len(spec.target_modules)} target_modules"
         raise InvalidArgument(
             "NO_TARGET_MODULES",
-            f"adapter {spec.name!r}: no linear module of the base model matches target_modules ({targets[:200]})",
+            f"adapter {spec.name!r}: no linear module of the base model matches {targets}",
             adapter=spec.name,
         )
     return out
+
+
+def adapted_modules(names: Sequence[str]) -> list[str]:
+    """The module names an adapter's tensors adapt (``base_model.model.<module>.lora_A.weight`` -> ``<module>``).
+
+    What an engine hands on to a library that would match a ``target_modules`` regex with
+    Python's ``re`` (PEFT): the modules already matched, in bounded time, by :meth:`LoraSpec.targets`.
+    """
+    out: set[str] = set()
+    for n in names:
+        for suffix in (".lora_A.weight", ".lora_B.weight"):
+            if n.startswith(PEFT_PREFIX) and n.endswith(suffix):
+                out.add(n[len(PEFT_PREFIX) : -len(suffix)])
+    return sorted(out)
 
 
 _UNSUPPORTED: Mapping[str, Any] = {
@@ -159,19 +228,20 @@ _UNSUPPORTED: Mapping[str, Any] = {
 def lora_spec_from_config(name: str, config: Mapping[str, Any]) -> LoraSpec:
     """The :class:`LoraSpec` of a PEFT ``adapter_config.json`` (parsed), named ``name``.
 
+    Error messages name the fields at fault, never their values (the file's content).
+
     Raises:
         InvalidArgument: NOT_A_LORA_ADAPTER (another PEFT method), UNSUPPORTED_ADAPTER (DoRA,
             rsLoRA, bias, modules_to_save, per-layer ranks...), BAD_ADAPTER_CONFIG.
     """
     if config.get("peft_type", "LORA") != "LORA":
-        raise InvalidArgument(
-            "NOT_A_LORA_ADAPTER", f"adapter {name!r} is a {str(config.get('peft_type'))[:40]} adapter, not LoRA"
-        )
+        raise InvalidArgument("NOT_A_LORA_ADAPTER", f"adapter {name!r} is not a LoRA adapter (its peft_type)")
     for key, default in _UNSUPPORTED.items():
         value = config.get(key, default)
         if value not in (default, None, {}, []) and not (key == "bias" and value == "none"):
             raise InvalidArgument(
-                "UNSUPPORTED_ADAPTER", f"adapter {name!r} sets {key} = {str(value)[:80]}, which engines do not serve"
+                "UNSUPPORTED_ADAPTER",
+                f"adapter {name!r} sets {key} to other than {default!r}, which engines do not serve",
             )
     targets = config.get("target_modules")
     try:

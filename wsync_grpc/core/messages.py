@@ -12,16 +12,28 @@ engine import.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
 from wsync_grpc.core.engine import ReceiverProgress
-from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
+from wsync_grpc.core.errors import (
+    Aborted,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    GroupError,
+    GroupTimeout,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+    WsyncError,
+)
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Piece, TensorSlot, Transport
-from wsync_grpc.core.update import Payload, ReceivePlan
+from wsync_grpc.core.update import Payload, ReceivePlan, SourceFile
 
 
 def bucket_to_msg(b: Bucket) -> dict[str, Any]:
@@ -74,7 +86,8 @@ def plan_to_msg(p: ReceivePlan) -> dict[str, Any]:
         "apply_mode": p.apply_mode.value,
         "buckets": buckets_to_msg(p.buckets),
         "closed": p.closed,
-        "files": {name: str(f) for name, f in p.files.items()},
+        # Where each file lies and which file it was; never the open file itself (this process's own).
+        "files": {name: [f.root, f.path, f.device, f.inode] for name, f in p.files.items()},
         "timeout_s": p.timeout_s,
     }
 
@@ -92,7 +105,10 @@ def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
         apply_mode=ApplyMode(m["apply_mode"]),
         buckets=tuple(bucket_from_msg(b) for b in m["buckets"]),
         closed=bool(m["closed"]),
-        files={str(name): Path(f) for name, f in m["files"].items()},
+        files={
+            str(name): SourceFile(str(root), str(path), int(device), int(inode))
+            for name, (root, path, device, inode) in m["files"].items()
+        },
         timeout_s=float(m["timeout_s"]),
     )
 
@@ -128,20 +144,44 @@ _ERRORS: dict[str, type[BaseException]] = {
     "Cancelled": Cancelled,
 }
 
+_WSYNC_ERRORS: dict[str, type[WsyncError]] = {
+    cls.__name__: cls
+    for cls in (
+        InvalidArgument,
+        FailedPrecondition,
+        Aborted,
+        DeadlineExceeded,
+        Unavailable,
+        PermissionDenied,
+        NotFound,
+        Internal,
+    )
+}
+"""Categories a worker's error keeps across the process boundary, with its reason (e.g. CHECKPOINT_CHANGED)."""
+
 
 def error_to_msg(e: BaseException | None) -> list[str] | None:
-    """An exception as ``[kind, message]`` (``None`` for none): the kind keeps a group failure a group failure."""
+    """An exception as ``[kind, message]`` (``None`` for none), ``[kind, message, reason]`` for a categorized one.
+
+    The kind keeps a group failure a group failure, and a categorized error
+    (:class:`~wsync_grpc.core.errors.WsyncError`) its category and reason.
+    """
     if e is None:
         return None
+    if isinstance(e, WsyncError) and type(e).__name__ in _WSYNC_ERRORS:
+        return [type(e).__name__, e.message, e.reason]
     kind = type(e).__name__ if type(e).__name__ in _ERRORS else "Error"
     return [kind, str(e)]
 
 
 def error_from_msg(m: Sequence[str] | None) -> BaseException | None:
-    """The exception :func:`error_to_msg` described: GroupError, GroupTimeout, Cancelled, or RuntimeError."""
+    """The exception :func:`error_to_msg` described: GroupError, GroupTimeout, Cancelled, a categorized
+    error with its reason, or RuntimeError."""
     if m is None:
         return None
     kind, message = str(m[0]), str(m[1])
+    if len(m) > 2 and kind in _WSYNC_ERRORS:
+        return _WSYNC_ERRORS[kind](str(m[2]), message)
     cls = _ERRORS.get(kind, RuntimeError)
     return Cancelled() if cls is Cancelled else cls(message)
 

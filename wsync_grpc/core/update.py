@@ -17,9 +17,8 @@ Pure: no gRPC, no torch.distributed.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from wsync_grpc.core.header import UpdateHeader
@@ -72,6 +71,39 @@ class TransportRules(Protocol):
 
 
 @dataclass(frozen=True)
+class SourceFile:
+    """A file a disk update reads: where it lies beneath one of the engine's roots, and which file it was.
+
+    The engine opened it once at Prepare, beneath the root and through no
+    symlink, and read its header through that open file
+    (:mod:`~wsync_grpc.transports.disk.confined`). Readers in that process read
+    its tensors through the same open file (``handle``); a reader in another
+    process (an engine's worker) opens ``path`` beneath ``root`` again the same
+    way and refuses anything but the very file opened at Prepare (same
+    ``device`` and ``inode``).
+
+    Attributes:
+        root: the checkpoint root it lies beneath (a real path, as the operator allowed it).
+        path: its path beneath ``root``, ``/``-separated (no ``..``, no symlink on the way).
+        device: ``st_dev`` of the file opened at Prepare.
+        inode: ``st_ino`` of the file opened at Prepare.
+        handle: the open file, for readers in the process that opened it (the disk transport's own type);
+            ``None`` in any other process (it never crosses a process boundary).
+    """
+
+    root: str
+    path: str
+    device: int
+    inode: int
+    handle: object | None = field(default=None, compare=False, repr=False, hash=False)
+
+    @property
+    def name(self) -> str:
+        """Its path beneath the root (what messages show)."""
+        return self.path
+
+
+@dataclass(frozen=True)
 class PlannedUpdate:
     """What an engine's Prepare settled for one update: its header, its validated buckets, and their source.
 
@@ -80,11 +112,14 @@ class PlannedUpdate:
         buckets: the validated buckets declared so far (or built from the source), in index order.
         files: where the engine reads each tensor (a disk update's tensor name -> safetensors file); empty
             when the bytes arrive over the group.
+        release: lets go of what planning opened (the files' shared open descriptors); called once the
+            update's receivers exist (they hold their own references), or when the update is refused.
     """
 
     header: UpdateHeader
     buckets: list[Bucket]
-    files: Mapping[str, Path] = field(default_factory=dict)
+    files: Mapping[str, SourceFile] = field(default_factory=dict)
+    release: Callable[[], None] = field(default=lambda: None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -102,7 +137,8 @@ class ReceivePlan:
         apply_mode: staged (kept until Complete) or streaming (applied as each bucket arrives).
         buckets: the buckets declared so far, in index order.
         closed: no bucket will be declared after these (``False`` only for an incremental update).
-        files: a disk update's tensor name -> the safetensors file holding it; empty for a broadcast.
+        files: a disk update's tensor name -> the safetensors file holding it (as opened at Prepare); empty
+            for a broadcast.
         timeout_s: bound for arming every receiver, in seconds.
     """
 
@@ -112,7 +148,7 @@ class ReceivePlan:
     apply_mode: ApplyMode
     buckets: tuple[Bucket, ...]
     closed: bool
-    files: Mapping[str, Path] = field(default_factory=dict)
+    files: Mapping[str, SourceFile] = field(default_factory=dict)
     timeout_s: float = 60.0
 
     @property

@@ -37,7 +37,7 @@ from wsync_grpc.service.outcome import CompleteResult, PrepareResult
 from wsync_grpc.service.prepare import PrepareMessage, PrepareReader, cancelled_while_preparing
 from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.transports import transport_for
-from wsync_grpc.transports.disk.checkpoint import CheckpointRoots
+from wsync_grpc.transports.disk.roots import CheckpointRoots
 
 log = logging.getLogger(__name__)
 
@@ -223,13 +223,16 @@ class UpdateController:
             transport = transport_for(header.transport)
             if transport.needs_group and st.lifecycle.origin is not State.READY:
                 raise WrongState(Rpc.PREPARE, st.lifecycle.origin, "a broadcast needs the group: call Init first")
-            planned = transport.plan(header, validator, buckets, self.checkpoint_roots)
-            with self._lock:
-                if reader.cancel.is_set():
-                    raise cancelled_while_preparing()
-                session = UpdateSession(st, planned, transport, validator, started, self.bounds.update_idle_s)
-                session.trace_context = trace_context
-                session.start()
+            planned = transport.plan(header, validator, buckets, self.checkpoint_roots, reader.cancel)
+            try:
+                with self._lock:
+                    if reader.cancel.is_set():
+                        raise cancelled_while_preparing()
+                    session = UpdateSession(st, planned, transport, validator, started, self.bounds.update_idle_s)
+                    session.trace_context = trace_context
+                    session.start()
+            finally:
+                planned.release()  # the receivers hold their own references to what planning opened
         except BaseException:
             with self._lock:
                 self._preparing = None

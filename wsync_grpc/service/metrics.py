@@ -20,7 +20,9 @@ Metrics:
 - ``wsync_updates_total{outcome, reason}``: updates by outcome and reason
   (``""`` when applied; the ``ErrorInfo`` reason otherwise);
 - ``wsync_received_bytes_total``: bytes received over every worker;
-- ``wsync_rpcs_total{method, code}``: ``wsync.v1`` RPCs by method and status code;
+- ``wsync_rpcs_total{method, code}``: ``wsync.v1`` RPCs by method and status code; a call to a
+  method no registered service declares counts as ``method="unknown"``, so callers cannot
+  create series by inventing method names;
 - gauges ``wsync_lifecycle_state{state}`` (1 for the current state),
   ``wsync_paused``, ``wsync_dirty``, ``wsync_owner_present``,
   ``wsync_updates_in_flight`` (as vLLM's in-flight operations gauge),
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf import descriptor_pool
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -54,8 +57,8 @@ else:
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """Histogram buckets of the duration metrics, in seconds (5 ms to 5 min)."""
 
-SERVICE_PREFIX = "/wsync.v1."
-"""Only RPCs of the ``wsync.v1`` services are counted (not health checks or reflection)."""
+UNKNOWN_METHOD = "unknown"
+"""The ``method`` label of every call to a method no registered service declares (one series per code)."""
 
 
 class EngineMetrics:
@@ -160,11 +163,38 @@ class RpcMetrics(_Interceptor):
     """Counts every ``wsync.v1`` RPC by method and final status code (``wsync_rpcs_total``).
 
     Put it first in the server's interceptors, so that calls refused by the
-    token check are counted too (UNAUTHENTICATED).
+    token check are counted too (UNAUTHENTICATED). Only the methods of the
+    services given to :meth:`count_services` get a series of their own
+    (labelled with the method's name); a call to any other path of a
+    ``wsync.v1`` service, or of no registered service at all, counts as
+    ``method="unknown"``, so the number of series stays bounded whatever
+    method names callers send. Health checks and reflection are not counted.
+
+    Args:
+        metrics: where the counter lives.
+        services: full names of the services whose methods are counted by name (see :meth:`count_services`).
     """
 
-    def __init__(self, metrics: EngineMetrics) -> None:
+    def __init__(self, metrics: EngineMetrics, services: Iterable[str] = ()) -> None:
         self._metrics = metrics
+        self._methods: dict[str, str] = {}
+        self.count_services(services)
+
+    def count_services(self, services: Iterable[str]) -> None:
+        """Count the methods of ``services`` (full names, e.g. ``"wsync.v1.WeightSyncService"``) by name.
+
+        Call it before the server starts, once every service is registered. A service the default
+        protobuf descriptor pool does not hold has no methods to read: its calls count as ``unknown``.
+        """
+        pool = descriptor_pool.Default()
+        for name in services:
+            try:
+                service = pool.FindServiceByName(name)
+            except KeyError:
+                log.warning("service %s has no descriptor: its RPCs are counted as method=%r", name, UNKNOWN_METHOD)
+                continue
+            for m in service.methods:
+                self._methods[f"/{service.full_name}/{m.name}"] = m.name
 
     def intercept_service(
         self,
@@ -173,9 +203,14 @@ class RpcMetrics(_Interceptor):
     ) -> _Handler | None:
         handler = continuation(handler_call_details)
         path = handler_call_details.method  # type: ignore[attr-defined]
-        if handler is None or not path.startswith(SERVICE_PREFIX):
-            return handler
-        method = path.rsplit("/", 1)[-1]
+        method = self._methods.get(path)
+        if method is None:
+            if path.startswith(_UNCOUNTED):
+                return handler  # health and reflection (or made-up paths under their names)
+            method = UNKNOWN_METHOD
+        if handler is None:  # gRPC answers UNIMPLEMENTED
+            self._metrics.rpcs.labels(method=method, code=grpc.StatusCode.UNIMPLEMENTED.name).inc()
+            return None
         count = self._metrics.rpcs
         kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
 
@@ -213,6 +248,10 @@ class RpcMetrics(_Interceptor):
         if handler.stream_stream is not None:  # a streamed call behind the call bounds, or refused by the token
             return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kw)
         return handler
+
+
+_UNCOUNTED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+"""Paths the counter leaves alone: health checks and reflection."""
 
 
 def _code(context: grpc.ServicerContext, *, failed: bool) -> str:

@@ -145,7 +145,8 @@ def build_server(
     limiter = CallLimiter(limits)
     # Metrics first, so that calls the token check or a class's bound refuses are counted too; the
     # token check before the bounds, so that a caller without the token takes no slot.
-    interceptors: list[_Interceptor] = [RpcMetrics(servicer.engine.metrics)]
+    rpc_metrics = RpcMetrics(servicer.engine.metrics)
+    interceptors: list[_Interceptor] = [rpc_metrics]
     interceptors += [TokenAuth(token, exposed=not is_loopback(host))] if token else []
     interceptors.append(limiter)
     server = grpc.server(
@@ -157,6 +158,7 @@ def build_server(
     names = [WEIGHT_SYNC_SERVICE]
     if extra is not None:
         names += extra(server)
+    rpc_metrics.count_services(names)  # only these methods get series of their own
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ["", *names]:

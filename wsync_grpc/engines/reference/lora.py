@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
+from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec, adapted_modules
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,9 @@ class LoraSlots:
 
         slot = f"wsync{self._next}"
         self._next += 1
-        targets: list[str] | str = list(spec.target_modules) or spec.target_regex
+        # A regex was matched at Prepare (RE2, bounded time): PEFT gets the modules it matched, never the
+        # regex, which it would match again with Python's re (unbounded backtracking).
+        targets = list(spec.target_modules) or adapted_modules([n for n, _ in tensors])
         alpha: Any = int(spec.alpha) if spec.alpha.is_integer() else spec.alpha  # PEFT types it int, uses alpha / r
         config = LoraConfig(r=spec.rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
         if self._peft is None:

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from wsync_grpc.core.engine import ParamSpec
-from wsync_grpc.transports.disk.checkpoint import checkpoint_files, torch_dtype
+from wsync_grpc.transports.disk.checkpoint import model_checkpoint_files, torch_dtype
 
 
 def checkpoint_specs(model_dir: Path, served_dtype: torch.dtype) -> dict[str, ParamSpec]:
@@ -26,11 +26,11 @@ def checkpoint_specs(model_dir: Path, served_dtype: torch.dtype) -> dict[str, Pa
     others keep the checkpoint's dtype. Shapes are the full, unsharded ones.
 
     Raises:
-        NotFound: no safetensors file there (see :func:`~wsync_grpc.transports.disk.checkpoint.checkpoint_files`).
+        NotFound: no safetensors file there (see :func:`~wsync_grpc.transports.disk.checkpoint.model_checkpoint_files`).
         ValueError: a dtype weight sync does not carry.
     """
     specs: dict[str, ParamSpec] = {}
-    for f in checkpoint_files(model_dir):
+    for f in model_checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 sl = st.get_slice(name)

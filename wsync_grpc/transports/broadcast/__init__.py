@@ -10,6 +10,7 @@ an incremental update); the engine must have joined the group (Init).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from wsync_grpc.core.header import UpdateHeader
@@ -17,7 +18,7 @@ from wsync_grpc.core.layout import Bucket, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import UpdateValidator
 from wsync_grpc.transports.broadcast.receiver import BroadcastReceiver
-from wsync_grpc.transports.disk.checkpoint import CheckpointRoots
+from wsync_grpc.transports.disk.roots import CheckpointRoots
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 
@@ -37,7 +38,12 @@ class BroadcastTransport:
         """An incremental broadcast may declare further buckets."""
 
     def plan(
-        self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], roots: CheckpointRoots
+        self,
+        header: UpdateHeader,
+        validator: UpdateValidator,
+        buckets: list[Bucket],
+        roots: CheckpointRoots,
+        cancel: threading.Event,
     ) -> PlannedUpdate:
         """The stream's header and buckets as they are: the bytes come over the group."""
         return PlannedUpdate(header, buckets)

@@ -1,16 +1,21 @@
 """The disk transport: the engine reads a safetensors checkpoint beneath its roots, no group needed.
 
 The header names the checkpoint (``PrepareHeader.checkpoint_path``); the engine
-resolves it beneath its roots and builds the buckets from the files' headers
-(:mod:`~wsync_grpc.transports.disk.checkpoint`), validated as a broadcast's are;
-each worker's :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` reads
-its tensors. The trainer side writes checkpoints
+opens it beneath its roots (:mod:`~wsync_grpc.transports.disk.roots`), never
+through a symlink, each file once (:mod:`~wsync_grpc.transports.disk.confined`),
+and builds the buckets from the files' headers read through those open files
+(:mod:`~wsync_grpc.transports.disk.checkpoint`,
+:mod:`~wsync_grpc.transports.disk.safetensors_file`), validated as a
+broadcast's are; each worker's
+:class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` reads its tensors
+through the same files. The trainer side writes checkpoints
 (:mod:`~wsync_grpc.transports.disk.writer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 from wsync_grpc.core.errors import InvalidArgument
@@ -18,8 +23,9 @@ from wsync_grpc.core.header import UpdateHeader, transport_unimplemented
 from wsync_grpc.core.layout import Bucket, Layout, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import UpdateValidator
-from wsync_grpc.transports.disk.checkpoint import CheckpointRoots, plan_disk_update
+from wsync_grpc.transports.disk.checkpoint import plan_disk_update
 from wsync_grpc.transports.disk.receiver import DiskReceiver
+from wsync_grpc.transports.disk.roots import CheckpointRoots
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 
@@ -58,14 +64,19 @@ class DiskTransport:
         raise transport_unimplemented(self.kind)
 
     def plan(
-        self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], roots: CheckpointRoots
+        self,
+        header: UpdateHeader,
+        validator: UpdateValidator,
+        buckets: list[Bucket],
+        roots: CheckpointRoots,
+        cancel: threading.Event,
     ) -> PlannedUpdate:
-        """The checkpoint resolved beneath ``roots``, its buckets built from its headers and validated.
+        """The checkpoint opened beneath ``roots``, its buckets built from its headers and validated.
 
         Raises:
             see :func:`~wsync_grpc.transports.disk.checkpoint.plan_disk_update`.
         """
-        return plan_disk_update(roots, header, validator)
+        return plan_disk_update(roots, header, validator, cancel)
 
     def receiver(self, site: ReceiveSite, plan: ReceivePlan) -> Receiver:
         """A :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` reading ``plan.files``."""

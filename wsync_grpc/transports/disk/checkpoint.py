@@ -3,36 +3,42 @@
 A disk update (``TRANSPORT_DISK``, SGLang's ``update_weights_from_disk``,
 vLLM's ``reload_weights``) names a checkpoint by path. The engine's operator
 allows a few directories (``wsync serve --checkpoint-root DIR``, repeatable);
-:class:`CheckpointRoots` resolves a caller's path against them and refuses
-anything that lands outside (``..``, a symlink out, an absolute path
-elsewhere) with PERMISSION_DENIED. :func:`read_checkpoint` then reads only the
-files' headers (names, dtypes, shapes), never a tensor's data, so that the
-update is validated like broadcast metadata before a byte is loaded; the
-tensors are read later by :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver`.
-Only safetensors: a pickle checkpoint (``.bin``, ``.pt``...) is refused, never
-opened, since loading one runs whatever code it carries.
+:class:`~wsync_grpc.transports.disk.roots.CheckpointRoots` places a caller's
+path beneath one of them and opens it there, one component at a time, never
+through a symlink (:mod:`~wsync_grpc.transports.disk.confined`). Every file a disk update reads
+(the index, the shards, an adapter's config and weights) is opened once,
+must be a regular file, and is read through that open file only:
+:func:`read_checkpoint` reads the files' headers (names, dtypes, shapes,
+never a tensor's data) so that the update is validated like broadcast
+metadata before a byte is loaded, and the readers
+(:class:`~wsync_grpc.transports.disk.receiver.DiskReceiver`) read the tensors
+through the same open files later. Planning is bounded: side files, headers,
+files and tensors all have caps. Only safetensors: a pickle checkpoint
+(``.bin``, ``.pt``...) is refused, never opened, since loading one runs
+whatever code it carries.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from wsync_grpc.core.dtypes import dtype_name
-from wsync_grpc.core.errors import InvalidArgument, NotFound, PermissionDenied
+from wsync_grpc.core.errors import Aborted, InvalidArgument, NotFound
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.lora import LoraSpec, lora_spec_from_config
-from wsync_grpc.core.update import PlannedUpdate
+from wsync_grpc.core.update import PlannedUpdate, SourceFile
 from wsync_grpc.core.validation import UpdateValidator
+from wsync_grpc.transports.disk.confined import OpenDir, OpenFile, SharedFile, path_parts, shown
+from wsync_grpc.transports.disk.roots import CheckpointRoots
+from wsync_grpc.transports.disk.safetensors_file import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 """The index of a sharded Hugging Face checkpoint (``weight_map``: tensor name -> file)."""
@@ -43,21 +49,23 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 DISK_BUCKET_BYTES = 64 << 20
 """A disk update's buckets: consecutive tensors of one file, up to this many bytes each (one tensor may exceed it)."""
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-"""Safetensors dtype tag (its header's ``dtype``) -> torch dtype."""
+MAX_INDEX_BYTES = 64 << 20
+"""Largest ``model.safetensors.index.json`` read, in bytes (a 100k-tensor index is about 10 MB)."""
+
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+"""Largest ``adapter_config.json`` read, in bytes (PEFT writes about 1 KB)."""
+
+MAX_DIR_ENTRIES = 100_000
+"""Most entries a checkpoint directory may hold (it is listed to find its files)."""
+
+MAX_CHECKPOINT_FILES = 4096
+"""Most safetensors files one checkpoint may have."""
+
+MAX_CHECKPOINT_TENSORS = 1 << 20
+"""Most tensors one checkpoint's headers may list, in all."""
+
+MAX_HEADERS_BYTES = 256 << 20
+"""Most bytes of safetensors headers one checkpoint's planning reads, in all."""
 
 
 def torch_dtype(tag: str) -> torch.dtype:
@@ -72,65 +80,6 @@ def torch_dtype(tag: str) -> torch.dtype:
         raise ValueError(f"checkpoint dtype {tag} is not supported") from None
 
 
-class CheckpointRoots:
-    """The directories an engine may read checkpoints from (its operator's ``--checkpoint-root``).
-
-    Args:
-        roots: directories; each is resolved (symlinks followed) once, here.
-
-    Raises:
-        ValueError: a root that is not an existing directory.
-    """
-
-    def __init__(self, roots: Sequence[str | os.PathLike[str]]) -> None:
-        self.roots: list[Path] = []
-        for r in roots:
-            real = Path(os.path.realpath(r))
-            if not real.is_dir():
-                raise ValueError(f"checkpoint root {str(r)!r} is not a directory")
-            self.roots.append(real)
-
-    def __bool__(self) -> bool:
-        return bool(self.roots)
-
-    def contains(self, real: Path) -> bool:
-        """Whether the resolved path ``real`` lies inside some root."""
-        return any(real == r or real.is_relative_to(r) for r in self.roots)
-
-    def resolve(self, path: str) -> Path:
-        """The real path of ``path`` (relative paths under the first root), if it lies inside a root.
-
-        Raises:
-            PermissionDenied: NO_CHECKPOINT_ROOT (the engine allows none),
-                PATH_OUTSIDE_ROOTS (a ``..`` component, or the resolved path
-                outside every root: an absolute path elsewhere, a symlink out).
-            InvalidArgument: BAD_CHECKPOINT_PATH (empty, or a NUL byte).
-            NotFound: CHECKPOINT_NOT_FOUND.
-        """
-        if not self.roots:
-            raise PermissionDenied(
-                "NO_CHECKPOINT_ROOT",
-                "this engine reads no checkpoint from disk: start it with --checkpoint-root DIR",
-            )
-        if not path or "\x00" in path:
-            raise InvalidArgument("BAD_CHECKPOINT_PATH", "checkpoint_path is empty or holds a NUL byte")
-        shown = path[:200]
-        p = Path(path)
-        if ".." in p.parts:
-            raise PermissionDenied("PATH_OUTSIDE_ROOTS", f"checkpoint path {shown!r} has a '..' component", path=shown)
-        real = Path(os.path.realpath(p if p.is_absolute() else self.roots[0] / p))
-        if not self.contains(real):
-            raise PermissionDenied(
-                "PATH_OUTSIDE_ROOTS",
-                f"checkpoint path {shown!r} resolves outside the engine's checkpoint roots "
-                f"({', '.join(str(r) for r in self.roots)})",
-                path=shown,
-            )
-        if not real.exists():
-            raise NotFound("CHECKPOINT_NOT_FOUND", f"no checkpoint at {shown!r}", path=shown)
-        return real
-
-
 @dataclass(frozen=True)
 class CheckpointTensor:
     """One tensor of a checkpoint, as its file's header describes it.
@@ -140,57 +89,118 @@ class CheckpointTensor:
         dtype: its dtype name as weight sync spells it (``"bfloat16"``), or the raw tag when unsupported.
         shape: its shape.
         nbytes: its size, in bytes (from the header's data offsets).
-        file: the file holding it (resolved).
+        file: the open file holding it.
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    file: Path
+    file: OpenFile
 
 
-def checkpoint_files(path: Path, roots: CheckpointRoots | None = None) -> list[Path]:
-    """The safetensors files of a checkpoint: ``path`` itself, or a directory's (through its index when it has one).
-
-    Args:
-        path: a resolved file or directory.
-        roots: when given, every file (an index may name any) must resolve inside them.
+def _suffix_checked(name: str) -> str:
+    """``name`` if it names a safetensors file.
 
     Raises:
-        InvalidArgument: PICKLE_CHECKPOINT (a pickle file, or a directory with
-            pickle files and no safetensors), NOT_SAFETENSORS, BAD_INDEX.
-        NotFound: CHECKPOINT_NOT_FOUND (no safetensors file; a file the index names is missing).
-        PermissionDenied: PATH_OUTSIDE_ROOTS (a file resolving outside ``roots``).
+        InvalidArgument: PICKLE_CHECKPOINT, NOT_SAFETENSORS.
     """
-    if path.is_file():
-        files = [path]
-    elif (path / INDEX_FILE).is_file():
-        try:
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-            files = [path / f for f in sorted(set(weight_map.values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise InvalidArgument("BAD_INDEX", f"{INDEX_FILE} in {path} is not a safetensors index: {e}") from None
+    suffix = PurePosixPath(name).suffix
+    if suffix in PICKLE_SUFFIXES:
+        raise _pickle_refused(name)
+    if suffix != ".safetensors":
+        raise InvalidArgument("NOT_SAFETENSORS", f"{shown(name)} is not a .safetensors file", path=shown(name))
+    return name
+
+
+def open_checkpoint(target: OpenDir | OpenFile) -> list[OpenFile]:
+    """The safetensors files of a checkpoint, opened: ``target`` itself, or a directory's (through its index).
+
+    Every file is opened beneath ``target`` (so beneath its root), never
+    through a symlink, and must be a regular file. The index is read through
+    its own open file, at most :data:`MAX_INDEX_BYTES`. On error, nothing
+    stays open but ``target`` (the caller's).
+
+    Raises:
+        InvalidArgument: PICKLE_CHECKPOINT (a pickle file, or a directory with pickle files and no
+            safetensors), NOT_SAFETENSORS, BAD_INDEX, INDEX_TOO_LARGE, TOO_MANY_FILES.
+        NotFound: CHECKPOINT_NOT_FOUND (no safetensors file; a file the index names is missing).
+        PermissionDenied: PATH_OUTSIDE_ROOTS (an index naming a file by an absolute path or through ``..``),
+            SYMLINK_IN_PATH, NOT_A_REGULAR_FILE.
+    """
+    if isinstance(target, OpenFile):
+        _suffix_checked(target.name)
+        return [target]
+    names = target.names(MAX_DIR_ENTRIES)
+    where = "/".join(target.path) or "the checkpoint root"
+    if INDEX_FILE in names:
+        with target.open_file((INDEX_FILE,)) as index:
+            files = _index_files(index.read_all(MAX_INDEX_BYTES, "INDEX_TOO_LARGE"))
     else:
-        files = sorted(path.glob("*.safetensors"))
+        files = [(n,) for n in names if n.endswith(".safetensors")]
         if not files:
-            pickles = [f.name for f in sorted(path.iterdir()) if f.suffix in PICKLE_SUFFIXES]
+            pickles = [n for n in names if PurePosixPath(n).suffix in PICKLE_SUFFIXES]
             if pickles:
                 raise _pickle_refused(pickles[0])
-            raise NotFound("CHECKPOINT_NOT_FOUND", f"no safetensors file in {path}", path=str(path)[:200])
-    out: list[Path] = []
-    for f in files:
-        if f.suffix in PICKLE_SUFFIXES:
-            raise _pickle_refused(f.name)
-        if f.suffix != ".safetensors":
-            raise InvalidArgument("NOT_SAFETENSORS", f"{f.name} is not a .safetensors file", path=f.name[:200])
-        real = Path(os.path.realpath(f))
-        if roots is not None and not roots.contains(real):
-            raise PermissionDenied("PATH_OUTSIDE_ROOTS", f"{f.name} resolves outside the checkpoint roots")
-        if not real.is_file():
-            raise NotFound("CHECKPOINT_NOT_FOUND", f"checkpoint file {f.name} is missing", path=f.name[:200])
-        out.append(real)
+            raise NotFound("CHECKPOINT_NOT_FOUND", f"no safetensors file in {shown(where)}", path=shown(where))
+    if len(files) > MAX_CHECKPOINT_FILES:
+        raise InvalidArgument(
+            "TOO_MANY_FILES", f"the checkpoint has {len(files)} files; at most {MAX_CHECKPOINT_FILES} are read"
+        )
+    out: list[OpenFile] = []
+    try:
+        for parts in files:
+            _suffix_checked(parts[-1])
+            out.append(target.open_file(parts))
+    except BaseException:
+        for f in out:
+            f.close()
+        raise
     return out
+
+
+def _index_files(raw: bytes) -> list[tuple[str, ...]]:
+    """The files a ``model.safetensors.index.json`` names (each as path components), sorted, each once.
+
+    Raises:
+        InvalidArgument: BAD_INDEX (not an index; the message never repeats its content).
+        PermissionDenied: PATH_OUTSIDE_ROOTS (an absolute path, a ``..``).
+    """
+    try:
+        weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
+        names = set(weight_map.values())
+        if not all(isinstance(n, str) and n for n in names):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise InvalidArgument(
+            "BAD_INDEX", f"{INDEX_FILE} is not a safetensors index (a weight_map of tensor names to file names)"
+        ) from None
+    files = {path_parts(n) for n in names}
+    files.discard(())
+    return sorted(files)
+
+
+def model_checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of the model directory an engine was started with (its operator's, not a caller's).
+
+    Symlinks are followed (a Hugging Face cache snapshot is made of them): never give it a path a caller chose.
+
+    Raises:
+        NotFound: CHECKPOINT_NOT_FOUND (no safetensors file).
+        InvalidArgument: BAD_INDEX.
+    """
+    if path.is_file():
+        return [path]
+    if (path / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            return [path / f for f in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InvalidArgument("BAD_INDEX", f"{INDEX_FILE} in {path} is not a safetensors index: {e}") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise NotFound("CHECKPOINT_NOT_FOUND", f"no safetensors file in {path}", path=str(path)[:200])
+    return files
 
 
 def _pickle_refused(name: str) -> InvalidArgument:
@@ -201,27 +211,40 @@ def _pickle_refused(name: str) -> InvalidArgument:
     )
 
 
-def read_checkpoint(files: Sequence[Path]) -> list[CheckpointTensor]:
-    """Every tensor of ``files``, in file order then header order, from the headers alone.
+def read_checkpoint(files: Sequence[OpenFile], cancel: threading.Event | None = None) -> list[CheckpointTensor]:
+    """Every tensor of ``files``, in file order then name order, from the headers alone (read through each file).
+
+    Bounded: at most :data:`MAX_CHECKPOINT_TENSORS` tensors and :data:`MAX_HEADERS_BYTES` of headers in all.
+
+    Args:
+        cancel: when set, reading stops before the next file.
 
     Raises:
-        InvalidArgument: BAD_CHECKPOINT_FILE (not a valid safetensors file, or unreadable).
+        InvalidArgument: BAD_CHECKPOINT_FILE (not a valid safetensors file, or unreadable), HEADER_TOO_LARGE,
+            TOO_MANY_TENSORS.
+        Aborted: UPDATE_CANCELLED (``cancel`` was set).
     """
     out: list[CheckpointTensor] = []
+    budget = MAX_HEADERS_BYTES
     for f in files:
+        if cancel is not None and cancel.is_set():
+            raise Aborted("UPDATE_CANCELLED", "the update was cancelled while its checkpoint was being read")
         try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    sl = st.get_slice(name)
-                    tag = sl.get_dtype()
-                    shape = tuple(int(d) for d in sl.get_shape())
-                    dtype = SAFETENSORS_DTYPES.get(tag)  # None: the validator refuses the raw tag
-                    nbytes = math.prod(shape) * dtype.itemsize if dtype is not None else 0
-                    out.append(CheckpointTensor(name, dtype_name(dtype) if dtype else tag, shape, nbytes, f))
-        except (SafetensorError, OSError) as e:
+            header = read_header(f, min(MAX_HEADER_BYTES, budget))
+        except OSError as e:
             raise InvalidArgument(
-                "BAD_CHECKPOINT_FILE", f"{f.name} is not a readable safetensors file: {e}", path=f.name[:200]
+                "BAD_CHECKPOINT_FILE", f"{shown(f.name)} could not be read: {e.strerror}", path=shown(f.name)
             ) from None
+        budget -= header.nbytes
+        entries = header.entries
+        if len(out) + len(entries) > MAX_CHECKPOINT_TENSORS:
+            raise InvalidArgument(
+                "TOO_MANY_TENSORS", f"the checkpoint lists more than {MAX_CHECKPOINT_TENSORS} tensors"
+            )
+        for entry in entries:
+            dtype = SAFETENSORS_DTYPES.get(entry.dtype)  # None: the validator refuses the raw tag
+            shown_dtype = dtype_name(dtype) if dtype else entry.dtype[:20]
+            out.append(CheckpointTensor(entry.name, shown_dtype, entry.shape, entry.nbytes, f))
     return out
 
 
@@ -273,9 +296,11 @@ def bucket_specs(tensors: Sequence[CheckpointTensor], bucket_bytes: int = DISK_B
     ]
 
 
-def files_of(buckets: Sequence[Bucket], tensors: Sequence[CheckpointTensor]) -> dict[str, Path]:
-    """Tensor name -> the file holding it, for the tensors of ``buckets``."""
-    where = {t.name: t.file for t in tensors}
+def files_of(
+    buckets: Sequence[Bucket], tensors: Sequence[CheckpointTensor], sources: dict[OpenFile, SourceFile]
+) -> dict[str, SourceFile]:
+    """Tensor name -> the file holding it (``sources``: each open file as the plan names it), for ``buckets``."""
+    where = {t.name: sources[t.file] for t in tensors}
     return {s.name: where[s.name] for b in buckets for s in b.tensors}
 
 
@@ -286,54 +311,102 @@ ADAPTER_FILE = "adapter_model.safetensors"
 """A PEFT adapter directory's tensors."""
 
 
-def adapter_checkpoint(path: Path, name: str, roots: CheckpointRoots | None = None) -> tuple[LoraSpec, list[Path]]:
-    """The spec and file of the PEFT adapter directory ``path`` (``save_pretrained``'s output), named ``name``.
+def adapter_checkpoint(target: OpenDir | OpenFile, name: str) -> tuple[LoraSpec, OpenFile]:
+    """The spec and open weights file of the PEFT adapter directory ``target`` (``save_pretrained``'s output).
+
+    ``adapter_config.json`` is opened beneath ``target``, never through a
+    symlink, a regular file of at most :data:`MAX_ADAPTER_CONFIG_BYTES`, and
+    read through that open file; so is ``adapter_model.safetensors``. Error
+    messages never repeat the config's content.
 
     Raises:
-        InvalidArgument: NOT_A_PEFT_DIRECTORY, BAD_ADAPTER_CONFIG (not JSON), PICKLE_CHECKPOINT
-            (``adapter_model.bin`` only), and the reasons of :func:`~wsync_grpc.core.lora.lora_spec_from_config`.
+        InvalidArgument: NOT_A_PEFT_DIRECTORY, BAD_ADAPTER_CONFIG (not a JSON object),
+            ADAPTER_CONFIG_TOO_LARGE, PICKLE_CHECKPOINT (``adapter_model.bin`` only), and the reasons of
+            :func:`~wsync_grpc.core.lora.lora_spec_from_config`.
         NotFound: CHECKPOINT_NOT_FOUND (no ``adapter_model.safetensors``).
+        PermissionDenied: SYMLINK_IN_PATH, NOT_A_REGULAR_FILE.
     """
-    config = path / ADAPTER_CONFIG
-    if not path.is_dir() or not config.is_file():
+    if isinstance(target, OpenFile):
+        raise InvalidArgument("NOT_A_PEFT_DIRECTORY", f"{shown(target.name)} is a file, not a PEFT adapter directory")
+    names = target.names(MAX_DIR_ENTRIES)
+    where = "/".join(target.path) or "the checkpoint root"
+    if ADAPTER_CONFIG not in names:
         raise InvalidArgument(
-            "NOT_A_PEFT_DIRECTORY", f"{path.name} is not a PEFT adapter directory (no {ADAPTER_CONFIG})"
+            "NOT_A_PEFT_DIRECTORY", f"{shown(where)} is not a PEFT adapter directory (no {ADAPTER_CONFIG})"
         )
+    with target.open_file((ADAPTER_CONFIG,)) as config:
+        raw = config.read_all(MAX_ADAPTER_CONFIG_BYTES, "ADAPTER_CONFIG_TOO_LARGE")
     try:
-        parsed = json.loads(config.read_text())
-    except (ValueError, OSError) as e:
-        raise InvalidArgument("BAD_ADAPTER_CONFIG", f"{ADAPTER_CONFIG} is not JSON: {e}") from None
+        parsed = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise InvalidArgument("BAD_ADAPTER_CONFIG", f"{ADAPTER_CONFIG} is not UTF-8 JSON") from None
     if not isinstance(parsed, dict):
         raise InvalidArgument("BAD_ADAPTER_CONFIG", f"{ADAPTER_CONFIG} is not a JSON object")
     spec = lora_spec_from_config(name, parsed)
-    if not (path / ADAPTER_FILE).exists() and (path / "adapter_model.bin").exists():
-        raise _pickle_refused("adapter_model.bin")
-    if not (path / ADAPTER_FILE).exists():
-        raise NotFound("CHECKPOINT_NOT_FOUND", f"no {ADAPTER_FILE} in {path.name}", path=path.name[:200])
-    return spec, checkpoint_files(path / ADAPTER_FILE, roots)
+    if ADAPTER_FILE not in names:
+        if "adapter_model.bin" in names:
+            raise _pickle_refused("adapter_model.bin")
+        raise NotFound("CHECKPOINT_NOT_FOUND", f"no {ADAPTER_FILE} in {shown(where)}", path=shown(where))
+    return spec, target.open_file((ADAPTER_FILE,))
 
 
-def plan_disk_update(roots: CheckpointRoots, header: UpdateHeader, validator: UpdateValidator) -> PlannedUpdate:
+def plan_disk_update(
+    roots: CheckpointRoots,
+    header: UpdateHeader,
+    validator: UpdateValidator,
+    cancel: threading.Event | None = None,
+) -> PlannedUpdate:
     """A disk update's buckets, validated, and where each tensor is: everything Prepare does before loading.
 
-    Resolves ``header.checkpoint_path`` inside ``roots``, lists its files (an
+    Opens ``header.checkpoint_path`` beneath ``roots``, opens its files (an
     adapter's: its PEFT directory's, its spec from ``adapter_config.json``),
-    reads their headers and validates every tensor with ``validator`` (which
-    then holds the update's declarations, as after a broadcast's Prepare stream).
+    reads their headers through those open files and validates every tensor
+    with ``validator`` (which then holds the update's declarations, as after
+    a broadcast's Prepare stream). The files stay open, shared by the
+    update's readers in this process; ``PlannedUpdate.release`` lets go of
+    planning's references (it closes them when no reader took one).
+
+    Args:
+        cancel: when set (a Cancel while the update is planned), planning stops between two files.
 
     Raises:
-        PermissionDenied, NotFound, InvalidArgument: see :meth:`CheckpointRoots.resolve`,
-            :func:`checkpoint_files`, :func:`adapter_checkpoint`, :func:`read_checkpoint` and
+        PermissionDenied, NotFound, InvalidArgument: see :meth:`CheckpointRoots.open`,
+            :func:`open_checkpoint`, :func:`adapter_checkpoint`, :func:`read_checkpoint` and
             :meth:`~wsync_grpc.core.validation.UpdateValidator.disk_buckets`.
+        Aborted: UPDATE_CANCELLED (``cancel`` was set).
         Unimplemented: an adapter on an engine that serves none.
     """
-    path = roots.resolve(header.checkpoint_path)
-    if header.adapter is not None:
-        spec, files = adapter_checkpoint(path, header.adapter.name, roots)
-        validator.use_specs(validator.adapter_specs(spec), {})
-        header = dataclasses.replace(header, adapter=spec)
-    else:
-        files = checkpoint_files(path, roots)
-    tensors = read_checkpoint(files)
-    buckets = validator.source_buckets(bucket_specs(tensors))
-    return PlannedUpdate(header, buckets, files_of(buckets, tensors))
+    _, parts = roots.locate(header.checkpoint_path)
+    if parts and PurePosixPath(parts[-1]).suffix in PICKLE_SUFFIXES:  # refused before it is even opened
+        raise _pickle_refused(parts[-1])
+    target = roots.open(header.checkpoint_path)
+    files: list[OpenFile] = []
+    try:
+        if header.adapter is not None:
+            spec, weights = adapter_checkpoint(target, header.adapter.name)
+            files = [weights]
+            validator.use_specs(validator.adapter_specs(spec), {})
+            header = dataclasses.replace(header, adapter=spec)
+        else:
+            files = open_checkpoint(target)
+        tensors = read_checkpoint(files, cancel)
+        buckets = validator.source_buckets(bucket_specs(tensors))
+    except BaseException:
+        for f in files:
+            f.close()
+        if isinstance(target, OpenFile):
+            target.close()
+        raise
+    finally:
+        if isinstance(target, OpenDir):
+            target.close()
+    shared = {f: SharedFile(f) for f in files}
+    sources = {f: f.source(shared[f]) for f in files}
+    once = threading.Lock()
+
+    def release() -> None:
+        if once.acquire(blocking=False):  # the first call only
+            for s in shared.values():
+                s.release()
+
+    return PlannedUpdate(header, buckets, files_of(buckets, tensors, sources), release)
