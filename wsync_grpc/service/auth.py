@@ -11,18 +11,12 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from wsync_grpc.service.call_limits import HEALTH_PREFIX, REFLECTION_PREFIX
-
-if TYPE_CHECKING:
-    _Interceptor = grpc.ServerInterceptor[Any, Any]
-    _Handler = grpc.RpcMethodHandler[Any, Any]
-else:
-    _Interceptor = grpc.ServerInterceptor
-    _Handler = grpc.RpcMethodHandler
+from wsync_grpc.service.interceptors import Handler, Interceptor
 
 LOOPBACK_NAMES = ("localhost",)
 """Host names that only this host reaches (besides the loopback addresses, 127.0.0.0/8 and ::1)."""
@@ -42,13 +36,13 @@ def _deny(request: Any, context: grpc.ServicerContext) -> Any:
     context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>'")
 
 
-_DENY_UNARY: _Handler = grpc.stream_unary_rpc_method_handler(_deny)
+_DENY_UNARY: Handler = grpc.stream_unary_rpc_method_handler(_deny)
 """The refusal of a call with a unary response; it reads no request (a request stream is never waited on)."""
-_DENY_STREAM: _Handler = grpc.stream_stream_rpc_method_handler(_deny)
+_DENY_STREAM: Handler = grpc.stream_stream_rpc_method_handler(_deny)
 """The refusal of a call with a streamed response; it reads no request either."""
 
 
-class TokenAuth(_Interceptor):
+class TokenAuth(Interceptor):
     """Refuse calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED); health and, unless exposed,
     reflection stay open.
 
@@ -70,9 +64,9 @@ class TokenAuth(_Interceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], _Handler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
         details: grpc.HandlerCallDetails,
-    ) -> _Handler | None:
+    ) -> Handler | None:
         method: str = details.method  # type: ignore[attr-defined]
         if method.startswith(self._open):
             return continuation(details)

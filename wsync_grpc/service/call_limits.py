@@ -22,19 +22,13 @@ import enum
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from wsync_grpc.core.errors import InvalidArgument, ResourceExhausted
+from wsync_grpc.service.interceptors import Handler, Interceptor
 from wsync_grpc.wire.status import to_status
-
-if TYPE_CHECKING:
-    _Interceptor = grpc.ServerInterceptor[Any, Any]
-    _Handler = grpc.RpcMethodHandler[Any, Any]
-else:
-    _Interceptor = grpc.ServerInterceptor
-    _Handler = grpc.RpcMethodHandler
 
 
 class CallClass(enum.Enum):
@@ -167,7 +161,7 @@ class _Slots:
             self.running -= 1
 
 
-class CallLimiter(_Interceptor):
+class CallLimiter(Interceptor):
     """The server interceptor that bounds each class's concurrent calls (see the module's description).
 
     Put it after the token check, so that calls refused for their credentials take no slot.
@@ -185,9 +179,9 @@ class CallLimiter(_Interceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], _Handler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> _Handler | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
@@ -246,7 +240,7 @@ def _first(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
     return request
 
 
-def _limited(handler: _Handler, method: str, limiter: CallLimiter) -> _Handler:
+def _limited(handler: Handler, method: str, limiter: CallLimiter) -> Handler:
     """``handler`` run inside a slot of its class; a unary request is read inside the slot."""
     classes = call_classes(method)
     kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}

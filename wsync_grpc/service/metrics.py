@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool
@@ -43,16 +43,11 @@ from prometheus_client.registry import Collector
 
 from wsync_grpc.core.errors import clip
 from wsync_grpc.core.lifecycle import State
+from wsync_grpc.service.interceptors import Handler, Interceptor
 from wsync_grpc.service.status import StatusSnapshot
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    _Interceptor = grpc.ServerInterceptor[Any, Any]
-    _Handler = grpc.RpcMethodHandler[Any, Any]
-else:
-    _Interceptor = grpc.ServerInterceptor
-    _Handler = grpc.RpcMethodHandler
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """Histogram buckets of the duration metrics, in seconds (5 ms to 5 min)."""
@@ -159,7 +154,7 @@ class _StateCollector(Collector):
         yield info
 
 
-class RpcMetrics(_Interceptor):
+class RpcMetrics(Interceptor):
     """Counts every ``wsync.v1`` RPC by method and final status code (``wsync_rpcs_total``).
 
     Put it first in the server's interceptors, so that calls refused by the
@@ -198,9 +193,9 @@ class RpcMetrics(_Interceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], _Handler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> _Handler | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         path = handler_call_details.method  # type: ignore[attr-defined]
         method = self._methods.get(path)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +35,7 @@ from wsync_grpc.core.engine import Engine
 from wsync_grpc.core.timeouts import ServerBounds
 from wsync_grpc.service.auth import TokenAuth, is_loopback
 from wsync_grpc.service.call_limits import CallLimiter, CallLimits
+from wsync_grpc.service.interceptors import Interceptor
 from wsync_grpc.service.metrics import RpcMetrics
 from wsync_grpc.service.servicer import WeightSyncServicer
 from wsync_grpc.wire.keepalive import Keepalive
@@ -43,11 +44,6 @@ log = logging.getLogger(__name__)
 
 WEIGHT_SYNC_SERVICE = weight_sync_pb2.DESCRIPTOR.services_by_name["WeightSyncService"].full_name
 """Full name of the service: ``wsync.v1.WeightSyncService``."""
-
-if TYPE_CHECKING:
-    _Interceptor = grpc.ServerInterceptor[Any, Any]
-else:
-    _Interceptor = grpc.ServerInterceptor
 
 
 @dataclass
@@ -146,7 +142,7 @@ def build_server(
     # Metrics first, so that calls the token check or a class's bound refuses are counted too; the
     # token check before the bounds, so that a caller without the token takes no slot.
     rpc_metrics = RpcMetrics(servicer.engine.metrics)
-    interceptors: list[_Interceptor] = [rpc_metrics]
+    interceptors: list[Interceptor] = [rpc_metrics]
     interceptors += [TokenAuth(token, exposed=not is_loopback(host))] if token else []
     interceptors.append(limiter)
     server = grpc.server(
