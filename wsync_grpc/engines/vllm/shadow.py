@@ -68,16 +68,6 @@ class ShadowUpdate:
         self._loaded: dict[int, int] = {}  # id(shadow parameter) -> checkpoint elements copied into it
         self._processed: set[int] = set()  # id(shadow layer)
 
-    def prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """:meth:`begin`, :meth:`add` of every ``(name, tensor)`` pair and :meth:`finish`, in one call.
-
-        Raises:
-            Exception: whatever vLLM's loaders or processing raise; the live model is untouched.
-        """
-        self.begin()
-        self.add(tensors)
-        self.finish()
-
     def begin(self) -> None:
         """Give every layer with parameters its shadow (memory for a whole copy of the model's parameters)."""
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
