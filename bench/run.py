@@ -12,8 +12,15 @@ interleaved repetitions on the same processes:
 
 plus the control-plane cost (Prepare of 579 and ~100k tensors, protobuf
 stream vs one JSON body), fan-out to 1-3 engines, the engine's peak extra
-memory and a bucket-size sweep. It writes ``BENCHMARKS.md``,
-``bench/throughput.png``, ``bench/buckets.png`` and ``bench/results.json``.
+memory and a bucket-size sweep. The cases (``--cases``): ``models``, ``moe``,
+``fanout``, ``control``, ``fleet`` (:mod:`bench.fleet_case`: 1 to 32 engines
+serving a tiny model; how group formation, Prepare, Complete, the trainer's
+threads and CPU grow with the fleet, and what a dead engine left out costs),
+``disk`` (:mod:`bench.disk_case`), ``sharded`` (:mod:`bench.sharded_case`),
+``profile`` and ``vllm`` (:mod:`bench.vllm_case`). It writes ``BENCHMARKS.md``,
+``bench/throughput.png``, ``bench/buckets.png``, ``bench/fleet.png`` and
+``bench/results.json``; with ``--merge`` the cases run replace theirs in the
+existing ``results.json`` and the report covers them all.
 
 The first run of every kind on a fresh set of processes is a warm-up,
 reported apart (memory) or discarded (throughput). Figures are medians over
@@ -664,17 +671,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sweep", default="16,64,256,1024", help="bucket sizes in MiB for the sweep (empty: none)")
     p.add_argument("--sweep-models", default="1gb,4gb", help="models the bucket sweep runs on")
     p.add_argument("--fanout", default="2,3", help="engine counts for the fan-out case (empty: none)")
+    p.add_argument("--fleet", default="1,4,16,32", help="engine counts for the fleet case (tiny model)")
     p.add_argument("--control-buckets", default="256,1024", help="bucket sizes in MiB for the control-plane case")
     p.add_argument(
         "--solo", type=float, default=DEFAULT_SOLO_BYTES / MiB, help="client solo_bytes in MiB (0: pack every tensor)"
     )
     p.add_argument("--profile-models", default="smollm2-shapes,1gb", help="models the CPU profile runs on")
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
-    p.add_argument("--cases", default="models,moe,fanout,control,disk,sharded,profile,vllm", help="which cases to run")
+    p.add_argument(
+        "--cases", default="models,moe,fanout,control,fleet,disk,sharded,profile,vllm", help="which cases to run"
+    )
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="put the cases run into the existing results.json (the other cases' results kept) and report on all",
+    )
     args = p.parse_args(argv)
     if args.report_only:
         return _report(json.loads((args.plots / "results.json").read_text()), args.out, args.plots)
@@ -718,6 +733,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["fanout"] = case_fanout(h, [int(x) for x in args.fanout.split(",") if x.strip()], args.reps)
             elif case == "control":
                 results["control"] = case_control(h, args.reps, mib_list(args.control_buckets))
+            elif case == "fleet":
+                from bench.fleet_case import case_fleet
+
+                results["fleet"] = case_fleet([int(x) for x in args.fleet.split(",") if x.strip()], args.reps)
             elif case == "disk":
                 from bench.disk_case import case_disk
 
@@ -745,10 +764,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["background_cores"] = background
     results["total_seconds"] = time.monotonic() - start
     args.plots.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        results = merge(json.loads((args.plots / "results.json").read_text()), results, cases)
     (args.plots / "results.json").write_text(json.dumps(results, indent=1, default=str))
     _report(results, args.out, args.plots)
     _say(f"done in {results['total_seconds']:.0f} s; wrote {args.out}")
     return 0
+
+
+def merge(old: dict[str, Any], new: dict[str, Any], cases: Sequence[str]) -> dict[str, Any]:
+    """``old`` (a previous run's results) with the results, timings and background load of ``cases`` from ``new``.
+
+    Everything else in ``old`` (its date, machine and the other cases) is kept; the total time is the old
+    one with the cases' new times in place of their old ones.
+    """
+    out = dict(old)
+    replaced = sum(old.get("timings", {}).get(c, 0.0) for c in cases)
+    added = sum(new.get("timings", {}).get(c, 0.0) for c in cases)
+    for key in ("timings", "background_cores"):
+        out[key] = {**old.get(key, {}), **new.get(key, {})}
+    for case in cases:
+        out[case] = new[case]
+    out["total_seconds"] = float(old.get("total_seconds", 0.0)) - replaced + added
+    return out
 
 
 def _report(results: dict[str, Any], out: Path, plots: Path) -> int:
