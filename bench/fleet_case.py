@@ -8,7 +8,8 @@ so that the other load of this shared host falls on every N alike): a fresh
 of N + 1 ranks), its first ``init`` and one untimed sync (warm-up), then, timed:
 
 - ``init(force=True)``: forming the group again over the same engines (``GetStatus`` everywhere, the
-  engines leave their old group, ``Init`` everywhere while the trainer joins as rank 0);
+  engines leave their old group, ``Init`` everywhere while the trainer joins as rank 0); the first
+  ``init`` (engines free: nothing to leave) is timed too, once per repetition, as ``init_first``;
 - :data:`SYNCS_PER_REP` staged syncs (the model with every value changed each time): the call's wall
   time and its phases from :class:`~wsync_grpc.trainer.results.SyncResult` (Prepare fan-out, the wire,
   Complete's verifying and applying fan-outs), the trainer's CPU seconds (this process, every thread,
@@ -103,7 +104,7 @@ class ThreadSampler:
 def idle_threads() -> int:
     """This process's thread count after :data:`SETTLE_S` seconds."""
     time.sleep(SETTLE_S)
-    return psutil.Process().num_threads()
+    return int(psutil.Process().num_threads())
 
 
 class Fleet:
@@ -211,7 +212,9 @@ def one_size(fleet: Fleet, n: int) -> dict[str, Any]:
     """One repetition at fleet size ``n``: a fresh client, a warm-up, ``init(force=True)``, the timed syncs."""
     targets = [e.target for e in fleet.engines[:n]]
     with _client(targets) as c:
-        c.init()
+        t0 = time.monotonic()
+        c.init()  # the engines are free (the last client's close made them leave): no Leave first
+        first_s = time.monotonic() - t0
         c.sync(fleet.next_weights(), f"fleet-{fleet.step}")  # warm-up
         me = psutil.Process()
         c0 = _cpu(me)
@@ -220,7 +223,7 @@ def one_size(fleet: Fleet, n: int) -> dict[str, Any]:
         init_s = time.monotonic() - t0
         init_cpu = _cpu(me) - c0
         syncs = [timed_sync(c, fleet, targets) for _ in range(SYNCS_PER_REP)]
-        return {"init": init_s, "init_cpu": init_cpu, "syncs": syncs}
+        return {"init": init_s, "init_cpu": init_cpu, "init_first": first_s, "syncs": syncs}
 
 
 def exclusion(fleet: Fleet, n: int, kills: int = KILLS) -> dict[str, Any]:
@@ -300,6 +303,8 @@ def case_fleet(counts: Sequence[int], reps: int, *, exclude: bool = True) -> dic
             "counts": counts,
             "reps": reps,
             "syncs_per_rep": SYNCS_PER_REP,
+            "settle_seconds": SETTLE_S,
+            "sample_seconds": SAMPLE_S,
             "start_seconds": start_s,
             "engine_rss_bytes": rss,
             "threads_without_client": base_threads,

@@ -14,11 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import report_disk, report_sharded, report_vllm
+from bench import report_disk, report_fleet, report_sharded, report_vllm
 from bench import report_prose as prose
 from bench.report_analysis import missed
 from bench.report_checks import Check, checks
 from bench.report_plots import plots
+from bench.report_stats import cores
 from bench.report_text import fill
 
 __all__ = ["Check", "checks", "markdown", "plots", "write"]
@@ -39,6 +40,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(prose.memory(results))
         if any(m.get("sweep") for m in results["models"].values()):
             parts.append(prose.sweep(results))
+    if results.get("fleet"):
+        parts.append(report_fleet.section(results["fleet"], cores(results)))
     if results.get("disk"):
         parts.append(report_disk.section(results["disk"]))
     if results.get("sharded"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench import report_disk, report_sharded, report_vllm
+from bench import report_disk, report_fleet, report_sharded, report_vllm
 from bench.report_stats import GB, label, med, mib, ratios, secs
 
 LARGE_MODEL_BYTES = GB
@@ -149,6 +149,8 @@ def checks(results: dict[str, Any]) -> list[Check]:
     out += _naive_check(results)
     out += _prepare_checks(results)
     out += _memory_check(results)
+    if results.get("fleet"):
+        out += [Check(t, m, ok, "fleet", "tiny") for t, m, ok in report_fleet.checks(results["fleet"])]
     if results.get("disk"):
         out += [Check(t, m, ok, "disk", results["disk"]["model"]) for t, m, ok in report_disk.checks(results["disk"])]
     if results.get("sharded"):

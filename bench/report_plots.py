@@ -1,4 +1,4 @@
-"""The report's plots: ``throughput.png`` (GB/s by model) and ``buckets.png`` (the bucket-size sweep)."""
+"""The report's plots: ``throughput.png`` (GB/s by model), ``buckets.png`` (the bucket-size sweep), ``fleet.png``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import report_fleet
 from bench.report_checks import LARGE_RATIO, PEAK_BUCKETS
 from bench.report_stats import GB, MiB, ceiling_gbps, err, gbps, label, med, ratios
 
@@ -85,7 +86,7 @@ def _buckets(plt: Any, swept: dict[str, Any], path: Path) -> None:
 
 
 def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write ``throughput.png`` (and ``buckets.png`` when the sweep ran) into ``out_dir``."""
+    """Write ``throughput.png``, ``buckets.png`` (the sweep ran) and ``fleet.png`` (the fleet case) into ``out_dir``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,4 +101,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     if swept:
         written.append(out_dir / "buckets.png")
         _buckets(plt, swept, written[-1])
+    if results.get("fleet"):
+        written.append(out_dir / "fleet.png")
+        report_fleet.plot(plt, results["fleet"], written[-1])
     return written
