@@ -72,6 +72,22 @@ def fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def fit2(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares parabola through ``(xs, ys)``: ``(a, b, c)`` of ``a + b x + c x^2`` (3 points at least)."""
+    m = [[sum(x ** (i + j) for x in xs) for j in range(3)] for i in range(3)]
+    v = [sum(y * x**i for x, y in zip(xs, ys, strict=True)) for i in range(3)]
+    for col in range(3):  # Gauss-Jordan elimination with partial pivoting
+        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[piv], v[col], v[piv] = m[piv], m[col], v[piv], v[col]
+        for r in range(3):
+            if r != col and m[col][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col], strict=True)]
+                v[r] -= f * v[col]
+    a, b, c = (v[i] / m[i][i] if m[i][i] else 0.0 for i in range(3))
+    return a, b, c
+
+
 def line(d: dict[str, Any], key: str) -> tuple[float, float]:
     """The fitted ``(intercept, slope)`` of quantity ``key`` over every fleet size."""
     return fit([float(n) for n in counts(d)], medians(d, key))
@@ -220,13 +236,78 @@ def _exclusion(d: dict[str, Any]) -> list[str]:
     return lines
 
 
+THREADS_WHY = (
+    "Named, per engine (`threading.enumerate()` on a client of this code): idle, the reader of its `KeepAlive` "
+    "lease stream (`wsync-lease`, `Leases._hold`) and the gRPC channel's spin thread (grpc's synchronous API "
+    "runs one per channel while a call is in flight on it, and the lease call always is); during a sync, also "
+    "the reader of its held `Watch` (`wsync-hold`, `Holds._read`). The rest of the process's threads (gRPC's "
+    "and gloo's native threads, the trainer's store) do not grow with the fleet. Multiplexing the lease and "
+    "watch streams on one loop thread would make both lines flat."
+)
+"""Where the trainer's threads per engine come from (as measured on this code; see the section)."""
+
+
+def missed(d: dict[str, Any], failed: Sequence[str]) -> str:
+    """Section 8's paragraph for the fleet targets missed (``failed``: their target texts)."""
+    ns = counts(d)
+    idle, peak = medians(d, "threads_idle"), medians(d, "threads_peak")
+    _, idle_b = line(d, "threads_idle")
+    _, peak_b = line(d, "threads_peak")
+    lines = ["### Fleet", "", "Missed: " + "; ".join(failed) + " (figures and their growth: the fleet section)."]
+    if any("threads" in t for t in failed):
+        lines += [
+            "",
+            f"Trainer threads from {ns[0]} to {ns[-1]} engines: idle {idle[0]:.0f} -> {idle[-1]:.0f} ({idle_b:.1f} "
+            f"per engine), during a sync {peak[0]:.0f} -> {peak[-1]:.0f} ({peak_b:.1f} per engine). " + THREADS_WHY,
+        ]
+    return "\n".join(lines)
+
+
+def _init_text(d: dict[str, Any]) -> str:
+    """How forming the group grows with N: on the line, or faster (then a parabola's reading too) and why."""
+    ns = counts(d)
+    hi, big = ns[-1], EXTRAPOLATE_TO
+    xs = [float(n) for n in ns]
+    parts = []
+    superlinear = False
+    for key, what in (("init", "`init(force=True)`"), ("init_first", "the first `init`")):
+        a, b = line(d, key)
+        oos = out_of_sample(d, key)
+        text = f"{what} {a + b * big:.0f} s on the line ({b * 1e3:.0f} ms per engine)"
+        if oos is not None and oos[0] > LINEAR_SLACK * oos[1]:
+            superlinear = True
+            qa, qb, qc = fit2(xs, medians(d, key))
+            text += (
+                f", but it grows faster than a line here: the line of the smaller fleets predicted {oos[1]:.1f} s "
+                f"at {hi} engines and {oos[0]:.1f} s was measured; a parabola through the medians reads "
+                f"{(qa + qb * big + qc * big**2) / 60:.0f} minutes at {big}"
+            )
+        parts.append(text)
+    out = "Forming the group: " + "; ".join(parts) + "."
+    force, first = (
+        statistics.median(QUANTITIES["init"][1](d, hi)),
+        statistics.median(QUANTITIES["init_first"][1](d, hi)),
+    )
+    out += (
+        f" At {hi} engines the forced re-formation takes {force - first:.1f} s more than the first one "
+        f"({(force - first) / hi * 1e3:.0f} ms per engine): it first frees the engines from the old group, one "
+        "blocking `Leave` per engine in turn (`Membership._free_all`), each engine dropping its gloo group."
+    )
+    if superlinear:
+        out += (
+            f" The rest grows with the pairs of ranks: gloo connects every rank of the group to every other "
+            f"through the trainer's one TCP store, {(hi + 1) * hi // 2} connections at {hi} engines, "
+            f"{(big + 1) * big // 2} at {big}, all made here by processes sharing the host's cores."
+        )
+    return out
+
+
 def section(d: dict[str, Any], cores: str = "2") -> str:
     """The markdown section: what ran, the figures per fleet size, the fitted lines, the extrapolation."""
     ns = counts(d)
     hi = ns[-1]
     rss = statistics.median(d["engine_rss_bytes"]) / 2**20
     control_a, control_b = line(d, "control")
-    init_a, init_b = line(d, "init")
     cpu_a, cpu_b = line(d, "cpu")
     idle_a, idle_b = line(d, "threads_idle")
     peak_a, peak_b = line(d, "threads_peak")
@@ -261,12 +342,13 @@ def section(d: dict[str, Any], cores: str = "2") -> str:
         "",
         *_fits(d),
         "",
-        f"**Extrapolation to {big} engines.** On the line, a sync's control plane costs "
-        f"{(control_a + control_b * big):.1f} s ({control_b * 1e3:.1f} ms per engine), forming the group "
-        f"{(init_a + init_b * big):.1f} s ({init_b * 1e3:.1f} ms per engine), the trainer's CPU per sync "
+        f"**Extrapolation to {big} engines.** On the lines, a sync's control plane costs "
+        f"{(control_a + control_b * big):.1f} s ({control_b * 1e3:.1f} ms per engine), the trainer's CPU per sync "
         f"{(cpu_a + cpu_b * big):.2f} s ({cpu_b * 1e3:.2f} ms per engine), and the trainer holds "
         f"{idle_a + idle_b * big:.0f} threads idle ({idle_b:.1f} per engine) and "
-        f"{peak_a + peak_b * big:.0f} during a sync ({peak_b:.1f} per engine). What it assumes:",
+        f"{peak_a + peak_b * big:.0f} during a sync ({peak_b:.1f} per engine). "
+        + _init_text(d)
+        + " What the extrapolation assumes:",
         "",
         f"- Every process is on this host and shares its {cores} cores: with N engines, N + 1 Python processes "
         "serve the fan-out on 2 cores, so the engines' own handling of Prepare and Complete (gRPC, validation, "
@@ -282,9 +364,7 @@ def section(d: dict[str, Any], cores: str = "2") -> str:
         f"- Growth stays linear beyond {hi} engines: a term that grows faster (all-pairs connections at group "
         f"formation, a per-engine cost that rises with the load) is small at {hi} and would dominate at {big}; "
         "the out-of-sample column shows how well a line fitted on fewer engines predicted the largest fleet.",
-        "- Trainer threads: today the client holds one `KeepAlive` stream per engine and, during a sync, one held "
-        "`Watch` per engine, each read by its own thread, and gRPC's synchronous API adds a thread per channel "
-        "while calls are in flight; a client that multiplexes them on one loop would change the thread lines.",
+        "- Trainer threads: the lines are those of the client measured. " + THREADS_WHY,
         "",
         *_exclusion(d),
         "",
@@ -293,30 +373,36 @@ def section(d: dict[str, Any], cores: str = "2") -> str:
     return "\n".join(lines)
 
 
-def plot(plt: Any, d: dict[str, Any], path: Path) -> None:
-    """``fleet.png``: milliseconds per phase and the trainer's threads, by fleet size, with the fitted lines."""
+def _series(ax: Any, d: dict[str, Any], keys: Sequence[str], lines: Sequence[str]) -> None:
     ns = counts(d)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for i, key in enumerate(("init", "control", "prepare", "verify", "apply", "wire")):
+    for i, key in enumerate(keys):
         values = [[v * 1e3 for v in QUANTITIES[key][1](d, n)] for n in ns]
         meds = [statistics.median(v) for v in values]
         bars = [[m - min(v) for m, v in zip(meds, values, strict=True)],
                 [max(v) - m for m, v in zip(meds, values, strict=True)]]  # fmt: skip
-        a1.errorbar(ns, meds, yerr=bars, fmt=f"C{i}o", capsize=3, label=QUANTITIES[key][0])
-        if key in ("init", "control"):
+        ax.errorbar(ns, meds, yerr=bars, fmt=f"C{i}o", capsize=3, label=QUANTITIES[key][0])
+        if key in lines:
             a, b = line(d, key)
-            a1.plot([0, ns[-1]], [a * 1e3, (a + b * ns[-1]) * 1e3], f"C{i}--", lw=1,
+            ax.plot([0, ns[-1]], [a * 1e3, (a + b * ns[-1]) * 1e3], f"C{i}--", lw=1,
                     label=f"line: {a * 1e3:.0f} + {b * 1e3:.1f} ms x N")  # fmt: skip
-    a1.set_xlabel("engines (N)")
-    a1.set_ylabel("ms (median, bars: min-max)")
-    a1.set_title("a sync's phases and group formation by fleet size", fontsize=9)
+    ax.set_xlabel("engines (N)")
+    ax.set_ylabel("ms (median, bars: min-max)")
+
+
+def plot(plt: Any, d: dict[str, Any], path: Path) -> None:
+    """``fleet.png``: a sync's phases, the group's formation and the trainer's threads by fleet size."""
+    ns = counts(d)
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.5))
+    _series(a1, d, ("control", "prepare", "verify", "apply", "wire"), ("control",))
+    a1.set_title("a sync's phases by fleet size (control plane: the sync less the wire)", fontsize=9)
+    _series(a2, d, ("init", "init_first"), ("init", "init_first"))
+    a2.set_title("forming the group by fleet size", fontsize=9)
     for i, key in enumerate(("threads_idle", "threads_peak")):
-        meds = medians(d, key)
-        a2.plot(ns, meds, f"C{i}-o", label=QUANTITIES[key][0])
-    a2.set_xlabel("engines (N)")
-    a2.set_ylabel("OS threads of the trainer process")
-    a2.set_title("trainer threads by fleet size", fontsize=9)
-    for ax in (a1, a2):
+        a3.plot(ns, medians(d, key), f"C{i}-o", label=QUANTITIES[key][0])
+    a3.set_xlabel("engines (N)")
+    a3.set_ylabel("OS threads of the trainer process")
+    a3.set_title("trainer threads by fleet size", fontsize=9)
+    for ax in (a1, a2, a3):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
