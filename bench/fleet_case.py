@@ -194,8 +194,8 @@ def result_fields(r: SyncResult) -> dict[str, Any]:
         "payload": r.payload_bytes,
     }
     excluded = getattr(r, "excluded", None)
-    if excluded is not None:
-        out["excluded"] = sorted(excluded)
+    if excluded is not None:  # the fleet policy's: the engines left out of this sync
+        out["excluded"] = sorted(str(getattr(x, "target", x)) for x in excluded)
     return out
 
 
@@ -230,6 +230,9 @@ def exclusion(fleet: Fleet, n: int, kills: int = KILLS) -> dict[str, Any]:
     """At fleet size ``n``: per round, a normal sync and ``init(force=True)``, then a SIGKILL and the next sync.
 
     The engines killed are the last ones of the first ``n``, one per round; after the case they are gone.
+    After each round the dead engine is removed from the client where it can remove targets, so that
+    the next round's normal sync and re-formation are over live engines only. A failure ends the rounds
+    and is recorded (``error``) with the rounds done.
     """
     try:
         from wsync_grpc.trainer import FleetPolicy  # type: ignore[attr-defined,unused-ignore]
@@ -237,27 +240,36 @@ def exclusion(fleet: Fleet, n: int, kills: int = KILLS) -> dict[str, Any]:
         return {"skipped": "the trainer has no fleet policy (FleetPolicy) yet"}
     targets = [e.target for e in fleet.engines[:n]]
     rounds: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"engines": n, "min_engines": n - kills, "rounds": rounds}
     policy = FleetPolicy.exclude(min_engines=n - kills)
-    with _client(targets, policy=policy) as c:
-        c.init()
-        c.sync(fleet.next_weights(), f"fleet-{fleet.step}")  # warm-up
-        for k in range(kills):
-            victim = fleet.engines[n - 1 - k]
-            normal = timed_sync(c, fleet, targets)
-            t0 = time.monotonic()
-            c.init(force=True)
-            init_s = time.monotonic() - t0
-            victim.kill()
-            excluded = timed_sync(c, fleet, targets)
-            after = timed_sync(c, fleet, targets)
-            rounds.append({"victim": victim.target, "normal": normal, "init": init_s, "excluded": excluded,
-                           "after": after})  # fmt: skip
-            _say(
-                f"  exclusion {k + 1}: normal sync {normal['seconds'] * 1e3:.0f} ms, init {init_s * 1e3:.0f} ms, "
-                f"sync excluding {victim.target} {excluded['seconds'] * 1e3:.0f} ms "
-                f"(excluded: {excluded.get('excluded')}), next sync {after['seconds'] * 1e3:.0f} ms"
-            )
-    return {"engines": n, "rounds": rounds}
+    try:
+        with _client(targets, policy=policy) as c:
+            c.init()
+            c.sync(fleet.next_weights(), f"fleet-{fleet.step}")  # warm-up
+            remove = getattr(c, "remove", None)
+            for k in range(kills):
+                live = [t for t in targets if t in c.targets] if remove is not None else targets
+                victim = fleet.engines[n - 1 - k]
+                normal = timed_sync(c, fleet, live)
+                t0 = time.monotonic()
+                c.init(force=True)
+                init_s = time.monotonic() - t0
+                victim.kill()
+                excluded = timed_sync(c, fleet, live)
+                after = timed_sync(c, fleet, live)
+                rounds.append({"victim": victim.target, "normal": normal, "init": init_s, "excluded": excluded,
+                               "after": after})  # fmt: skip
+                _say(
+                    f"  exclusion {k + 1}: normal sync {normal['seconds'] * 1e3:.0f} ms, init {init_s * 1e3:.0f} "
+                    f"ms, sync excluding {victim.target} {excluded['seconds'] * 1e3:.0f} ms "
+                    f"(excluded: {excluded.get('excluded')}), next sync {after['seconds'] * 1e3:.0f} ms"
+                )
+                if remove is not None:
+                    remove(victim.target)
+    except Exception as exc:  # recorded with the rounds done: the report says what failed
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        _say(f"  exclusion failed: {out['error']}")
+    return out
 
 
 def case_fleet(counts: Sequence[int], reps: int, *, exclude: bool = True) -> dict[str, Any]:

@@ -206,7 +206,7 @@ def _fits(d: dict[str, Any]) -> list[str]:
 def _exclusion(d: dict[str, Any]) -> list[str]:
     e = d.get("exclusion", {})
     if not e.get("rounds"):
-        why = e.get("skipped", "not run")
+        why = e.get("skipped") or e.get("error") or "not run"
         return [
             f"**Excluding a dead engine: not measured in this run** ({why}). The case's hook "
             "(`bench/fleet_case.py`, `exclusion`) runs, at the largest fleet with `FleetPolicy.exclude`, "
@@ -233,6 +233,8 @@ def _exclusion(d: dict[str, Any]) -> list[str]:
             f"| {excl / (normal + init):.2f} |"
         )
     lines += ["", f"Median ratio: {ex[3]:.2f} x (target: at most 1)."]
+    if e.get("error"):
+        lines[-1] += f" The rounds stopped early: {e['error']}"
     return lines
 
 
