@@ -687,7 +687,7 @@ class TrainerClient:
 
         It takes part from the next update (the group is re-formed for it), and is ``"behind"`` until
         then: the next :meth:`sync` of the whole model brings it to the new version with every other
-        engine, or :meth:`catch_up` to the current one at once. Its lease is taken now.
+        engine, or :meth:`catch_up` to the current one at once. Its lease is taken with the group.
 
         Args:
             target: its ``host:port``.

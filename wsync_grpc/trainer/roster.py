@@ -211,7 +211,6 @@ class Roster:
             ValueError: it is a member already, or ``workers`` is below 1.
         """
         e = self._fleet.add(target, workers)
-        self._leases.start()
         self._count()
         return self._member(e)
 
