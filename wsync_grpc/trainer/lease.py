@@ -43,7 +43,7 @@ class Leases:
     def __init__(
         self, engines: Sequence[RemoteEngine], owner: str, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> None:
-        self._engines = list(engines)
+        self._engines = engines  # the fleet's live list: members added later get a lease at the next start
         self._owner = owner
         self._metadata = metadata
         self._closed = threading.Event()
@@ -51,6 +51,7 @@ class Leases:
         self._threads: dict[str, threading.Thread] = {}
         self._calls: dict[str, grpc.Call] = {}
         self._lost: dict[str, EngineFailure] = {}
+        self._forgotten: set[str] = set()
 
     @property
     def lost(self) -> dict[str, EngineFailure]:
@@ -65,6 +66,7 @@ class Leases:
                 return
             for e in self._engines:
                 t = self._threads.get(e.target)
+                self._forgotten.discard(e.target)
                 if t is None or not t.is_alive():
                     self._lost.pop(e.target, None)
                     t = threading.Thread(target=self._hold, args=(e,), name="wsync-lease", daemon=True)
@@ -76,6 +78,9 @@ class Leases:
         while not self._closed.is_set():
             call = e.stub.KeepAlive(req, metadata=self._metadata)
             with self._lock:
+                if e.target in self._forgotten:
+                    call.cancel()  # type: ignore[no-untyped-call]
+                    return
                 self._calls[e.target] = call
             if self._closed.is_set():
                 call.cancel()  # type: ignore[no-untyped-call]
@@ -83,7 +88,7 @@ class Leases:
                 for _ in call:  # type: ignore[attr-defined]
                     pass
             except grpc.RpcError as exc:
-                if self._closed.is_set():
+                if self._closed.is_set() or e.target in self._forgotten:
                     return
                 if error_reason(exc) == "NOT_OWNER":
                     failure = EngineFailure.from_exception(e.target, "KeepAlive", exc)
@@ -92,6 +97,16 @@ class Leases:
                         self._lost[e.target] = failure
                     return
             self._closed.wait(RETRY_S)
+
+    def forget(self, target: str) -> None:
+        """End ``target``'s KeepAlive call (the engine releases the lease at once) and forget it."""
+        with self._lock:
+            call = self._calls.pop(target, None)
+            self._threads.pop(target, None)
+            self._lost.pop(target, None)
+            self._forgotten.add(target)
+        if call is not None:
+            call.cancel()  # type: ignore[no-untyped-call]
 
     def close(self) -> None:
         """End every KeepAlive call: each engine releases the lease at once. Idempotent."""
