@@ -21,7 +21,7 @@ then the client is closed (its engines leave the group and are free for the next
 The exclusion cost (:func:`exclusion`), at the largest N with the fleet policy
 ``FleetPolicy.exclude``: per round, a normal sync and an ``init(force=True)``, then one engine
 SIGKILLed and the next sync timed (it leaves the dead engine out and forms the group again over the
-survivors). It is skipped, with the reason recorded, where the trainer has no ``FleetPolicy``.
+survivors).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 
 from wsync_grpc.engines import synthetic
 from wsync_grpc.testing import EngineProcess, child_env, spawn_engine, stop_all, wait_all
-from wsync_grpc.trainer import SyncResult, TrainerClient
+from wsync_grpc.trainer import FleetPolicy, SyncResult, TrainerClient
 
 PRESET = "tiny"
 """The engines' synthetic model (:data:`wsync_grpc.engines.synthetic.PRESETS`)."""
@@ -193,9 +193,10 @@ def result_fields(r: SyncResult) -> dict[str, Any]:
         "buckets": r.bucket_count,
         "payload": r.payload_bytes,
     }
-    excluded = getattr(r, "excluded", None)
-    if excluded is not None:  # the fleet policy's: the engines left out of this sync
-        out["excluded"] = sorted(str(getattr(x, "target", x)) for x in excluded)
+    if r.excluded:  # the fleet policy's: the engines left out of this sync, and why
+        out["excluded"] = sorted(r.excluded)
+        out["excluded_why"] = {t: str(f)[:300] for t, f in r.excluded.items()}
+    out["attempts"] = r.attempts
     return out
 
 
@@ -230,14 +231,10 @@ def exclusion(fleet: Fleet, n: int, kills: int = KILLS) -> dict[str, Any]:
     """At fleet size ``n``: per round, a normal sync and ``init(force=True)``, then a SIGKILL and the next sync.
 
     The engines killed are the last ones of the first ``n``, one per round; after the case they are gone.
-    After each round the dead engine is removed from the client where it can remove targets, so that
-    the next round's normal sync and re-formation are over live engines only. A failure ends the rounds
-    and is recorded (``error``) with the rounds done.
+    After each round the dead engine is removed from the client (``remove_engine``), so that the next
+    round's normal sync and re-formation are over live engines only. A failure ends the rounds and is
+    recorded (``error``) with the rounds done.
     """
-    try:
-        from wsync_grpc.trainer import FleetPolicy  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        return {"skipped": "the trainer has no fleet policy (FleetPolicy) yet"}
     targets = [e.target for e in fleet.engines[:n]]
     rounds: list[dict[str, Any]] = []
     out: dict[str, Any] = {"engines": n, "min_engines": n - kills, "rounds": rounds}
@@ -246,9 +243,8 @@ def exclusion(fleet: Fleet, n: int, kills: int = KILLS) -> dict[str, Any]:
         with _client(targets, policy=policy) as c:
             c.init()
             c.sync(fleet.next_weights(), f"fleet-{fleet.step}")  # warm-up
-            remove = getattr(c, "remove", None)
             for k in range(kills):
-                live = [t for t in targets if t in c.targets] if remove is not None else targets
+                live = list(c.targets)
                 victim = fleet.engines[n - 1 - k]
                 normal = timed_sync(c, fleet, live)
                 t0 = time.monotonic()
@@ -264,8 +260,7 @@ def exclusion(fleet: Fleet, n: int, kills: int = KILLS) -> dict[str, Any]:
                     f"ms, sync excluding {victim.target} {excluded['seconds'] * 1e3:.0f} ms "
                     f"(excluded: {excluded.get('excluded')}), next sync {after['seconds'] * 1e3:.0f} ms"
                 )
-                if remove is not None:
-                    remove(victim.target)
+                c.remove_engine(victim.target)
     except Exception as exc:  # recorded with the rounds done: the report says what failed
         out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         _say(f"  exclusion failed: {out['error']}")
