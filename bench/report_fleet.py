@@ -221,15 +221,16 @@ def _exclusion(d: dict[str, Any]) -> list[str]:
         "more engine SIGKILLed between two syncs in each): the sync after the kill leaves the dead engine out and "
         "forms the group again over the survivors. Milliseconds:",
         "",
-        "| round | normal sync | `init(force=True)` | sync excluding the dead engine (excluded) | next sync "
-        "| excluding / (normal + init) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| round | normal sync | `init(force=True)` | sync excluding the dead engine (excluded) "
+        "| of which forming the group | next sync | excluding / (normal + init) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(rounds, 1):
         normal, init, excl, after = (r["normal"]["seconds"], r["init"], r["excluded"]["seconds"], r["after"]["seconds"])
         names = ", ".join(r["excluded"].get("excluded", [])) or "none reported"
         lines.append(
-            f"| {i} | {normal * 1e3:.0f} | {init * 1e3:.0f} | {excl * 1e3:.0f} ({names}) | {after * 1e3:.0f} "
+            f"| {i} | {normal * 1e3:.0f} | {init * 1e3:.0f} | {excl * 1e3:.0f} ({names}) "
+            f"| {r['excluded']['init'] * 1e3:.0f} | {after * 1e3:.0f} "
             f"| {excl / (normal + init):.2f} |"
         )
     lines += ["", f"Median ratio: {ex[3]:.2f} x (target: at most 1)."]
@@ -316,7 +317,7 @@ def section(d: dict[str, Any], cores: str = "2") -> str:
     big = EXTRAPOLATE_TO
     sync_n = len(syncs(d, hi))
     lines = [
-        "## Fleet: 1 to 32 engines",
+        f"## Fleet: {ns[0]} to {hi} engines",
         "",
         f"{hi} engine processes on this host (`wsync serve --synthetic {d['preset']}`: a 2-layer Llama-shaped "
         f"model, {d['tensors']} tensors, {d['model_bytes'] / 1e6:.2f} MB in bf16, so the wire is a small part of "
