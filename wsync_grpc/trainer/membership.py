@@ -123,7 +123,7 @@ class Membership:
         self._leases.start()
         world_size = self._assign_ranks(statuses)
         self._free_all(statuses)
-        port = self._settings.master_port or free_port()
+        port = self._settings.master_port or free_port(self._settings.master_address)
         self._sender.forming(port, world_size)
         replies = self._join_all(port, world_size)
         self._port_in_use = port
