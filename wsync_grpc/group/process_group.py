@@ -37,6 +37,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from wsync_grpc.core.errors import GroupError, GroupTimeout
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, Deadline
+from wsync_grpc.group.routes import gloo_listen_address
 
 log = logging.getLogger(__name__)
 
@@ -285,11 +286,19 @@ def join_group(
     start = time.monotonic()
     store = _connect_store(master_address, master_port, rank, world_size, timeout_s)
     name = group_name or DEFAULT_GROUP_NAME
+    gloo_address = gloo_listen_address(master_address) if backend == "gloo" else None
     pgs: dict[int, tuple[Any, int]] = {}
     try:
         for src, sub_rank, sub_world, prefix in _broadcast_groups(name, rank, world_size, trainer_ranks):
             pg = _create_backend(
-                PrefixStore(prefix, store), sub_rank, sub_world, backend, device, timeout_s, deadline.left(minimum=0.1)
+                PrefixStore(prefix, store),
+                sub_rank,
+                sub_world,
+                backend,
+                device,
+                timeout_s,
+                deadline.left(minimum=0.1),
+                gloo_address,
             )
             pgs[src] = (pg, 0 if trainer_ranks > 1 else src)
     except RuntimeError as e:
@@ -414,19 +423,33 @@ def _close_unowned(fd: int, inode: int) -> None:
 
 
 def _create_backend(
-    prefix: Store, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float, join_s: float
+    prefix: Store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    device: torch.device,
+    timeout_s: float,
+    join_s: float,
+    gloo_address: str | None = None,
 ) -> Any:
     """The ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over ``prefix``, formed within ``join_s`` seconds.
 
     ``timeout_s`` is the per-collective timeout, in seconds. NCCL creates its
     communicator lazily: one tiny collective forms it here, so that Init means
-    "joined".
+    "joined". Gloo listens on ``gloo_address`` (:func:`gloo_listen_address`;
+    ``None``: torch's default device).
 
     Raises:
         RuntimeError: the backend did not form (torch's own error).
     """
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world_size, datetime.timedelta(seconds=join_s))
+        if gloo_address is None:
+            return dist.ProcessGroupGloo(prefix, rank, world_size, datetime.timedelta(seconds=join_s))
+        gloo: Any = dist.ProcessGroupGloo  # torch's stubs lack ``_Options`` and the constructor taking it
+        opts = gloo._Options()
+        opts._devices = [gloo.create_device(hostname=gloo_address)]
+        opts._timeout = datetime.timedelta(seconds=join_s)
+        return gloo(prefix, rank, world_size, opts)
     return _create_nccl(prefix, rank, world_size, device, datetime.timedelta(seconds=timeout_s))
 
 
