@@ -152,6 +152,7 @@ def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server:
         (["--max-calls", "watch=0"], "at least one watch call must be allowed"),
         (["--keepalive-timeout", "0"], "keepalive interval and timeout must be positive"),
         (["--update-idle-timeout", "-1"], "server bounds must be positive"),
+        (["--allow-master", "10.0.0.0/33"], "--allow-master: allowed master network '10.0.0.0/33'"),
     ],
     ids=[
         "half-tls",
@@ -163,6 +164,7 @@ def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server:
         "no-call-allowed",
         "no-keepalive-timeout",
         "negative-idle-limit",
+        "bad-allow-master",
     ],
 )
 def test_cli_serve_refuses_what_cannot_be_safe_in_one_line(tls: dict[str, Path], args: list[str], says: str) -> None:

@@ -33,6 +33,7 @@ from wsync_grpc.core.ownership import describe
 from wsync_grpc.core.timeouts import DEFAULT_PREPARE_TIMEOUT_S, ServerBounds
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.membership import MasterAllowList
 from wsync_grpc.service.outcome import CompleteResult, PrepareResult
 from wsync_grpc.service.prepare import PrepareMessage, PrepareReader, cancelled_while_preparing
 from wsync_grpc.service.session import UpdateSession
@@ -97,13 +98,15 @@ class UpdateController:
         bounds: the operator's bounds (``None``: the defaults); the controller applies their update idle
             limit (read at each Prepare): an update idle for longer fails and its owner loses the engine
             (:meth:`~wsync_grpc.service.session.UpdateSession.armed`).
+        allowed_masters: CIDR networks Init's master address must lie in
+            (:class:`~wsync_grpc.service.membership.MasterAllowList`); empty: any.
 
     Attributes:
         state: the engine-wide state; its lock guards every method's changes.
         bounds: see above; assigning it applies from the next update.
 
     Raises:
-        ValueError: a checkpoint root that is not a directory.
+        ValueError: a checkpoint root that is not a directory; an allowed master network that is not one.
     """
 
     def __init__(
@@ -114,10 +117,12 @@ class UpdateController:
         keep_buffers: bool | None = None,
         checkpoint_roots: Sequence[str] = (),
         bounds: ServerBounds | None = None,
+        allowed_masters: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.bounds = bounds if bounds is not None else ServerBounds()
         self.checkpoint_roots = CheckpointRoots(checkpoint_roots)
+        self.allowed_masters = MasterAllowList(allowed_masters)
         self.prepare_timeout_s = prepare_timeout_s
         self.state = EngineState(engine, keep_buffers)
         self._lock = self.state.lock
@@ -129,11 +134,13 @@ class UpdateController:
         """Make ``owner`` the owner and join the group ``params`` describe (see ``InitRequest``).
 
         Raises:
+            PermissionDenied: MASTER_NOT_ALLOWED (before anything changes or connects).
             FailedPrecondition: NOT_OWNER, WRONG_STATE.
             AlreadyExists: GROUP_MISMATCH (joined with other parameters by the same owner).
             WsyncError: the join failed (JOIN_TIMEOUT, GROUP_ERROR...); the engine is UNINITIALIZED again.
         """
         st, m = self.state, self.state.membership
+        params = self.allowed_masters.check(params)
         with self._lock:
             previous = st.ownership.owner
             changed = st.claim(owner, "Init", ttl_s, force)

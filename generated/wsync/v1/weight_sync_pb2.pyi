@@ -331,7 +331,8 @@ class InitRequest(_message.Message):
     TRAINER_RANKS_FIELD_NUMBER: _builtins.int
     master_address: _builtins.str
     """master_address is the host of the group's TCP store, served by the
-    trainer (rank 0). Required.
+    trainer (rank 0), which listens on this address only. Required; the
+    engine's allow-list, if its operator set one, must contain it.
     """
     master_port: _builtins.int
     """master_port is the TCP port of the group's store. Required (1-65535)."""

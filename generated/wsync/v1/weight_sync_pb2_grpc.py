@@ -148,6 +148,13 @@ class WeightSyncServiceServicer:
         Idempotent: calling Init again with identical parameters while joined
         succeeds with already_joined = true; with other parameters it fails with
         ALREADY_EXISTS (call Leave first).
+
+        The engine's operator may restrict master_address to some networks
+        (wsync serve --allow-master CIDR): an address outside them, or a host
+        name that resolves to one, fails with PERMISSION_DENIED (reason
+        MASTER_NOT_ALLOWED) before any connection is attempted. A join that
+        fails reports a generic reason (UNAVAILABLE JOIN_FAILED, or
+        DEADLINE_EXCEEDED JOIN_TIMEOUT), never what the address answered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -96,6 +96,13 @@ class WeightSyncServiceStub:
     Idempotent: calling Init again with identical parameters while joined
     succeeds with already_joined = true; with other parameters it fails with
     ALREADY_EXISTS (call Leave first).
+
+    The engine's operator may restrict master_address to some networks
+    (wsync serve --allow-master CIDR): an address outside them, or a host
+    name that resolves to one, fails with PERMISSION_DENIED (reason
+    MASTER_NOT_ALLOWED) before any connection is attempted. A join that
+    fails reports a generic reason (UNAVAILABLE JOIN_FAILED, or
+    DEADLINE_EXCEEDED JOIN_TIMEOUT), never what the address answered.
     """
     Prepare: _grpc.StreamUnaryMultiCallable[_weight_sync_pb2.PrepareRequest, _weight_sync_pb2.PrepareResponse]
     """Prepare announces one weight update: first a PrepareRequest carrying the
@@ -302,6 +309,13 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     Idempotent: calling Init again with identical parameters while joined
     succeeds with already_joined = true; with other parameters it fails with
     ALREADY_EXISTS (call Leave first).
+
+    The engine's operator may restrict master_address to some networks
+    (wsync serve --allow-master CIDR): an address outside them, or a host
+    name that resolves to one, fails with PERMISSION_DENIED (reason
+    MASTER_NOT_ALLOWED) before any connection is attempted. A join that
+    fails reports a generic reason (UNAVAILABLE JOIN_FAILED, or
+    DEADLINE_EXCEEDED JOIN_TIMEOUT), never what the address answered.
     """
     Prepare: _aio.StreamUnaryMultiCallable[_weight_sync_pb2.PrepareRequest, _weight_sync_pb2.PrepareResponse]  # type: ignore[assignment]
     """Prepare announces one weight update: first a PrepareRequest carrying the
@@ -511,6 +525,13 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         Idempotent: calling Init again with identical parameters while joined
         succeeds with already_joined = true; with other parameters it fails with
         ALREADY_EXISTS (call Leave first).
+
+        The engine's operator may restrict master_address to some networks
+        (wsync serve --allow-master CIDR): an address outside them, or a host
+        name that resolves to one, fails with PERMISSION_DENIED (reason
+        MASTER_NOT_ALLOWED) before any connection is attempted. A join that
+        fails reports a generic reason (UNAVAILABLE JOIN_FAILED, or
+        DEADLINE_EXCEEDED JOIN_TIMEOUT), never what the address answered.
         """
 
     @_abc_1.abstractmethod
