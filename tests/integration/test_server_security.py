@@ -17,10 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from support import ENV, ROOT, code_of
+from support import ENV, ROOT, code_of, write_tls
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -35,16 +34,7 @@ TOKEN = "s3cret-token"
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A CA, and a server certificate for 127.0.0.1 signed by it, as PEM files."""
-    d = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    paths = {"ca": d / "ca.pem", "cert": d / "cert.pem", "key": d / "key.pem"}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    with paths["cert"].open("wb") as f:
-        for blob in cert.cert_chain_pems:
-            f.write(blob.bytes())
-    return paths
+    return write_tls(tmp_path_factory.mktemp("tls"), "127.0.0.1", "localhost")
 
 
 @pytest.fixture(scope="module")
