@@ -26,7 +26,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.service.server import WsyncServer, build_server
-from wsync_grpc.testing import spawn_engine
+from wsync_grpc.testing import free_port, spawn_engine
 
 TOKEN = "s3cret-token"
 
@@ -166,16 +166,21 @@ def test_cli_serve_refuses_what_cannot_be_safe_in_one_line(tls: dict[str, Path],
 
 
 @pytest.mark.timeout(120)
-def test_cli_serve_exposed_with_insecure_warns_that_the_token_is_plaintext(tmp_path: Path) -> None:
+def test_cli_serve_exposed_with_insecure_warns_that_the_token_and_the_metrics_are_plaintext(tmp_path: Path) -> None:
     log = tmp_path / "engine.log"
     engine = spawn_engine(
-        ["--synthetic", "tiny", "--host", "0.0.0.0", "--insecure", "--token", "t", "--grace", "1"],
+        [
+            *("--synthetic", "tiny", "--host", "0.0.0.0", "--insecure", "--token", "t", "--grace", "1"),
+            *("--metrics-host", "0.0.0.0", "--metrics-port", str(free_port())),
+        ],
         port_file=tmp_path / "port",
         log=log,
         env=ENV,
         cwd=ROOT,
     )
     try:
-        assert "without TLS: the token travels in plaintext" in log.read_text()
+        text = log.read_text()
+        assert "without TLS: the token travels in plaintext" in text
+        assert "metrics served on 0.0.0.0" in text and "without a token" in text
     finally:
         engine.stop()
