@@ -164,6 +164,12 @@ CASES: dict[str, tuple[list[pb.PrepareRequest], grpc.StatusCode, str, str]] = {
         "MISSING_WEIGHT_VERSION",
         "weight_version",
     ),
+    "a 3 MiB weight version": (
+        [pb.PrepareRequest(header=pb.PrepareHeader(weight_version="v" * (3 << 20), bucket_count=1, total_bytes=128))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "VERSION_TOO_LONG",
+        "at most 256",
+    ),
     "odd unicode name": (
         [h(), b(0, 128, t("modèl.\u202e\U0001f600.weight\x00"))],
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -315,7 +321,8 @@ def test_good_update_after_refusals() -> None:
 
 
 def test_log_lines_stay_bounded_whatever_a_caller_sends(caplog: pytest.LogCaptureFixture) -> None:
-    """Caller strings of 100 KB (a dtype, a weight version, an update id) leave log lines of at most a few KB."""
+    """Caller strings of 100 KB (a dtype, a weight version, an update id, a cancel reason) leave log lines of at
+    most a few KB (versions and update ids beyond 256 characters are refused)."""
     huge = "x" * 100_000
     caplog.set_level("DEBUG", logger="wsync_grpc")
     with tensor_server("tiny", seed=0) as (_, _engine, stub):
@@ -325,8 +332,13 @@ def test_log_lines_stay_bounded_whatever_a_caller_sends(caplog: pytest.LogCaptur
                 stub.Prepare(iter([h(), b(0, 128, t(dtype=huge))]), timeout=30)
             assert error_reason(e.value) == "UNSUPPORTED_DTYPE"
             header = pb.PrepareHeader(update_id=huge, weight_version=huge, bucket_count=1, total_bytes=128)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Prepare(iter([pb.PrepareRequest(header=header), b(0, 128, t())]), timeout=30)
+            assert error_reason(e.value) == "VERSION_TOO_LONG"
+            longest_id = "u" * 256  # the longest accepted
+            header = pb.PrepareHeader(update_id=longest_id, weight_version=longest_id, bucket_count=1, total_bytes=128)
             stub.Prepare(iter([pb.PrepareRequest(header=header), b(0, 128, t())]), timeout=30)
-            assert stub.Cancel(pb.CancelRequest(update_id=huge, reason=huge), timeout=10).cancelled
+            assert stub.Cancel(pb.CancelRequest(update_id=longest_id, reason=huge), timeout=10).cancelled
         finally:
             trainer.destroy()
     ours = [r for r in caplog.records if r.name.startswith("wsync_grpc")]

@@ -33,8 +33,7 @@ import grpc
 import psutil
 import pytest
 import torch
-import trustme
-from support import ENV, ROOT
+from support import ENV, ROOT, write_tls
 
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.engines import synthetic
@@ -137,16 +136,7 @@ def namespaces(count: int) -> Iterator[list[Link]]:
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A CA, and the fleet's certificate for ``*.fleet.wsync.test`` (a name, no address) signed by it."""
-    d = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert(f"*.{FLEET_DOMAIN}")
-    paths = {"ca": d / "ca.pem", "cert": d / "cert.pem", "key": d / "key.pem"}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    with paths["cert"].open("wb") as f:
-        for blob in cert.cert_chain_pems:
-            f.write(blob.bytes())
-    return paths
+    return write_tls(tmp_path_factory.mktemp("tls"), f"*.{FLEET_DOMAIN}")
 
 
 def credentials(tls: dict[str, Path]) -> grpc.ChannelCredentials:

@@ -17,17 +17,16 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from support import ENV, ROOT, code_of
+from support import ENV, ROOT, code_of, write_tls
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.service.server import WsyncServer, build_server
-from wsync_grpc.testing import spawn_engine
+from wsync_grpc.testing import free_port, spawn_engine
 
 TOKEN = "s3cret-token"
 
@@ -35,16 +34,7 @@ TOKEN = "s3cret-token"
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A CA, and a server certificate for 127.0.0.1 signed by it, as PEM files."""
-    d = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    paths = {"ca": d / "ca.pem", "cert": d / "cert.pem", "key": d / "key.pem"}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    with paths["cert"].open("wb") as f:
-        for blob in cert.cert_chain_pems:
-            f.write(blob.bytes())
-    return paths
+    return write_tls(tmp_path_factory.mktemp("tls"), "127.0.0.1", "localhost")
 
 
 @pytest.fixture(scope="module")
@@ -176,16 +166,21 @@ def test_cli_serve_refuses_what_cannot_be_safe_in_one_line(tls: dict[str, Path],
 
 
 @pytest.mark.timeout(120)
-def test_cli_serve_exposed_with_insecure_warns_that_the_token_is_plaintext(tmp_path: Path) -> None:
+def test_cli_serve_exposed_with_insecure_warns_that_the_token_and_the_metrics_are_plaintext(tmp_path: Path) -> None:
     log = tmp_path / "engine.log"
     engine = spawn_engine(
-        ["--synthetic", "tiny", "--host", "0.0.0.0", "--insecure", "--token", "t", "--grace", "1"],
+        [
+            *("--synthetic", "tiny", "--host", "0.0.0.0", "--insecure", "--token", "t", "--grace", "1"),
+            *("--metrics-host", "0.0.0.0", "--metrics-port", str(free_port())),
+        ],
         port_file=tmp_path / "port",
         log=log,
         env=ENV,
         cwd=ROOT,
     )
     try:
-        assert "without TLS: the token travels in plaintext" in log.read_text()
+        text = log.read_text()
+        assert "without TLS: the token travels in plaintext" in text
+        assert "metrics served on 0.0.0.0" in text and "without a token" in text
     finally:
         engine.stop()

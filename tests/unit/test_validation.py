@@ -76,6 +76,8 @@ def test_header_gets_a_fresh_update_id_when_none_is_given() -> None:
     ("fields", "reason"),
     [
         ({"weight_version": ""}, "MISSING_WEIGHT_VERSION"),
+        ({"weight_version": "v" * (3 << 20)}, "VERSION_TOO_LONG"),  # a 3 MiB version
+        ({"update_id": "u" * 257}, "UPDATE_ID_TOO_LONG"),
         ({"bucket_count": 0}, "EMPTY_UPDATE"),
         ({"bucket_count": len(SPECS) + len(ALIASES) + 1}, "TOO_MANY_BUCKETS"),
         ({"total_bytes": 10**12}, "TOO_MANY_BYTES"),

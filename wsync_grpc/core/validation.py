@@ -41,6 +41,10 @@ PADDING_PER_TENSOR = 4096
 
 _MAX_NAME_IN_MESSAGE = 120
 
+MAX_ID_CHARS = 256
+"""Longest ``weight_version`` and ``update_id`` accepted, in characters (they are kept, logged and
+reported with every answer)."""
+
 MAX_PIECES = 1024
 """Most pieces one tensor may be sent in (``wsync.v1.TensorShard``): a trainer of up to this many ranks."""
 
@@ -239,7 +243,7 @@ class UpdateValidator:
         """Validate the header; return it with an update id (a fresh UUID when ``h.update_id`` is empty).
 
         Raises:
-            InvalidArgument: a second header, a missing weight version, a
+            InvalidArgument: a second header, a missing or too long weight version, a too long update id, a
                 non-incremental update without buckets, counts or bytes beyond
                 what the model could hold.
             Unimplemented: a transport not built yet.
@@ -248,6 +252,15 @@ class UpdateValidator:
             raise InvalidArgument("DUPLICATE_HEADER", "the Prepare stream carried a second header")
         if not h.weight_version:
             raise InvalidArgument("MISSING_WEIGHT_VERSION", "header.weight_version is required")
+        if len(h.weight_version) > MAX_ID_CHARS:
+            raise InvalidArgument(
+                "VERSION_TOO_LONG",
+                f"header.weight_version has {len(h.weight_version)} characters; at most {MAX_ID_CHARS}",
+            )
+        if len(h.update_id) > MAX_ID_CHARS:
+            raise InvalidArgument(
+                "UPDATE_ID_TOO_LONG", f"header.update_id has {len(h.update_id)} characters; at most {MAX_ID_CHARS}"
+            )
         if self._transports is not None:
             rules = self._transports(h.transport)
             h = rules.check_header(h)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable
 
 DISCARD_PORT = 9
 """The port a route is looked up with (any port gives the same route; nothing is sent)."""
@@ -38,27 +39,34 @@ def local_address_to(host: str) -> str | None:
     ``127.0.0.1``: see :func:`own_address`). ``host`` may be a name: its addresses are tried in
     :func:`resolve`'s order. No packet is sent.
     """
-    try:
-        candidates = resolve(host)
-    except OSError:
-        return None
-    for family, address in candidates:
-        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((address, DISCARD_PORT))
-            return str(s.getsockname()[0])
-    return None
+
+    def route(s: socket.socket, address: str) -> str:
+        s.connect((address, DISCARD_PORT))
+        return str(s.getsockname()[0])
+
+    return _first_datagram(host, route)
 
 
 def own_address(host: str) -> str | None:
     """``host``'s address if it is one of this host's (a socket can be bound to it), else ``None``."""
+
+    def bound(s: socket.socket, address: str) -> str:
+        s.bind((address, 0))
+        return address
+
+    return _first_datagram(host, bound)
+
+
+def _first_datagram(host: str, probe: Callable[[socket.socket, str], str]) -> str | None:
+    """``probe(a UDP socket of the address's family, address)`` for ``host``'s addresses in :func:`resolve`'s
+    order: the first answer; ``None`` when ``host`` does not resolve or every probe raised ``OSError``."""
     try:
         candidates = resolve(host)
     except OSError:
         return None
     for family, address in candidates:
         with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.bind((address, 0))
-            return address
+            return probe(s, address)
     return None
 
 

@@ -127,6 +127,8 @@ class UpdateController:
         self.state = EngineState(engine, keep_buffers)
         self._lock = self.state.lock
         self._preparing: PrepareReader | None = None  # the Prepare stream being read, in PREPARING
+        self._digests: dict[str, Checksum] = {}  # name -> checksum of the weights _digests_key names
+        self._digests_key: tuple[str, int] | None = None
 
     # --------------------------------------------------------------- Init/Leave
 
@@ -357,28 +359,50 @@ class UpdateController:
     def checksums(self, names: Sequence[str]) -> tuple[str, list[Checksum]]:
         """SHA-256 of each served tensor (every one when ``names`` is empty), read between two steps.
 
+        Each name is digested and answered once, in the order first asked (a request repeating a
+        name costs what asking it once does). Digests are kept for the weights they were taken
+        from: until the next update applies (``updates_completed`` and the version change), while
+        no update is in flight and the weights are not dirty, a name asked again is answered
+        without reading the tensor again.
+
         Returns:
-            The weight version served while they were read, and one :data:`Checksum` per name.
+            The weight version served while they were read, and one :data:`Checksum` per distinct name.
 
         Raises:
             InvalidArgument: UNKNOWN_TENSOR.
         """
         specs = self.engine.parameter_specs()
         aliases = self.engine.aliases()
-        names = list(names) or list(specs)
-        for n in names:
+        wanted = list(dict.fromkeys(names)) or list(specs)
+        for n in wanted:
             if aliases.get(n, n) not in specs:
                 raise InvalidArgument(
                     "UNKNOWN_TENSOR", f"tensor {n[:120]!r} is not a parameter of the served model", tensor=n[:120]
                 )
+        key = self._weights_key()
+        known = self._digests if key is not None and key == self._digests_key else {}
+        missing = [n for n in wanted if n not in known]
         if isinstance(self.engine, ServedChecksums):
-            return self.state.weight_version, self.engine.weight_checksums(names)
-        with self.engine.weights_lock():
-            out: list[Checksum] = []
-            for n in names:
-                t = self.engine.get_weight(n)
-                out.append((n, t.dtype, tuple(t.shape), tensor_sha256(t)))
-            return self.state.weight_version, out
+            fresh = self.engine.weight_checksums(missing) if missing else []
+        else:
+            with self.engine.weights_lock():
+                fresh = []
+                for n in missing:
+                    t = self.engine.get_weight(n)
+                    fresh.append((n, t.dtype, tuple(t.shape), tensor_sha256(t)))
+        digests = {**known, **{c[0]: c for c in fresh}}
+        if key is not None and key == self._weights_key():  # nothing changed the weights meanwhile
+            self._digests, self._digests_key = digests, key
+        return self.state.weight_version, [digests[n] for n in wanted]
+
+    def _weights_key(self) -> tuple[str, int] | None:
+        """What identifies the served weights while they cannot change; ``None`` while they may
+        (an update in flight, or dirty weights)."""
+        with self._lock:
+            s = self.state
+            if s.update is not None or s.dirty or self._preparing is not None:
+                return None
+            return s.weight_version, s.updates_completed
 
     def shutdown(self) -> None:
         """Cancel any update in flight and leave the group (server shutdown)."""

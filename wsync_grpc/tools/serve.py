@@ -73,6 +73,13 @@ def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
     except ValueError as e:
         raise UsageError(f"--allow-master: {e}") from None
     tls = args.tls_cert is not None
+    if args.metrics_port is not None and not is_loopback(args.metrics_host):
+        log.warning(
+            "metrics served on %s:%d without a token: anyone who reaches that port reads the engine's "
+            "versions, owner name and call counts",
+            args.metrics_host,
+            args.metrics_port,
+        )
     if is_loopback(args.host):
         return
     if not (tls and token) and not args.insecure:

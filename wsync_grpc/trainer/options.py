@@ -18,6 +18,7 @@ from typing import Literal
 from wsync_grpc.core import layout as core_layout
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S
+from wsync_grpc.core.validation import MAX_ID_CHARS
 
 __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
@@ -97,7 +98,10 @@ def check_version(weight_version: str) -> None:
     """Refuse an update without a version before anything runs.
 
     Raises:
-        ValueError: an empty ``weight_version``.
+        ValueError: an empty ``weight_version``, or one longer than the engines accept
+            (:data:`~wsync_grpc.core.validation.MAX_ID_CHARS` characters).
     """
     if not weight_version:
         raise ValueError("weight_version is required")
+    if len(weight_version) > MAX_ID_CHARS:
+        raise ValueError(f"weight_version has {len(weight_version)} characters; engines accept at most {MAX_ID_CHARS}")

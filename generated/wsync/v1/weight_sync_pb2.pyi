@@ -1823,7 +1823,9 @@ class GetWeightChecksumsResponse(_message.Message):
     """weight_version is the version the digests were taken from."""
     @_builtins.property
     def checksums(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChecksum]:
-        """checksums are the digests, in the order asked (or the engine's order)."""
+        """checksums are the digests, one per distinct name in the order first
+        asked (every tensor in the engine's order when no name was asked).
+        """
 
     def __init__(
         self,

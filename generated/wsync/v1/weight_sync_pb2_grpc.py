@@ -334,7 +334,9 @@ class WeightSyncServiceServicer:
         as SGLang's and vLLM's get_weights_by_name).
 
         Allowed in every state; reads the weights between two inference steps.
-        Unknown names fail with INVALID_ARGUMENT. Idempotent.
+        Unknown names fail with INVALID_ARGUMENT. A name asked several times is
+        read and answered once. Digests are kept until the weights change (the
+        next applied update), so asking again costs no second read. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

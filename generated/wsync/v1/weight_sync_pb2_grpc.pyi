@@ -242,7 +242,9 @@ class WeightSyncServiceStub:
     as SGLang's and vLLM's get_weights_by_name).
 
     Allowed in every state; reads the weights between two inference steps.
-    Unknown names fail with INVALID_ARGUMENT. Idempotent.
+    Unknown names fail with INVALID_ARGUMENT. A name asked several times is
+    read and answered once. Digests are kept until the weights change (the
+    next applied update), so asking again costs no second read. Idempotent.
     """
     KeepAlive: _grpc.UnaryStreamMultiCallable[_weight_sync_pb2.KeepAliveRequest, _weight_sync_pb2.KeepAliveResponse]
     """KeepAlive holds the owner's lease for as long as the call is open (as
@@ -455,7 +457,9 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     as SGLang's and vLLM's get_weights_by_name).
 
     Allowed in every state; reads the weights between two inference steps.
-    Unknown names fail with INVALID_ARGUMENT. Idempotent.
+    Unknown names fail with INVALID_ARGUMENT. A name asked several times is
+    read and answered once. Digests are kept until the weights change (the
+    next applied update), so asking again costs no second read. Idempotent.
     """
     KeepAlive: _aio.UnaryStreamMultiCallable[_weight_sync_pb2.KeepAliveRequest, _weight_sync_pb2.KeepAliveResponse]  # type: ignore[assignment]
     """KeepAlive holds the owner's lease for as long as the call is open (as
@@ -731,7 +735,9 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         as SGLang's and vLLM's get_weights_by_name).
 
         Allowed in every state; reads the weights between two inference steps.
-        Unknown names fail with INVALID_ARGUMENT. Idempotent.
+        Unknown names fail with INVALID_ARGUMENT. A name asked several times is
+        read and answered once. Digests are kept until the weights change (the
+        next applied update), so asking again costs no second read. Idempotent.
         """
 
     @_abc_1.abstractmethod
