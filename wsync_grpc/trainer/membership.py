@@ -32,7 +32,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.group.process_group import WeightSyncGroup, free_port, join_group
 from wsync_grpc.group.routes import route_address
-from wsync_grpc.trainer.fleet import Fleet, RemoteEngine
+from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.results import (
     TRAINER,
@@ -47,6 +47,12 @@ from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS, ClientSettings
 from wsync_grpc.wire.convert import backend_to_proto, duration
 
 log = logging.getLogger(__name__)
+
+_FREE = (pb.LIFECYCLE_STATE_UNINITIALIZED, pb.LIFECYCLE_STATE_FAILED)
+"""States in which Init joins a new group."""
+
+_ARMED = (pb.LIFECYCLE_STATE_PREPARING, pb.LIFECYCLE_STATE_RECEIVING, pb.LIFECYCLE_STATE_RECEIVED)
+"""States with an update armed (Cancel frees them)."""
 
 
 class Membership:
@@ -204,62 +210,58 @@ class Membership:
         return offset
 
     def _free_all(self, statuses: Mapping[str, pb.GetStatusResponse]) -> None:
-        """Engines still in an old group (or busy) must be free to join a new one.
+        """Bring every engine to UNINITIALIZED or FAILED, the states in which Init joins a new group.
+
+        All engines at once, in rounds: ``Leave`` to those READY (still in an old group), ``Cancel``
+        to those with an update armed, then ``GetStatus`` of those touched; engines JOINING or
+        APPLYING are waited for (both end by the engine's own deadlines), 0.1 s between rounds.
 
         Raises:
-            InitError: some engine could not be freed.
-        """
-        failures: dict[str, EngineFailure] = {}
-        for e in self._fleet.engines:
-            try:
-                self._free_engine(e, statuses[e.target])
-            except EngineCallError as exc:
-                failures.update(exc.failures)
-        if failures:
-            raise InitError(f"cannot initialize: {failure_lines(failures)}", rpc="Init", failures=failures, results={})
-
-    def _free_engine(self, e: RemoteEngine, status: pb.GetStatusResponse) -> None:
-        """Bring ``e`` to UNINITIALIZED or FAILED, the states in which Init joins a new group.
-
-        Raises:
-            EngineCallError: a Leave, Cancel or GetStatus call failed, or the
-                engine stayed JOINING/APPLYING past the group timeout.
+            InitError: a Leave, Cancel or GetStatus call failed on some engine, or an engine stayed
+                JOINING/APPLYING past the group timeout.
         """
         s = self._settings
         deadline = time.monotonic() + s.timeouts.group_rpc_s
         kw: dict[str, Any] = {"timeout": s.rpc_timeout_s, "metadata": self._fleet.metadata}
-        rpc = "GetStatus"
-        try:
-            while True:
-                state = status.state
-                if state in (pb.LIFECYCLE_STATE_UNINITIALIZED, pb.LIFECYCLE_STATE_FAILED):
-                    return
-                if state == pb.LIFECYCLE_STATE_READY:
-                    rpc = "Leave"
-                    e.stub.Leave(pb.LeaveRequest(owner=self._fleet.owner), **kw)
-                    log.info("%s left its previous weight-sync group", e.target)
-                elif state in (
-                    pb.LIFECYCLE_STATE_PREPARING,
-                    pb.LIFECYCLE_STATE_RECEIVING,
-                    pb.LIFECYCLE_STATE_RECEIVED,
-                ):
-                    rpc = "Cancel"
-                    e.stub.Cancel(
-                        pb.CancelRequest(reason="the trainer re-initializes the group", owner=self._fleet.owner), **kw
-                    )
-                    log.info("%s: cancelled the update in flight", e.target)
-                elif time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"the engine stayed in {pb.LifecycleState.Name(state)} for more than "
-                        f"{s.timeouts.group_rpc_s:g} s"
-                    )
-                else:  # JOINING or APPLYING: both end by the engine's own deadlines
-                    time.sleep(0.1)
-                rpc = "GetStatus"
-                status = e.stub.GetStatus(pb.GetStatusRequest(), **kw)
-        except Exception as exc:
-            failure = EngineFailure.from_exception(e.target, rpc, exc)
-            raise EngineCallError(str(failure), rpc=rpc, failures={e.target: failure}, results={}) from exc
+        owner = self._fleet.owner
+        busy = {e.target: (e, statuses[e.target]) for e in self._fleet.engines}
+        failures: dict[str, EngineFailure] = {}
+        while True:
+            busy = {t: (e, st) for t, (e, st) in busy.items() if st.state not in _FREE}
+            if not busy:
+                break
+            leave = [e for e, st in busy.values() if st.state == pb.LIFECYCLE_STATE_READY]
+            cancel = [e for e, st in busy.values() if st.state in _ARMED]
+            if not (leave or cancel):  # JOINING or APPLYING only
+                if time.monotonic() > deadline:
+                    for t, (_, st) in busy.items():
+                        state = pb.LifecycleState.Name(st.state)
+                        why = TimeoutError(f"the engine stayed in {state} for more than {s.timeouts.group_rpc_s:g} s")
+                        failures[t] = EngineFailure.from_exception(t, "GetStatus", why)
+                    break
+                time.sleep(0.1)
+            left, leave_failures = self._fleet.gather(
+                "Leave", lambda e: e.stub.Leave.future(pb.LeaveRequest(owner=owner), **kw), leave
+            )
+            cancelled, cancel_failures = self._fleet.gather(
+                "Cancel",
+                lambda e: e.stub.Cancel.future(
+                    pb.CancelRequest(reason="the trainer re-initializes the group", owner=owner), **kw
+                ),
+                cancel,
+            )
+            for t in left:
+                log.info("%s left its previous weight-sync group", t)
+            for t in cancelled:
+                log.info("%s: cancelled the update in flight", t)
+            failures.update(leave_failures)
+            failures.update(cancel_failures)
+            again = [e for e, _ in busy.values() if e.target not in failures]
+            replies, status_failures = self._fleet.gather("GetStatus", self._fleet.start_get_status, again)
+            failures.update(status_failures)
+            busy = {t: (busy[t][0], r) for t, r in replies.items()}
+        if failures:
+            raise InitError(f"cannot initialize: {failure_lines(failures)}", rpc="Init", failures=failures, results={})
 
     def _join_all(self, address: str, port: int, world_size: int) -> dict[str, pb.InitResponse]:
         """Send Init to every engine, join as the sender's rank meanwhile, then collect the Init replies.
