@@ -7,7 +7,9 @@ concurrently, then collects every reply or failure; :meth:`Fleet.fan_out`
 raises :class:`~wsync_grpc.trainer.results.EngineCallError` when any engine
 failed. The fan-out helpers (status, pause, resume, checksums, leave) and
 the calls that the group formation and the failure protocol fan out
-(GetStatus, Cancel) are built on them.
+(GetStatus, Cancel) are built on them. The long-lived streams (leases, held
+Watch calls) run on :attr:`Fleet.streams` instead, one ``grpc.aio`` channel per
+engine on one event-loop thread (:mod:`wsync_grpc.trainer.streams`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.trainer.results import EngineCallError, EngineFailure, failure_lines
 from wsync_grpc.trainer.settings import ClientSettings
+from wsync_grpc.trainer.streams import StreamLoop
 from wsync_grpc.wire.convert import PAUSE_MODES, duration
 from wsync_grpc.wire.keepalive import Keepalive
 
@@ -88,6 +91,8 @@ class Fleet:
             *(keepalive if keepalive is not None else Keepalive()).channel_options(),
             *channel_options,
         ]
+        self.streams = StreamLoop(options, credentials)
+        """The event loop (one thread) and ``grpc.aio`` channels, same options, of the engines' long-lived streams."""
         self.engines: list[RemoteEngine] = []
         """The engines, in rank order."""
         for t in targets:
@@ -99,7 +104,8 @@ class Fleet:
             self.engines.append(RemoteEngine(t, ch, weight_sync_pb2_grpc.WeightSyncServiceStub(ch)))
 
     def close(self) -> None:
-        """Close every channel."""
+        """Close every channel, and the stream loop (its thread ends). Idempotent."""
+        self.streams.close()
         for e in self.engines:
             e.channel.close()
 
