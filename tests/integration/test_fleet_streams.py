@@ -32,6 +32,7 @@ from wsync_grpc.testing import EngineProcess, spawn_engine, stop_all, wait_all
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import RETRY_S, Leases
 from wsync_grpc.trainer.settings import ClientSettings
+from wsync_grpc.trainer.streams import StreamClosed, StreamLoop
 
 FLEET = 16
 SLACK = 4
@@ -177,3 +178,21 @@ def test_leases_follow_the_fleet_and_a_forgotten_engine_is_released_at_once() ->
         leases.close()  # idempotent
         fleet.close()
         leases.start()  # a no-op once closed
+
+
+def test_a_stream_loop_runs_on_one_thread_from_its_first_use_to_its_close() -> None:
+    before = len(stream_threads())
+    loop = StreamLoop((), None)
+    assert len(stream_threads()) == before  # nothing started until used
+
+    async def where() -> str:
+        return threading.current_thread().name
+
+    assert loop.run(where()) == loop.run(where()) == "wsync-streams"
+    assert len(stream_threads()) == before + 1
+    loop.close()
+    loop.close()  # idempotent
+    assert len(stream_threads()) == before and loop.closed
+    with pytest.raises(StreamClosed):
+        loop.run(where())
+    loop.drop("127.0.0.1:1")  # nothing to drop once closed

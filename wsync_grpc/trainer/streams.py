@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar, cast
@@ -40,6 +41,9 @@ EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
 
 CLOSE_TIMEOUT_S = 5.0
 """How long :meth:`StreamLoop.close` waits for the streams and channels to end, in seconds."""
+
+WAIT_SLICE_S = 0.5
+"""How often :meth:`StreamLoop.run` checks that the loop still runs while it waits, in seconds."""
 
 
 async def next_message(call: grpc.aio.UnaryStreamCall[Any, R]) -> R | None:
@@ -120,7 +124,8 @@ class StreamLoop:
             What ``coro`` returned.
 
         Raises:
-            StreamClosed: the loop was closed (``coro`` is not run).
+            StreamClosed: the loop was closed (before ``coro`` ran, or while waiting for it).
+            RuntimeError: called on the loop's own thread.
             TimeoutError: ``coro`` did not end within ``timeout`` (it is cancelled).
             Exception: whatever ``coro`` raised.
         """
@@ -132,15 +137,28 @@ class StreamLoop:
         if self.on_loop():
             coro.close()
             raise RuntimeError("StreamLoop.run called on the loop's own thread")
-        future = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
-            return future.result(timeout)
-        except FutureTimeout:
-            future.cancel()
-            raise TimeoutError(f"no result from the stream loop within {timeout} s") from None
+            future = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the loop closed meanwhile
+            coro.close()
+            raise StreamClosed("the client's stream loop is closed") from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return future.result(left)
+            except FutureTimeout:
+                if self._thread is not None and not self._thread.is_alive():  # stopped by close() meanwhile
+                    future.cancel()
+                    raise StreamClosed("the client's stream loop is closed") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    future.cancel()
+                    raise TimeoutError(f"no result from the stream loop within {timeout} s") from None
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Start ``coro`` as a task on the loop, cancelled by :meth:`close` if still running. Loop thread only.
+
+        An error that ends the task is logged (the task's owner reads its outcome through its own state).
 
         Raises:
             StreamClosed: the loop is closing.
@@ -150,8 +168,13 @@ class StreamLoop:
             raise StreamClosed("the client's stream loop is closed")
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
         return task
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s ended with an error", task.get_name(), exc_info=task.exception())
 
     def stub(self, target: str) -> weight_sync_pb2_grpc.WeightSyncServiceAsyncStub:
         """The ``grpc.aio`` stub of ``target``'s channel, created at its first use. Loop thread only.
