@@ -9,7 +9,8 @@ tensors per bucket while sending) and which trainer rank sends which bytes
 (:mod:`.request`), its bucket plan (:mod:`.planning`), its calls over every
 engine and failure protocol (:mod:`.protocol`), run as a broadcast
 (:mod:`.sync`) or a disk read (:mod:`.disk`); calls fanned out to every engine
-(:mod:`.fleet`); results and errors (:mod:`.results`) and the typed views of
+(:mod:`.fleet`); which engines take part in each update under the fleet policy, and
+catching up those that fell behind (:mod:`.roster`); results and errors (:mod:`.results`) and the typed views of
 the operator calls (:mod:`.views`); settings (:mod:`.settings`) and the option
 literals with their one conversion into the core's enums (:mod:`.options`).
 """
@@ -35,6 +36,7 @@ from wsync_grpc.trainer.results import (
     SyncProgress,
     SyncResult,
 )
+from wsync_grpc.trainer.roster import FleetPolicy, Member
 from wsync_grpc.trainer.sender import BroadcastSender, Sender
 from wsync_grpc.trainer.source import NamedTensors, TensorMeta, WeightSource
 from wsync_grpc.trainer.views import (
@@ -73,11 +75,13 @@ __all__ = [
     "EngineOwner",
     "EngineStatus",
     "EngineSyncResult",
+    "FleetPolicy",
     "InitError",
     "InitResult",
     "Keepalive",
     "Layout",
     "LeaveResult",
+    "Member",
     "NamedTensors",
     "PauseModeName",
     "PauseResult",

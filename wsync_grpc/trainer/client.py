@@ -47,6 +47,7 @@ from wsync_grpc.trainer.options import (
 from wsync_grpc.trainer.protocol import UpdateProtocol
 from wsync_grpc.trainer.request import UpdateRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
+from wsync_grpc.trainer.roster import FleetPolicy, Member, Roster
 from wsync_grpc.trainer.sender import BroadcastSender, Sender
 from wsync_grpc.trainer.settings import ClientSettings, client_settings
 from wsync_grpc.trainer.source import NamedTensors, WeightSource
@@ -180,6 +181,11 @@ class TrainerClient:
             send which bytes) from its two pack buffers; ``None`` = one process at group rank 0
             (:class:`~wsync_grpc.trainer.sender.BroadcastSender`). A sharded trainer's client
             passes its own (:class:`~wsync_grpc.trainer.sharded.ShardedTrainerClient`).
+        policy: what an update does when engines are unreachable or fail before the commit decision
+            (:class:`~wsync_grpc.trainer.roster.FleetPolicy`); ``None`` (default) = ``FleetPolicy()``:
+            the update fails, all or nothing across every engine. ``FleetPolicy.exclude(min_engines=k)``
+            leaves those engines out and publishes on the others (all or nothing across them) when
+            at least ``k`` remain; each sync may pass its own.
 
     Raises:
         ValueError: no targets, duplicate targets, a ``workers`` list of the
@@ -225,6 +231,7 @@ class TrainerClient:
         owner: str | None = None,
         metrics_registry: CollectorRegistry | None = None,
         sender: Callable[[PackBuffers], Sender] | None = None,
+        policy: FleetPolicy | None = None,
     ) -> None:
         targets = list(targets)
         self._settings = client_settings(
@@ -256,13 +263,29 @@ class TrainerClient:
         )
         self._sync = SyncRunner(calls, self._settings, self._sender, self._cancel_event)
         self._disk = DiskSyncRunner(calls)
+        self._policy = policy if policy is not None else FleetPolicy()
+        self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
 
     # ------------------------------------------------------------------ what the client shows
 
     @property
     def targets(self) -> list[str]:
-        """The engines' addresses, in rank order."""
-        return [e.target for e in self._fleet.engines]
+        """Every engine's address (the client's members, excluded ones too), in rank order."""
+        return [e.target for e in self._fleet.members]
+
+    @property
+    def policy(self) -> FleetPolicy:
+        """The client's fleet policy (each sync may pass its own); assignable."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: FleetPolicy) -> None:
+        self._policy = value
+
+    def members(self) -> dict[str, Member]:
+        """target -> :class:`~wsync_grpc.trainer.roster.Member` (in sync, behind or excluded, and why), in
+        rank order, as of the last update or status probe; no call is made."""
+        return self._roster.members()
 
     @property
     def metrics_registry(self) -> CollectorRegistry:
@@ -277,7 +300,7 @@ class TrainerClient:
     @property
     def stubs(self) -> dict[str, weight_sync_pb2_grpc.WeightSyncServiceStub]:
         """target -> the generated stub on the client's channel, for calls the client does not wrap (raw protobuf)."""
-        return {e.target: e.stub for e in self._fleet.engines}
+        return {e.target: e.stub for e in self._fleet.members}
 
     @property
     def call_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
@@ -296,12 +319,13 @@ class TrainerClient:
 
     @property
     def workers(self) -> dict[str, int]:
-        """target -> workers, as of the last :meth:`init` (0 before it)."""
+        """target -> workers, for the engines taking part, as of the last :meth:`init` (0 before it)."""
         return {e.target: e.workers for e in self._fleet.engines}
 
     @property
     def rank_offsets(self) -> dict[str, int]:
-        """target -> group rank of the engine's first worker, as of the last :meth:`init` (0 before it)."""
+        """target -> group rank of the first worker of each engine taking part, as of the last :meth:`init`
+        (0 before it)."""
         return {e.target: e.rank_offset for e in self._fleet.engines}
 
     @property
@@ -379,6 +403,7 @@ class TrainerClient:
             EngineCallError: some engine failed (e.g. FAILED_PRECONDITION while applying).
         """
         self._cancel_event.set()
+        self._roster.cancelled = True
         return _per_target(self._membership.cancel_updates(reason), CancelResult.from_proto)
 
     def leave(self) -> dict[str, LeaveResult]:
@@ -453,6 +478,7 @@ class TrainerClient:
         progress: Callable[[SyncProgress], None] | None = None,
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
+        policy: FleetPolicy | None = None,
     ) -> SyncResult:
         """Push ``named_tensors`` to every engine as ``weight_version``.
 
@@ -498,6 +524,10 @@ class TrainerClient:
             on_phase: called from this thread with each phase's name as it ends
                 (``"planned"``, ``"prepared"``, ``"broadcast"``, ``"verified"``,
                 ``"applied"``); its exceptions are logged, not raised.
+            policy: this sync's fleet policy; ``None`` = the client's (:attr:`policy`). Under
+                ``exclude``, engines that do not answer or fail before the commit decision are left
+                out (the update runs again over the others) and the result names them
+                (:mod:`wsync_grpc.trainer.roster`).
 
         Returns:
             A :class:`SyncResult` with per-engine results and trainer-side timings.
@@ -523,7 +553,7 @@ class TrainerClient:
         )
         source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
         with self._exclusive():
-            return self._sync.run(source, request)
+            return self._roster.run(policy or self._policy, request, lambda r: self._sync.run(source, r))
 
     def sync_from_disk(
         self,
@@ -534,6 +564,7 @@ class TrainerClient:
         flush_cache: bool = False,
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
+        policy: FleetPolicy | None = None,
     ) -> SyncResult:
         """Have every engine load the safetensors checkpoint at ``checkpoint_path`` as ``weight_version``.
 
@@ -551,8 +582,9 @@ class TrainerClient:
                 or ``*.safetensors`` files) or one ``.safetensors`` file, as the
                 engines see it; relative paths are taken under each engine's
                 first checkpoint root.
-            weight_version, apply_mode, flush_cache, update_id, on_phase: as for :meth:`sync`
-                (``on_phase`` gets ``"prepared"``, ``"verified"``, ``"applied"``).
+            weight_version, apply_mode, flush_cache, update_id, on_phase, policy: as for :meth:`sync`
+                (``on_phase`` gets ``"prepared"``, ``"verified"``, ``"applied"``). The client remembers
+                the checkpoint: :meth:`catch_up` reads it on engines that fall behind.
 
         Returns:
             A :class:`SyncResult` (``wire_bytes`` 0; ``payload_bytes`` the checkpoint's tensors, in bytes).
@@ -568,7 +600,7 @@ class TrainerClient:
             checkpoint_path, weight_version, apply_mode, flush_cache=flush_cache, update_id=update_id, on_phase=on_phase
         )
         with self._exclusive():
-            return self._disk.run(request)
+            return self._roster.run(policy or self._policy, request, self._disk.run)
 
     def save_and_sync(
         self,
@@ -602,6 +634,7 @@ class TrainerClient:
         *,
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
+        policy: FleetPolicy | None = None,
     ) -> SyncResult:
         """Load (or replace) LoRA adapter ``name`` as ``version`` on every engine, as one committed update.
 
@@ -619,7 +652,7 @@ class TrainerClient:
                 tensors are broadcast (this forms the weight-sync group, as :meth:`sync` does).
             name: the adapter's name on the engines (letters, digits, ``.``, ``-``, ``_``).
             version: its version, reported with every answer it produces.
-            update_id, on_phase: as for :meth:`sync`.
+            update_id, on_phase, policy: as for :meth:`sync`.
 
         Raises:
             ValueError: an empty version, or an object that is neither a path nor a PEFT LoRA model.
@@ -631,7 +664,7 @@ class TrainerClient:
                 adapter, version, "staged", update_id=update_id, on_phase=on_phase, adapter=LoraSpec(name, 0, 0.0)
             )
             with self._exclusive():
-                return self._disk.run(request)
+                return self._roster.run(policy or self._policy, request, self._disk.run)
         check_version(version)  # before reading the model
         spec, tensors = adapter_tensors(adapter, name)
         request = UpdateRequest.broadcast(
@@ -643,8 +676,98 @@ class TrainerClient:
             on_phase=on_phase,
             adapter=spec,
         )
+        source = NamedTensors(tensors.items())
         with self._exclusive():
-            return self._sync.run(NamedTensors(tensors.items()), request)
+            return self._roster.run(policy or self._policy, request, lambda r: self._sync.run(source, r))
+
+    # ------------------------------------------------------------------ membership between syncs
+
+    def add_engine(self, target: str, *, workers: int | None = None) -> Member:
+        """Make the engine at ``target`` a member, after every other one (it gets the highest ranks).
+
+        It takes part from the next update (the group is re-formed for it), and is ``"behind"`` until
+        then: the next :meth:`sync` of the whole model brings it to the new version with every other
+        engine, or :meth:`catch_up` to the current one at once. Its lease is taken with the group.
+
+        Args:
+            target: its ``host:port``.
+            workers: its worker count; ``None`` asks it at the next init.
+
+        Returns:
+            Its :class:`~wsync_grpc.trainer.roster.Member` entry.
+
+        Raises:
+            ValueError: it is a member already, or ``workers`` is below 1.
+            RuntimeError: a sync is running on this client.
+        """
+        with self._exclusive():
+            return self._roster.add(target, workers)
+
+    def remove_engine(self, target: str) -> LeaveResult | None:
+        """Forget the member at ``target`` (e.g. one the fleet policy excluded for good).
+
+        It leaves the client's group (best effort, within 5 s) and its lease is released; the next
+        update re-forms the group without it.
+
+        Returns:
+            Its :class:`~wsync_grpc.trainer.views.LeaveResult`; ``None`` when it did not answer.
+
+        Raises:
+            KeyError: it is not a member.
+            RuntimeError: a sync is running on this client.
+        """
+        with self._exclusive():
+            reply = self._roster.remove(target)
+        return LeaveResult.from_proto(reply) if reply is not None else None
+
+    def catch_up(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightSource | None = None,
+        *,
+        apply_mode: ApplyMode = "staged",
+    ) -> SyncResult | None:
+        """Bring every member that answers but serves another version than the fleet's to the fleet's version.
+
+        Such members were excluded from earlier updates, restarted with their base weights, or were
+        added. They are found by asking every member for its status. When the fleet's version came
+        from a checkpoint (:meth:`sync_from_disk`, :meth:`save_and_sync`), they read that checkpoint;
+        otherwise ``named_tensors`` (the tensors of the fleet's current version) are broadcast to them
+        alone, in a group formed for them (the next :meth:`sync` re-forms it over everyone). The
+        others keep serving, untouched.
+
+        Args:
+            named_tensors: the current version's tensors, as for :meth:`sync`; needed only when the
+                current version was not read from a checkpoint.
+            apply_mode: as for :meth:`sync`.
+
+        Returns:
+            The catch-up's :class:`SyncResult` (over the members that caught up); ``None`` when no
+            member was behind (or nothing was published yet).
+
+        Raises:
+            ValueError: members are behind, the current version came from no checkpoint, and no
+                ``named_tensors`` were given.
+            SyncError: the catch-up failed (the fleet's other engines are untouched).
+            RuntimeError: a sync is running on this client.
+        """
+        with self._exclusive():
+            late = self._roster.behind()
+            version = self._roster.version
+            if not late or version is None:
+                return None
+            checkpoint = self._roster.checkpoint
+            if checkpoint is not None:
+                disk = UpdateRequest.disk(checkpoint, version, apply_mode)
+                return self._roster.only(late, lambda: self._disk.run(disk))
+            if named_tensors is None:
+                behind = ", ".join(e.target for e in late)
+                raise ValueError(
+                    f"{behind} serve(s) another version than {version!r}, which came from no checkpoint: "
+                    "pass its tensors to catch_up"
+                )
+            source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
+            request = UpdateRequest.broadcast(version, "flattened", apply_mode, self._settings.bucket_bytes)
+            return self._roster.only(late, lambda: self._sync.run(source, request))
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:

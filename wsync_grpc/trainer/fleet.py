@@ -45,6 +45,15 @@ class RemoteEngine:
         stub: the generated stub on that channel.
         workers: the engine's workers (0 before init).
         rank_offset: group rank of its first worker (0 before init).
+        fixed_workers: the worker count the caller gave for it (``TrainerClient(workers=...)``);
+            ``None`` asks the engine (``GetStatus().engine.workers``).
+        taking_part: whether it takes part in the next update (and in the group formed for it); an
+            engine the fleet policy excluded does not (:mod:`wsync_grpc.trainer.roster`).
+        version: the weight version the client last saw it serve (``None``: not known yet, e.g. an
+            engine added since the last update).
+        updates_completed: its ``GetStatus().updates_completed`` when last seen (a lower count later
+            means the engine restarted).
+        excluded: why the fleet policy left it out of the last update; ``None`` when it was not.
     """
 
     target: str
@@ -52,6 +61,11 @@ class RemoteEngine:
     stub: weight_sync_pb2_grpc.WeightSyncServiceStub
     workers: int = 0
     rank_offset: int = 0
+    fixed_workers: int | None = None
+    taking_part: bool = True
+    version: str | None = None
+    updates_completed: int = 0
+    excluded: EngineFailure | None = None
 
 
 class Fleet:
@@ -88,25 +102,86 @@ class Fleet:
         options = [
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            # Subchannels of its own: a fresh channel (reconnect) must not inherit a shared one's backoff.
+            ("grpc.use_local_subchannel_pool", 1),
             *(keepalive if keepalive is not None else Keepalive()).channel_options(),
             *channel_options,
         ]
+        self._options = options
+        self._credentials = credentials
         self.streams = StreamLoop(options, credentials)
         """The event loop (one thread) and ``grpc.aio`` channels, same options, of the engines' long-lived streams."""
-        self.engines: list[RemoteEngine] = []
-        """The engines, in rank order."""
-        for t in targets:
-            ch = (
-                grpc.secure_channel(t, credentials, options=options)
-                if credentials is not None
-                else grpc.insecure_channel(t, options=options)
-            )
-            self.engines.append(RemoteEngine(t, ch, weight_sync_pb2_grpc.WeightSyncServiceStub(ch)))
+        self.members: list[RemoteEngine] = []
+        """Every engine of the client, in rank order (those the fleet policy excluded too)."""
+        for i, t in enumerate(targets):
+            self.add(t, settings.fixed_workers[i] if settings.fixed_workers else None)
+
+    @property
+    def engines(self) -> list[RemoteEngine]:
+        """The engines taking part in the next update (every member but the excluded ones), in rank order."""
+        return [e for e in self.members if e.taking_part]
+
+    def member(self, target: str) -> RemoteEngine:
+        """The member at ``target``.
+
+        Raises:
+            KeyError: no member has that address.
+        """
+        for e in self.members:
+            if e.target == target:
+                return e
+        raise KeyError(target)
+
+    def add(self, target: str, workers: int | None = None) -> RemoteEngine:
+        """Open a channel to ``target`` and make it the last member (highest ranks); returns it.
+
+        Raises:
+            ValueError: ``target`` is a member already, or ``workers`` is below 1.
+        """
+        if any(e.target == target for e in self.members):
+            raise ValueError(f"{target} is an engine of this client already")
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        ch = self._channel(target)
+        e = RemoteEngine(target, ch, weight_sync_pb2_grpc.WeightSyncServiceStub(ch), fixed_workers=workers)
+        self.members.append(e)
+        return e
+
+    def _channel(self, target: str) -> grpc.Channel:
+        if self._credentials is not None:
+            return grpc.secure_channel(target, self._credentials, options=self._options)
+        return grpc.insecure_channel(target, options=self._options)
+
+    def reconnect(self, e: RemoteEngine) -> None:
+        """Give ``e`` a fresh channel (and stub), closing the old one (its ``grpc.aio`` channel too).
+
+        A channel whose engine refused its connections waits out a growing backoff (up to
+        minutes) before it tries again, failing calls at once meanwhile; an engine that was
+        unreachable is asked again on a fresh channel (with subchannels of its own), which
+        connects at once.
+        """
+        old = e.channel
+        e.channel = self._channel(e.target)
+        e.stub = weight_sync_pb2_grpc.WeightSyncServiceStub(e.channel)
+        old.close()
+        self.streams.drop(e.target)  # its streams reopen on a fresh aio channel too
+
+    def remove(self, target: str) -> RemoteEngine:
+        """Forget the member at ``target`` and close its channels (the streams' too); returns it.
+
+        Raises:
+            KeyError: no member has that address.
+        """
+        e = self.member(target)
+        self.members.remove(e)
+        e.channel.close()
+        self.streams.drop(target)
+        return e
 
     def close(self) -> None:
         """Close every channel, and the stream loop (its thread ends). Idempotent."""
         self.streams.close()
-        for e in self.engines:
+        for e in self.members:
             e.channel.close()
 
     # ------------------------------------------------------------------ gather / fan out
@@ -121,7 +196,7 @@ class Fleet:
         Args:
             rpc: the RPC's name, for the failures.
             start: starts the call on one engine.
-            engines: the engines to call; ``None`` = every engine.
+            engines: the engines to call; ``None`` = every engine taking part (:attr:`engines`).
 
         Returns:
             target -> reply for the engines that answered, target -> failure for the others.

@@ -37,13 +37,20 @@ RETRY_S = 1.0
 """Wait before reopening a KeepAlive call that broke, in seconds."""
 
 
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not only a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Leases:
     """One ``KeepAlive`` call per engine of ``fleet``, each read (and reopened when it breaks) by a task.
 
     The tasks run on ``fleet.streams`` (one thread, whatever the number of engines).
-    :meth:`start` reads ``fleet.engines`` as it is then, so engines added to the
-    fleet between syncs get their call at the next formation; :meth:`forget`
-    ends the call of an engine that left it.
+    :meth:`start` reads ``fleet.members`` as it is then (excluded members too), so
+    engines added to the fleet between syncs get their call at the next formation;
+    :meth:`forget` ends the call of an engine that leaves it. A call whose channel
+    the fleet closed (``Fleet.reconnect``) is reopened on the fresh one.
 
     Args:
         fleet: the client's engines, owner name, call metadata (token) and stream loop.
@@ -70,7 +77,7 @@ class Leases:
         """
         if self._closed.is_set():
             return
-        targets = [e.target for e in self._fleet.engines]
+        targets = [e.target for e in self._fleet.members]
         with contextlib.suppress(StreamClosed):
             self._fleet.streams.run(self._start(targets))
 
@@ -94,8 +101,10 @@ class Leases:
                 while await next_message(call) is not None:
                     pass
             except asyncio.CancelledError:
-                call.cancel()
-                raise
+                if _cancelling():  # forget() or close()
+                    call.cancel()
+                    raise
+                continue  # the fleet closed the channel under the call (a reconnection): reopen it at once
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return

@@ -76,11 +76,24 @@ class Membership:
         self._init_replies: dict[str, pb.InitResponse] = {}
         self._port_in_use: int | None = None
         self._init_attempted = False
+        self._formed_with: tuple[str, ...] = ()
 
     @property
     def needs_init(self) -> bool:
-        """Whether the next sync (re-)initializes the group first (also when an engine's lease was lost)."""
-        return self._needs_init or self.group is None or bool(self._leases.lost)
+        """Whether the next sync (re-)initializes the group first: also when an engine's lease was lost, or
+        when the engines taking part are not those the group was formed with (one was excluded, added,
+        removed or came back)."""
+        return (
+            self._needs_init
+            or self.group is None
+            or bool(self._leases.lost)
+            or self._formed_with != tuple(e.target for e in self._fleet.engines)
+        )
+
+    @property
+    def trainer_ranks(self) -> int:
+        """How many group ranks the trainer holds (its sender's)."""
+        return self._sender.trainer_ranks
 
     @property
     def world_size(self) -> int:
@@ -96,7 +109,7 @@ class Membership:
 
     def init(self, force: bool) -> dict[str, pb.InitResponse]:
         """The current Init replies when the group is current and ``force`` is not set; else :meth:`form`."""
-        if self.group is not None and not self._needs_init and not force:
+        if not self.needs_init and not force:
             return dict(self._init_replies)
         return self.form()
 
@@ -129,6 +142,7 @@ class Membership:
         self._port_in_use = port
         self._init_replies = replies
         self._needs_init = False
+        self._formed_with = tuple(e.target for e in self._fleet.engines)
         log.info(
             "weight-sync group %r formed: world size %d, %d engine(s), store %s:%d",
             self._settings.group_name,
@@ -148,10 +162,9 @@ class Membership:
         Raises:
             InitError: an engine reports no workers.
         """
-        fixed_workers = self._settings.fixed_workers
         offset = self._sender.trainer_ranks
-        for i, e in enumerate(self._fleet.engines):
-            e.workers = fixed_workers[i] if fixed_workers else int(statuses[e.target].engine.workers)
+        for e in self._fleet.engines:
+            e.workers = e.fixed_workers if e.fixed_workers is not None else int(statuses[e.target].engine.workers)
             if e.workers < 1:
                 raise InitError(
                     f"{e.target} reports {e.workers} workers",
@@ -360,6 +373,7 @@ class Membership:
         """Destroy the trainer's side of the group and mark the client for re-init."""
         self._needs_init = True
         self._init_replies = {}
+        self._formed_with = ()
         group, self.group = self.group, None
         if group is not None:
             group.destroy()

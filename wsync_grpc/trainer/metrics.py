@@ -10,12 +10,15 @@ add it to a training job's own registry. The per-phase histogram matches the eng
   round trip) and ``total`` (first Prepare to the last Complete reply) of every successful sync;
 - ``wsync_trainer_syncs_total{outcome, stage}``: syncs by outcome (``applied``, ``failed``) and the stage a
   failure happened at;
-- ``wsync_trainer_sent_bytes_total``: bytes broadcast by successful syncs.
+- ``wsync_trainer_sent_bytes_total``: bytes broadcast by successful syncs;
+- ``wsync_trainer_engines_excluded_total{target}``: times the ``exclude`` fleet policy left an engine out
+  (:mod:`wsync_grpc.trainer.roster`); one series per member, so bounded by the fleet;
+- ``wsync_trainer_members{state}``: the client's members by state (``in_sync``, ``behind``, ``excluded``).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from wsync_grpc.trainer.results import SyncResult
 
@@ -44,6 +47,14 @@ class TrainerMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.sent = Counter("wsync_trainer_sent_bytes", "Bytes broadcast by successful syncs", registry=self.registry)
+        self.excluded = Counter(
+            "wsync_trainer_engines_excluded", "Times the fleet policy left an engine out of an update", ["target"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.members = Gauge(
+            "wsync_trainer_members", "The client's engines by state (in_sync, behind, excluded)", ["state"],
+            registry=self.registry,
+        )  # fmt: skip
 
     def sync_applied(self, r: SyncResult) -> None:
         """Record a successful sync's phases (see :attr:`SyncResult.phases`) and bytes."""

@@ -226,7 +226,15 @@ class SyncResult:
         verify_seconds: the verifying phase of a staged update (every engine's ``Complete(verify_only)``),
             in seconds; 0 for a streaming one.
         total_seconds: first Prepare sent to the last Complete reply, in seconds.
-        engines: target -> :class:`EngineSyncResult`, in target order.
+        engines: target -> :class:`EngineSyncResult`, in target order: the engines that serve
+            ``weight_version`` now.
+        excluded: target -> why, for the engines the client's ``exclude`` fleet policy left out of
+            this update (:mod:`wsync_grpc.trainer.roster`); empty under ``fail``. Their weights are
+            the ones they had.
+        rejoined: the engines that were behind (excluded earlier, restarted, added) and serve the
+            new version now, in target order.
+        attempts: how many times the update ran (1, plus one for every time it was abandoned to
+            leave engines out; the timings are the last attempt's).
     """
 
     update_id: str
@@ -246,6 +254,9 @@ class SyncResult:
     verify_seconds: float
     total_seconds: float
     engines: dict[str, EngineSyncResult]
+    excluded: dict[str, EngineFailure] = field(default_factory=dict)
+    rejoined: list[str] = field(default_factory=list)
+    attempts: int = 1
 
     @property
     def gb_per_s(self) -> float:

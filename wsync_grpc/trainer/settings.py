@@ -33,7 +33,8 @@ class ClientSettings:
         group_name: the group's name (store prefix).
         device: where the trainer's collectives run.
         backend: ``"gloo"`` or ``"nccl"``, resolved from ``device``.
-        fixed_workers: workers per engine in target order; ``None`` asks every engine.
+        fixed_workers: workers per engine in the constructor's target order (the fleet copies each to its
+            engine); ``None`` asks every engine.
         rpc_timeout_s: deadline of the control RPCs, in seconds.
         group_timeout_s: group join and per-collective timeout, in seconds.
         bucket_bytes: default bucket capacity of ``sync``, in bytes.
