@@ -159,16 +159,21 @@ def test_leases_follow_the_fleet_and_a_forgotten_engine_is_released_at_once() ->
             eventually(lambda: all(status(s).owner.keepalive_calls == 1 for s in (stub_a, stub_b)), 5)
             assert status(stub_b).owner.owner == "lessee"
 
-            gone = fleet.engines.pop(1)  # the engine leaves the fleet (as Fleet.remove would)
-            leases.forget(gone.target)
+            leases.forget(b.address)  # the engine leaves the fleet
+            fleet.remove(b.address)
             eventually(lambda: not status(stub_b).HasField("owner"), 1)  # no ttl: released at once
             leases.start()  # reads the fleet as it is now: not reopened
             time.sleep(RETRY_S * 1.5)
             assert not status(stub_b).HasField("owner") and status(stub_a).owner.keepalive_calls == 1
 
-            fleet.engines.append(gone)  # it joins again
+            fleet.add(b.address)  # it joins again
             leases.start()
             eventually(lambda: status(stub_b).owner.keepalive_calls == 1, 5)
+
+            fleet.reconnect(fleet.member(a.address))  # fresh channels: the lease moves to the new one
+            eventually(lambda: status(stub_a).owner.keepalive_calls == 1 and status(stub_a).owner.owner == "lessee", 5)
+            time.sleep(RETRY_S * 1.5)
+            assert status(stub_a).owner.keepalive_calls == 1 and not leases.lost
             assert len(stream_threads()) == before + 1
         finally:
             leases.close()

@@ -107,8 +107,13 @@ class Holds:
                     last = msg
                 break
             except asyncio.CancelledError:
-                call.cancel()
-                raise
+                task = asyncio.current_task()
+                if self._released.is_set() or (task is not None and task.cancelling()):  # close()
+                    call.cancel()
+                    raise
+                # the fleet closed the engine's channel under the call (it was removed or reconnected)
+                self._fail(EngineFailure(target, "Watch", grpc.StatusCode.CANCELLED, "", "the channel was closed"))
+                return
             except Exception as exc:
                 if self._released.is_set():
                     return
