@@ -179,11 +179,21 @@ class StreamLoop:
     def stub(self, target: str) -> weight_sync_pb2_grpc.WeightSyncServiceAsyncStub:
         """The ``grpc.aio`` stub of ``target``'s channel, created at its first use. Loop thread only.
 
+        A channel in TRANSIENT_FAILURE (its engine refused or dropped its connections) is replaced by a
+        fresh one, which connects at once instead of after the old one's reconnection backoff (seconds
+        to minutes): a stream opened after the engine came back is not refused for it.
+
         Raises:
             StreamClosed: the loop is closing.
         """
         if self._closed:
             raise StreamClosed("the client's stream loop is closed")
+        channel = self._channels.get(target)
+        if channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            # It waits out a growing reconnection backoff, failing every call at once meanwhile: an engine
+            # that came back (restarted) is reached at once on a fresh channel. Its calls all failed already.
+            del self._channels[target], self._stubs[target]
+            self.spawn(channel.close(None), name=f"wsync-close {target}")
         stub = self._stubs.get(target)
         if stub is None:
             channel = (
