@@ -139,3 +139,22 @@ def smollm2_lora(model_dir: Path, targets: Sequence[str], rank: int = 8, *, rand
         r=rank, lora_alpha=16, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=not random_b
     )
     return peft.get_peft_model(base, config)
+
+
+def write_tls(directory: Path, *names: str) -> dict[str, Path]:
+    """A test CA (``trustme``) and a server certificate for ``names`` signed by it, written as PEM files.
+
+    Returns:
+        ``{"ca": ..., "cert": ... (the chain), "key": ...}`` under ``directory``.
+    """
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert(*names)
+    paths = {"ca": directory / "ca.pem", "cert": directory / "cert.pem", "key": directory / "key.pem"}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    cert.private_key_pem.write_to_path(str(paths["key"]))
+    with paths["cert"].open("wb") as f:
+        for blob in cert.cert_chain_pems:
+            f.write(blob.bytes())
+    return paths

@@ -18,10 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from support import ENV, ROOT, code_of
+from support import ENV, ROOT, code_of, write_tls
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -37,16 +36,7 @@ TOKEN = "s3cret-token"
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A CA, and a server certificate for 127.0.0.1 signed by it, as PEM files."""
-    d = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    paths = {"ca": d / "ca.pem", "cert": d / "cert.pem", "key": d / "key.pem"}
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    with paths["cert"].open("wb") as f:
-        for blob in cert.cert_chain_pems:
-            f.write(blob.bytes())
-    return paths
+    return write_tls(tmp_path_factory.mktemp("tls"), "127.0.0.1", "localhost")
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +144,7 @@ def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server:
         (["--max-calls", "watch=0"], "at least one watch call must be allowed"),
         (["--keepalive-timeout", "0"], "keepalive interval and timeout must be positive"),
         (["--update-idle-timeout", "-1"], "server bounds must be positive"),
+        (["--allow-master", "10.0.0.0/33"], "--allow-master: allowed master network '10.0.0.0/33'"),
     ],
     ids=[
         "half-tls",
@@ -165,6 +156,7 @@ def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server:
         "no-call-allowed",
         "no-keepalive-timeout",
         "negative-idle-limit",
+        "bad-allow-master",
     ],
 )
 def test_cli_serve_refuses_what_cannot_be_safe_in_one_line(tls: dict[str, Path], args: list[str], says: str) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import socket
 import threading
 import time
@@ -36,6 +37,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from wsync_grpc.core.errors import GroupError, GroupTimeout
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, Deadline
+from wsync_grpc.group.routes import gloo_listen_address
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +75,17 @@ def _park(pgs: list[Any], drain: Callable[[], list[dist.Work]]) -> None:
 
 
 def free_port(host: str = "") -> int:
-    """A TCP port that was free a moment ago on ``host`` (all interfaces by default): for the trainer's store."""
+    """A TCP port that was free a moment ago on ``host`` (all interfaces by default): for the trainer's store.
+
+    A ``host`` this process cannot bind to gives a port free on every interface (the store's own
+    listen then reports the bad address).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
+        try:
+            s.bind((host, 0))
+        except OSError:
+            s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
@@ -277,11 +286,19 @@ def join_group(
     start = time.monotonic()
     store = _connect_store(master_address, master_port, rank, world_size, timeout_s)
     name = group_name or DEFAULT_GROUP_NAME
+    gloo_address = gloo_listen_address(master_address) if backend == "gloo" else None
     pgs: dict[int, tuple[Any, int]] = {}
     try:
         for src, sub_rank, sub_world, prefix in _broadcast_groups(name, rank, world_size, trainer_ranks):
             pg = _create_backend(
-                PrefixStore(prefix, store), sub_rank, sub_world, backend, device, timeout_s, deadline.left(minimum=0.1)
+                PrefixStore(prefix, store),
+                sub_rank,
+                sub_world,
+                backend,
+                device,
+                timeout_s,
+                deadline.left(minimum=0.1),
+                gloo_address,
             )
             pgs[src] = (pg, 0 if trainer_ranks > 1 else src)
     except RuntimeError as e:
@@ -324,12 +341,24 @@ def _broadcast_groups(name: str, rank: int, world_size: int, trainer_ranks: int)
 
 
 def _connect_store(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> Store:
-    """The group's TCP store: served by rank 0, reached by the others within ``timeout_s`` seconds.
+    """The group's TCP store: served by rank 0 on ``master_address`` only, reached by the others within ``timeout_s`` s.
+
+    Rank 0 listens on ``master_address`` alone (:func:`_listen`), never on every interface, which is
+    what ``TCPStore`` does with a port of its own choosing: the store, which would let anyone who
+    reaches it join the group, is then only as reachable as the address the trainer chose.
 
     Raises:
         GroupTimeout: no store answered within ``timeout_s``.
-        GroupError: the store could not be reached.
+        GroupError: the store could not be reached, or rank 0 cannot listen on ``master_address``. The
+            message never repeats what a peer that is not a store answered (Init could otherwise read
+            a few bytes of whatever listens at an address of the caller's choosing).
     """
+    where = f"{master_address}:{master_port}"
+    listen_fd: int | None = None
+    inode = 0
+    if rank == 0:
+        listen_fd = _listen(master_address, master_port)
+        inode = os.fstat(listen_fd).st_ino
     try:
         return TCPStore(
             master_address,
@@ -338,28 +367,89 @@ def _connect_store(master_address: str, master_port: int, rank: int, world_size:
             rank == 0,
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=listen_fd,
+            use_libuv=True,
         )
     except RuntimeError as e:
-        where = f"{master_address}:{master_port}"
+        if listen_fd is not None:
+            _close_unowned(listen_fd, inode)
+        log.info("store at %s: %s", where, error_summary(e))  # the details stay in the log of who joins
         if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-            raise GroupTimeout(f"no store at {where} within {timeout_s:g} s: {error_summary(e)}") from e
-        raise GroupError(f"store at {where}: {error_summary(e)}") from e
+            raise GroupTimeout(
+                f"no torch.distributed store answered at {where} within {timeout_s:g} s "
+                "(is the trainer running, and is master_address/master_port its store?)"
+            ) from e
+        raise GroupError(
+            f"no torch.distributed store at {where} (the connection failed, or what answered is not a store)"
+        ) from e
+
+
+def _listen(address: str, port: int) -> int:
+    """A socket listening on ``address:port`` only (port 0: any free one), as a descriptor for ``TCPStore``.
+
+    ``address`` may be a host name: its first IPv4 address is taken, else its first IPv6 one. The
+    descriptor is a duplicate: the store owns it (and closes it) once it was built.
+
+    Raises:
+        GroupError: ``address`` does not resolve, is not an address of this host, or the port is taken.
+    """
+    try:
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise GroupError(f"the trainer's store cannot listen on {address}:{port}: {e}") from e
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)
+    error: OSError | None = None
+    for family, kind, proto, _name, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(sockaddr)
+                s.listen(socket.SOMAXCONN)
+            except OSError as e:
+                error = error or e
+                continue
+            return os.dup(s.fileno())
+    raise GroupError(
+        f"the trainer's store cannot listen on {address}:{port} ({error}): master_address must be an address "
+        "of the trainer's host that the engines can reach"
+    )
+
+
+def _close_unowned(fd: int, inode: int) -> None:
+    """Close ``fd`` after a store failed to start, unless the store closed it already (socket ``inode`` gone)."""
+    with contextlib.suppress(OSError):
+        if os.fstat(fd).st_ino == inode:
+            os.close(fd)
 
 
 def _create_backend(
-    prefix: Store, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float, join_s: float
+    prefix: Store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    device: torch.device,
+    timeout_s: float,
+    join_s: float,
+    gloo_address: str | None = None,
 ) -> Any:
     """The ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over ``prefix``, formed within ``join_s`` seconds.
 
     ``timeout_s`` is the per-collective timeout, in seconds. NCCL creates its
     communicator lazily: one tiny collective forms it here, so that Init means
-    "joined".
+    "joined". Gloo listens on ``gloo_address`` (:func:`gloo_listen_address`;
+    ``None``: torch's default device).
 
     Raises:
         RuntimeError: the backend did not form (torch's own error).
     """
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world_size, datetime.timedelta(seconds=join_s))
+        if gloo_address is None:
+            return dist.ProcessGroupGloo(prefix, rank, world_size, datetime.timedelta(seconds=join_s))
+        gloo: Any = dist.ProcessGroupGloo  # torch's stubs lack ``_Options`` and the constructor taking it
+        opts = gloo._Options()
+        opts._devices = [gloo.create_device(hostname=gloo_address)]
+        opts._timeout = datetime.timedelta(seconds=join_s)
+        return gloo(prefix, rank, world_size, opts)
     return _create_nccl(prefix, rank, world_size, device, datetime.timedelta(seconds=timeout_s))
 
 

@@ -33,6 +33,7 @@ from wsync_grpc.core.ownership import describe
 from wsync_grpc.core.timeouts import DEFAULT_PREPARE_TIMEOUT_S, ServerBounds
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.membership import MasterAllowList
 from wsync_grpc.service.outcome import CompleteResult, PrepareResult
 from wsync_grpc.service.prepare import PrepareMessage, PrepareReader, cancelled_while_preparing
 from wsync_grpc.service.session import UpdateSession
@@ -97,13 +98,15 @@ class UpdateController:
         bounds: the operator's bounds (``None``: the defaults); the controller applies their update idle
             limit (read at each Prepare): an update idle for longer fails and its owner loses the engine
             (:meth:`~wsync_grpc.service.session.UpdateSession.armed`).
+        allowed_masters: CIDR networks Init's master address must lie in
+            (:class:`~wsync_grpc.service.membership.MasterAllowList`); empty: any.
 
     Attributes:
         state: the engine-wide state; its lock guards every method's changes.
         bounds: see above; assigning it applies from the next update.
 
     Raises:
-        ValueError: a checkpoint root that is not a directory.
+        ValueError: a checkpoint root that is not a directory; an allowed master network that is not one.
     """
 
     def __init__(
@@ -114,14 +117,18 @@ class UpdateController:
         keep_buffers: bool | None = None,
         checkpoint_roots: Sequence[str] = (),
         bounds: ServerBounds | None = None,
+        allowed_masters: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.bounds = bounds if bounds is not None else ServerBounds()
         self.checkpoint_roots = CheckpointRoots(checkpoint_roots)
+        self.allowed_masters = MasterAllowList(allowed_masters)
         self.prepare_timeout_s = prepare_timeout_s
         self.state = EngineState(engine, keep_buffers)
         self._lock = self.state.lock
         self._preparing: PrepareReader | None = None  # the Prepare stream being read, in PREPARING
+        self._digests: dict[str, Checksum] = {}  # name -> checksum of the weights _digests_key names
+        self._digests_key: tuple[str, int] | None = None
 
     # --------------------------------------------------------------- Init/Leave
 
@@ -129,11 +136,13 @@ class UpdateController:
         """Make ``owner`` the owner and join the group ``params`` describe (see ``InitRequest``).
 
         Raises:
+            PermissionDenied: MASTER_NOT_ALLOWED (before anything changes or connects).
             FailedPrecondition: NOT_OWNER, WRONG_STATE.
             AlreadyExists: GROUP_MISMATCH (joined with other parameters by the same owner).
             WsyncError: the join failed (JOIN_TIMEOUT, GROUP_ERROR...); the engine is UNINITIALIZED again.
         """
         st, m = self.state, self.state.membership
+        params = self.allowed_masters.check(params)
         with self._lock:
             previous = st.ownership.owner
             changed = st.claim(owner, "Init", ttl_s, force)
@@ -350,28 +359,50 @@ class UpdateController:
     def checksums(self, names: Sequence[str]) -> tuple[str, list[Checksum]]:
         """SHA-256 of each served tensor (every one when ``names`` is empty), read between two steps.
 
+        Each name is digested and answered once, in the order first asked (a request repeating a
+        name costs what asking it once does). Digests are kept for the weights they were taken
+        from: until the next update applies (``updates_completed`` and the version change), while
+        no update is in flight and the weights are not dirty, a name asked again is answered
+        without reading the tensor again.
+
         Returns:
-            The weight version served while they were read, and one :data:`Checksum` per name.
+            The weight version served while they were read, and one :data:`Checksum` per distinct name.
 
         Raises:
             InvalidArgument: UNKNOWN_TENSOR.
         """
         specs = self.engine.parameter_specs()
         aliases = self.engine.aliases()
-        names = list(names) or list(specs)
-        for n in names:
+        wanted = list(dict.fromkeys(names)) or list(specs)
+        for n in wanted:
             if aliases.get(n, n) not in specs:
                 raise InvalidArgument(
                     "UNKNOWN_TENSOR", f"tensor {n[:120]!r} is not a parameter of the served model", tensor=n[:120]
                 )
+        key = self._weights_key()
+        known = self._digests if key is not None and key == self._digests_key else {}
+        missing = [n for n in wanted if n not in known]
         if isinstance(self.engine, ServedChecksums):
-            return self.state.weight_version, self.engine.weight_checksums(names)
-        with self.engine.weights_lock():
-            out: list[Checksum] = []
-            for n in names:
-                t = self.engine.get_weight(n)
-                out.append((n, t.dtype, tuple(t.shape), tensor_sha256(t)))
-            return self.state.weight_version, out
+            fresh = self.engine.weight_checksums(missing) if missing else []
+        else:
+            with self.engine.weights_lock():
+                fresh = []
+                for n in missing:
+                    t = self.engine.get_weight(n)
+                    fresh.append((n, t.dtype, tuple(t.shape), tensor_sha256(t)))
+        digests = {**known, **{c[0]: c for c in fresh}}
+        if key is not None and key == self._weights_key():  # nothing changed the weights meanwhile
+            self._digests, self._digests_key = digests, key
+        return self.state.weight_version, [digests[n] for n in wanted]
+
+    def _weights_key(self) -> tuple[str, int] | None:
+        """What identifies the served weights while they cannot change; ``None`` while they may
+        (an update in flight, or dirty weights)."""
+        with self._lock:
+            s = self.state
+            if s.update is not None or s.dirty or self._preparing is not None:
+                return None
+            return s.weight_version, s.updates_completed
 
     def shutdown(self) -> None:
         """Cancel any update in flight and leave the group (server shutdown)."""

@@ -10,14 +10,17 @@ for up to the join timeout).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import ipaddress
 import logging
+import socket
 from collections.abc import Sequence
 
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.engine import RemoteWorkers
-from wsync_grpc.core.errors import GroupTimeout, InvalidArgument
+from wsync_grpc.core.errors import GroupTimeout, InvalidArgument, PermissionDenied
 from wsync_grpc.core.membership import GroupParams
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, JOIN_OVERRUN_S, Deadline
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup, join_group, resolve_backend
@@ -74,6 +77,84 @@ def init_params(r: pb.InitRequest, devices: Sequence[torch.device]) -> GroupPara
         timeout_s=seconds(r.timeout, DEFAULT_GROUP_TIMEOUT_S),
         trainer_ranks=trainer_ranks,
     )
+
+
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class MasterAllowList:
+    """The networks Init may name the trainer's store in (``wsync serve --allow-master CIDR``).
+
+    Init makes the engine's workers connect to the ``master_address:master_port`` the caller names;
+    an engine whose control port others reach would otherwise open connections to any host and port
+    on their behalf. With networks given, the address (a host name: every address it resolves to)
+    must lie in one of them, and the workers then connect to the address that was checked, not to a
+    name that could resolve elsewhere by the time they connect.
+
+    Args:
+        networks: CIDR networks (``10.0.0.0/8``, ``fd00::/8``; a lone address is its own /32 or /128).
+            Empty (the default): any address, as before an allow-list existed; an engine whose control
+            port is exposed beyond loopback should name its trainers' networks.
+
+    Raises:
+        ValueError: a network that is not a CIDR network or address.
+    """
+
+    def __init__(self, networks: Sequence[str] = ()) -> None:
+        parsed: list[IpNetwork] = []
+        for n in networks:
+            try:
+                parsed.append(ipaddress.ip_network(n.strip(), strict=False))
+            except ValueError as e:
+                raise ValueError(f"allowed master network {n!r} is not a CIDR network: {e}") from None
+        self.networks: tuple[IpNetwork, ...] = tuple(parsed)
+
+    def __bool__(self) -> bool:
+        return bool(self.networks)
+
+    def allows(self, address: str) -> bool:
+        """Whether the IP address ``address`` lies in one of the networks (always, with none)."""
+        if not self.networks:
+            return True
+        ip = ipaddress.ip_address(address)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip.version == n.version and ip in n for n in self.networks)
+
+    def check(self, params: GroupParams) -> GroupParams:
+        """``params`` with the master address checked, resolved to the IP address to connect to.
+
+        Nothing connects to the master here; a host name is resolved (DNS) to check its addresses.
+        With no networks, ``params`` is returned as it is.
+
+        Raises:
+            PermissionDenied: MASTER_NOT_ALLOWED, the address (or one a name resolves to) is outside
+                every network, or a name does not resolve.
+        """
+        if not self.networks:
+            return params
+        host = params.master_address.strip("[]")
+        try:
+            infos = socket.getaddrinfo(host, params.master_port, type=socket.SOCK_STREAM)
+        except OSError:
+            infos = []
+        addresses = list(dict.fromkeys(str(i[4][0]) for i in infos))
+        refused = [a for a in addresses if not self.allows(a)]
+        if not addresses or refused:
+            shown = repr(params.master_address[:200])
+            if not addresses:
+                what = f"master_address {shown} does not resolve to an address: it is outside the networks"
+            elif refused[0] == host:
+                what = f"master_address {shown} is outside the networks"
+            else:
+                what = f"master_address {shown} resolves to {refused[0]}, outside the networks"
+            allowed = ", ".join(str(n) for n in self.networks)
+            raise PermissionDenied(
+                "MASTER_NOT_ALLOWED",
+                f"{what} this engine may join a group in ({allowed}; wsync serve --allow-master)",
+            )
+        first = sorted(addresses, key=lambda a: ipaddress.ip_address(a).version)[0]
+        return dataclasses.replace(params, master_address=first)
 
 
 def group_info(params: GroupParams | None, devices: Sequence[str]) -> pb.GroupInfo:

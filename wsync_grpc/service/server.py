@@ -100,6 +100,7 @@ def build_server(
     limits: CallLimits | None = None,
     bounds: ServerBounds | None = None,
     keepalive: Keepalive | None = None,
+    allowed_masters: Sequence[str] = (),
 ) -> WsyncServer:
     """Start a server for ``engine`` on ``host:port`` (port 0 = any free port).
 
@@ -123,9 +124,12 @@ def build_server(
             ``--max-lease-ttl``, ``--min-interval``, ``--update-idle-timeout``); ``None``: the defaults.
         keepalive: HTTP/2 keepalive of the server (``--keepalive-interval``, ``--keepalive-timeout``);
             ``None``: a ping every 10 s, 20 s to answer.
+        allowed_masters: CIDR networks Init's master address must lie in (``--allow-master``;
+            :class:`~wsync_grpc.service.membership.MasterAllowList`); empty: any.
 
     Raises:
-        ValueError: only one of ``tls_cert`` and ``tls_key`` given; a checkpoint root that is not a directory.
+        ValueError: only one of ``tls_cert`` and ``tls_key`` given; a checkpoint root that is not a directory;
+            an allowed master network that is not a CIDR network.
         OSError: a TLS file cannot be read.
         RuntimeError: the port could not be bound.
         OSError: the metrics port could not be bound.
@@ -137,7 +141,9 @@ def build_server(
     )
     limits = limits if limits is not None else CallLimits()
     keepalive = keepalive if keepalive is not None else Keepalive()
-    servicer = WeightSyncServicer(engine, checkpoint_roots=checkpoint_roots, bounds=bounds)
+    servicer = WeightSyncServicer(
+        engine, checkpoint_roots=checkpoint_roots, bounds=bounds, allowed_masters=allowed_masters
+    )
     limiter = CallLimiter(limits)
     # Metrics first, so that calls the token check or a class's bound refuses are counted too; the
     # token check before the bounds, so that a caller without the token takes no slot.

@@ -53,7 +53,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     Args:
         engine: the engine.
-        prepare_timeout_s, keep_buffers, checkpoint_roots, bounds: see
+        prepare_timeout_s, keep_buffers, checkpoint_roots, bounds, allowed_masters: see
             :class:`~wsync_grpc.service.controller.UpdateController` (a Prepare stream that stalls
             longer than ``prepare_timeout_s`` is cancelled: the client sees CANCELLED). ``bounds`` also
             caps Init's group timeout and lease ttl, Complete's and Pause's timeouts, and the Watch and
@@ -63,7 +63,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         controller: the protocol-agnostic side every RPC delegates to.
 
     Raises:
-        ValueError: a checkpoint root that is not a directory.
+        ValueError: a checkpoint root that is not a directory; an allowed master network that is not one.
     """
 
     def __init__(
@@ -74,6 +74,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         keep_buffers: bool | None = None,
         checkpoint_roots: Sequence[str] = (),
         bounds: ServerBounds | None = None,
+        allowed_masters: Sequence[str] = (),
     ) -> None:
         self.controller = UpdateController(
             engine,
@@ -81,6 +82,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             keep_buffers=keep_buffers,
             checkpoint_roots=checkpoint_roots,
             bounds=bounds,
+            allowed_masters=allowed_masters,
         )
 
     @property

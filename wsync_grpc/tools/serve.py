@@ -12,7 +12,8 @@ default; a reachable port needs TLS and a token (or ``--insecure``).
 ``--checkpoint-root`` allows disk updates. The server's own bounds: ``--max-calls CLASS=N`` (calls of
 one class at once), ``--max-timeout``, ``--max-lease-ttl``, ``--min-interval`` (caps on what callers
 choose), ``--update-idle-timeout`` (an idle update fails), ``--keepalive-interval`` and
-``--keepalive-timeout`` (how a frozen peer is noticed, and the stall tolerated).
+``--keepalive-timeout`` (how a frozen peer is noticed, and the stall tolerated). ``--allow-master CIDR``
+restricts where Init may send the engine's workers to join a group.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from wsync_grpc.core.timeouts import (
 )
 from wsync_grpc.service.auth import is_loopback
 from wsync_grpc.service.call_limits import DEFAULT_CALL_LIMITS, CallLimits
+from wsync_grpc.service.membership import MasterAllowList
 from wsync_grpc.service.server import stop_on_signals, write_port_file
 from wsync_grpc.tools.common import DEFAULT_PORT, UsageError
 from wsync_grpc.tools.engines import (
@@ -56,7 +58,7 @@ SERVED_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
-    """Refuse half a TLS configuration, missing files, and an exposed port without TLS and token.
+    """Refuse half a TLS configuration, missing files, a bad ``--allow-master``, an exposed port without TLS and token.
 
     Raises:
         UsageError: what is wrong and how to fix it, in one line.
@@ -66,6 +68,10 @@ def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
     for path in (args.tls_cert, args.tls_key):
         if path is not None and not path.is_file():
             raise UsageError(f"cannot read {path}: no such file")
+    try:
+        MasterAllowList(args.allow_master)
+    except ValueError as e:
+        raise UsageError(f"--allow-master: {e}") from None
     tls = args.tls_cert is not None
     if is_loopback(args.host):
         return
@@ -73,6 +79,10 @@ def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
         raise UsageError(
             f"--host {args.host} exposes the engine: serve it with --tls-cert/--tls-key and --token "
             "(or WSYNC_TOKEN), or pass --insecure to accept that anyone who reaches the port can change the weights"
+        )
+    if not args.allow_master:
+        log.warning(
+            "serving on %s with no --allow-master: Init may make this engine connect to any host and port", args.host
         )
     if not token:
         log.warning("serving on %s without a token: anyone who reaches the port can change the weights", args.host)
@@ -135,6 +145,7 @@ def _server_options(args: argparse.Namespace, token: str | None) -> ServerOption
         limits=limits,
         bounds=bounds,
         keepalive=keepalive,
+        allowed_masters=args.allow_master,
     )
 
 
@@ -250,6 +261,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="allow disk updates to read safetensors checkpoints under DIR (repeatable; default: none)",
     )
     _add_bound_options(s)
+    s.add_argument(
+        "--allow-master",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="Init may name a trainer's store (master_address) only in this network, e.g. 10.0.0.0/8 "
+        "(repeatable; default: any address; others get PERMISSION_DENIED before any connection)",
+    )
     s.set_defaults(func=_serve, engine_options=_add_engine_options(s, engines))
 
 

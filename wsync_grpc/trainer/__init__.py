@@ -15,6 +15,7 @@ the operator calls (:mod:`.views`); settings (:mod:`.settings`) and the option
 literals with their one conversion into the core's enums (:mod:`.options`).
 """
 
+from wsync_grpc.group.routes import route_address
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.fleet import DEFAULT_MAX_MESSAGE_BYTES
 from wsync_grpc.trainer.options import (
@@ -38,6 +39,7 @@ from wsync_grpc.trainer.results import (
 )
 from wsync_grpc.trainer.roster import FleetPolicy, Member
 from wsync_grpc.trainer.sender import BroadcastSender, Sender
+from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS
 from wsync_grpc.trainer.source import NamedTensors, TensorMeta, WeightSource
 from wsync_grpc.trainer.views import (
     CancelResult,
@@ -57,6 +59,7 @@ from wsync_grpc.trainer.views import (
 from wsync_grpc.wire.keepalive import Keepalive
 
 __all__ = [
+    "AUTO_MASTER_ADDRESS",
     "DEFAULT_GROUP_TIMEOUT_S",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_RPC_TIMEOUT_S",
@@ -95,4 +98,5 @@ __all__ = [
     "TrainerClient",
     "UpdateInFlight",
     "WeightSource",
+    "route_address",
 ]

@@ -124,7 +124,12 @@ class TrainerClient:
         targets: the engines' control addresses, ``"host:port"``; the order
             fixes their rank offsets.
         master_address: the address engines reach the trainer's TCP store at
-            (rank 0 serves it). Default ``127.0.0.1`` (engines on this host).
+            (rank 0 serves it, listening on this address only: it must be an
+            address of this host). Default ``127.0.0.1`` (engines on this host).
+            ``"auto"``: at every group formation, the local address of the
+            route to the first engine (:func:`~wsync_grpc.group.routes.route_address`),
+            i.e. the interface the engines are reached on; engines on another
+            network than the first one's need an explicit address.
         master_port: the store's TCP port; ``None`` (default) picks a free
             port at every (re-)initialization.
         group_name: the group's name (store prefix), as in SGLang's

@@ -4,10 +4,12 @@ Forming the group (:meth:`Membership.form`): ask every engine for its worker
 count, compute rank offsets (the trainer's ranks first, as many as its
 :class:`~wsync_grpc.trainer.sender.Sender` says, ``M``; engine *i* from
 ``M + sum(workers[:i])``; today's single sender: ``M = 1``, the trainer at
-rank 0), free engines still holding an old membership,
-then send Init to every engine concurrently *while* the trainer creates its
-side of the group in a helper thread (asking the engines only after the
-trainer blocked in group creation is the classic deadlock). An engine's Init
+rank 0), free engines still holding an old membership, choose the store's
+address (``master_address``; ``"auto"``: the local address of the route to
+the first engine, looked up at every formation), then send Init to every
+engine concurrently *while* the trainer creates its side of the group in a
+helper thread (asking the engines only after the trainer blocked in group
+creation is the classic deadlock). An engine's Init
 that fails before the group forms ends the formation at once instead of
 after the join timeout.
 
@@ -29,6 +31,7 @@ import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.group.process_group import WeightSyncGroup, free_port, join_group
+from wsync_grpc.group.routes import route_address
 from wsync_grpc.trainer.fleet import Fleet, RemoteEngine
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.results import (
@@ -40,7 +43,7 @@ from wsync_grpc.trainer.results import (
     failure_lines,
 )
 from wsync_grpc.trainer.sender import Sender
-from wsync_grpc.trainer.settings import ClientSettings
+from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS, ClientSettings
 from wsync_grpc.wire.convert import backend_to_proto, duration
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,8 @@ class Membership:
         self._port_in_use: int | None = None
         self._init_attempted = False
         self._formed_with: tuple[str, ...] = ()
+        self.master_address = settings.master_address
+        """The store's address at the last formation (``"auto"`` resolved)."""
 
     @property
     def needs_init(self) -> bool:
@@ -136,9 +141,10 @@ class Membership:
         self._leases.start()
         world_size = self._assign_ranks(statuses)
         self._free_all(statuses)
-        port = self._settings.master_port or free_port()
+        self.master_address = address = self._store_address()
+        port = self._settings.master_port or free_port(address)
         self._sender.forming(port, world_size)
-        replies = self._join_all(port, world_size)
+        replies = self._join_all(address, port, world_size)
         self._port_in_use = port
         self._init_replies = replies
         self._needs_init = False
@@ -148,10 +154,29 @@ class Membership:
             self._settings.group_name,
             world_size,
             len(self._fleet.engines),
-            self._settings.master_address,
+            address,
             port,
         )
         return dict(replies)
+
+    def _store_address(self) -> str:
+        """The address the trainer's store listens on and the engines are told: ``master_address``, or for
+        ``"auto"`` the local address of the route to the first engine.
+
+        Raises:
+            InitError: ``"auto"`` and no route leads to the first engine.
+        """
+        address = self._settings.master_address
+        if address != AUTO_MASTER_ADDRESS:
+            return address
+        target = self._fleet.engines[0].target
+        try:
+            return route_address(target)
+        except ValueError as e:
+            failure = EngineFailure(TRAINER, "Init", None, "NO_ROUTE", f"master_address='auto': {e}")
+            raise InitError(
+                f"cannot choose the store's address: {e}", rpc="Init", failures={TRAINER: failure}, results={}
+            ) from e
 
     def _assign_ranks(self, statuses: Mapping[str, pb.GetStatusResponse]) -> int:
         """Set every engine's worker count and rank offset, in target order after the trainer's ranks.
@@ -236,16 +261,16 @@ class Membership:
             failure = EngineFailure.from_exception(e.target, rpc, exc)
             raise EngineCallError(str(failure), rpc=rpc, failures={e.target: failure}, results={}) from exc
 
-    def _join_all(self, port: int, world_size: int) -> dict[str, pb.InitResponse]:
+    def _join_all(self, address: str, port: int, world_size: int) -> dict[str, pb.InitResponse]:
         """Send Init to every engine, join as the sender's rank meanwhile, then collect the Init replies.
 
         Raises:
             InitError: an Init or the trainer's join failed, or an engine joined at other ranks.
         """
         events = threading.Event()  # set whenever a future or the join finishes
-        futures, failures = self._start_inits(port, world_size, events)
+        futures, failures = self._start_inits(address, port, world_size, events)
         # The trainer joins in a helper thread so that a fast Init failure is noticed at once.
-        join = _TrainerJoin(self._settings, self._sender, port, world_size, events)
+        join = _TrainerJoin(self._settings, self._sender, address, port, world_size, events)
         if not failures:
             join.run_until_done_or_failed(futures)
         if join.thread.is_alive() or failures:
@@ -266,7 +291,7 @@ class Membership:
             # Engines that did join are members of a group that will never be used.
             self._needs_init = True
             raise InitError(
-                f"the weight-sync group did not form (store {self._settings.master_address}:{port}, "
+                f"the weight-sync group did not form (store {address}:{port}, "
                 f"world size {world_size}): {failure_lines(failures)}",
                 rpc="Init",
                 failures=failures,
@@ -277,7 +302,7 @@ class Membership:
         return replies
 
     def _start_inits(
-        self, port: int, world_size: int, events: threading.Event
+        self, address: str, port: int, world_size: int, events: threading.Event
     ) -> tuple[dict[str, grpc.Future[pb.InitResponse]], dict[str, EngineFailure]]:
         """Start Init on every engine; ``events`` is set whenever one finishes.
 
@@ -290,7 +315,7 @@ class Membership:
         failures: dict[str, EngineFailure] = {}
         for e in self._fleet.engines:
             req = pb.InitRequest(
-                master_address=s.master_address,
+                master_address=address,
                 master_port=port,
                 rank_offset=e.rank_offset,
                 world_size=world_size,
@@ -390,9 +415,16 @@ class _TrainerJoin:
     """
 
     def __init__(
-        self, settings: ClientSettings, sender: Sender, port: int, world_size: int, events: threading.Event
+        self,
+        settings: ClientSettings,
+        sender: Sender,
+        address: str,
+        port: int,
+        world_size: int,
+        events: threading.Event,
     ) -> None:
         self._settings = settings
+        self._address = address
         self._rank = sender.rank
         self._trainer_ranks = sender.trainer_ranks
         self._port = port
@@ -407,7 +439,7 @@ class _TrainerJoin:
         s = self._settings
         try:
             g = join_group(
-                master_address=s.master_address,
+                master_address=self._address,
                 master_port=self._port,
                 rank=self._rank,
                 world_size=self._world_size,

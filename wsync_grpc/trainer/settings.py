@@ -22,13 +22,18 @@ from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, resolve_backend
 from wsync_grpc.trainer.options import BackendName
 from wsync_grpc.wire.convert import BACKENDS
 
+AUTO_MASTER_ADDRESS = "auto"
+"""``master_address`` that picks, at every group formation, the local address of the route to the first
+engine (:func:`~wsync_grpc.group.routes.route_address`): the interface the engines are reached on."""
+
 
 @dataclass
 class ClientSettings:
     """The settings of one client (the constructor's arguments, resolved).
 
     Attributes:
-        master_address: where engines reach the trainer's TCP store.
+        master_address: where engines reach the trainer's TCP store (an address of this host, or
+            :data:`AUTO_MASTER_ADDRESS`).
         master_port: the store's TCP port; ``None`` picks a free one at every (re-)initialization.
         group_name: the group's name (store prefix).
         device: where the trainer's collectives run.
@@ -91,6 +96,8 @@ def client_settings(
     """
     if not targets:
         raise ValueError("at least one engine target is needed")
+    if not master_address:
+        raise ValueError(f"master_address must be an address of this host or {AUTO_MASTER_ADDRESS!r}")
     if len(set(targets)) != len(targets):
         raise ValueError(f"duplicate engine targets in {targets}")
     if workers is not None and (len(workers) != len(targets) or any(w < 1 for w in workers)):

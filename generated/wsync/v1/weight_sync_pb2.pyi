@@ -331,7 +331,8 @@ class InitRequest(_message.Message):
     TRAINER_RANKS_FIELD_NUMBER: _builtins.int
     master_address: _builtins.str
     """master_address is the host of the group's TCP store, served by the
-    trainer (rank 0). Required.
+    trainer (rank 0), which listens on this address only. Required; the
+    engine's allow-list, if its operator set one, must contain it.
     """
     master_port: _builtins.int
     """master_port is the TCP port of the group's store. Required (1-65535)."""
@@ -1822,7 +1823,9 @@ class GetWeightChecksumsResponse(_message.Message):
     """weight_version is the version the digests were taken from."""
     @_builtins.property
     def checksums(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChecksum]:
-        """checksums are the digests, in the order asked (or the engine's order)."""
+        """checksums are the digests, one per distinct name in the order first
+        asked (every tensor in the engine's order when no name was asked).
+        """
 
     def __init__(
         self,

@@ -148,6 +148,13 @@ class WeightSyncServiceServicer:
         Idempotent: calling Init again with identical parameters while joined
         succeeds with already_joined = true; with other parameters it fails with
         ALREADY_EXISTS (call Leave first).
+
+        The engine's operator may restrict master_address to some networks
+        (wsync serve --allow-master CIDR): an address outside them, or a host
+        name that resolves to one, fails with PERMISSION_DENIED (reason
+        MASTER_NOT_ALLOWED) before any connection is attempted. A join that
+        fails reports a generic reason (UNAVAILABLE JOIN_FAILED, or
+        DEADLINE_EXCEEDED JOIN_TIMEOUT), never what the address answered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -327,7 +334,9 @@ class WeightSyncServiceServicer:
         as SGLang's and vLLM's get_weights_by_name).
 
         Allowed in every state; reads the weights between two inference steps.
-        Unknown names fail with INVALID_ARGUMENT. Idempotent.
+        Unknown names fail with INVALID_ARGUMENT. A name asked several times is
+        read and answered once. Digests are kept until the weights change (the
+        next applied update), so asking again costs no second read. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -96,6 +96,13 @@ class WeightSyncServiceStub:
     Idempotent: calling Init again with identical parameters while joined
     succeeds with already_joined = true; with other parameters it fails with
     ALREADY_EXISTS (call Leave first).
+
+    The engine's operator may restrict master_address to some networks
+    (wsync serve --allow-master CIDR): an address outside them, or a host
+    name that resolves to one, fails with PERMISSION_DENIED (reason
+    MASTER_NOT_ALLOWED) before any connection is attempted. A join that
+    fails reports a generic reason (UNAVAILABLE JOIN_FAILED, or
+    DEADLINE_EXCEEDED JOIN_TIMEOUT), never what the address answered.
     """
     Prepare: _grpc.StreamUnaryMultiCallable[_weight_sync_pb2.PrepareRequest, _weight_sync_pb2.PrepareResponse]
     """Prepare announces one weight update: first a PrepareRequest carrying the
@@ -235,7 +242,9 @@ class WeightSyncServiceStub:
     as SGLang's and vLLM's get_weights_by_name).
 
     Allowed in every state; reads the weights between two inference steps.
-    Unknown names fail with INVALID_ARGUMENT. Idempotent.
+    Unknown names fail with INVALID_ARGUMENT. A name asked several times is
+    read and answered once. Digests are kept until the weights change (the
+    next applied update), so asking again costs no second read. Idempotent.
     """
     KeepAlive: _grpc.UnaryStreamMultiCallable[_weight_sync_pb2.KeepAliveRequest, _weight_sync_pb2.KeepAliveResponse]
     """KeepAlive holds the owner's lease for as long as the call is open (as
@@ -302,6 +311,13 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     Idempotent: calling Init again with identical parameters while joined
     succeeds with already_joined = true; with other parameters it fails with
     ALREADY_EXISTS (call Leave first).
+
+    The engine's operator may restrict master_address to some networks
+    (wsync serve --allow-master CIDR): an address outside them, or a host
+    name that resolves to one, fails with PERMISSION_DENIED (reason
+    MASTER_NOT_ALLOWED) before any connection is attempted. A join that
+    fails reports a generic reason (UNAVAILABLE JOIN_FAILED, or
+    DEADLINE_EXCEEDED JOIN_TIMEOUT), never what the address answered.
     """
     Prepare: _aio.StreamUnaryMultiCallable[_weight_sync_pb2.PrepareRequest, _weight_sync_pb2.PrepareResponse]  # type: ignore[assignment]
     """Prepare announces one weight update: first a PrepareRequest carrying the
@@ -441,7 +457,9 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     as SGLang's and vLLM's get_weights_by_name).
 
     Allowed in every state; reads the weights between two inference steps.
-    Unknown names fail with INVALID_ARGUMENT. Idempotent.
+    Unknown names fail with INVALID_ARGUMENT. A name asked several times is
+    read and answered once. Digests are kept until the weights change (the
+    next applied update), so asking again costs no second read. Idempotent.
     """
     KeepAlive: _aio.UnaryStreamMultiCallable[_weight_sync_pb2.KeepAliveRequest, _weight_sync_pb2.KeepAliveResponse]  # type: ignore[assignment]
     """KeepAlive holds the owner's lease for as long as the call is open (as
@@ -511,6 +529,13 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         Idempotent: calling Init again with identical parameters while joined
         succeeds with already_joined = true; with other parameters it fails with
         ALREADY_EXISTS (call Leave first).
+
+        The engine's operator may restrict master_address to some networks
+        (wsync serve --allow-master CIDR): an address outside them, or a host
+        name that resolves to one, fails with PERMISSION_DENIED (reason
+        MASTER_NOT_ALLOWED) before any connection is attempted. A join that
+        fails reports a generic reason (UNAVAILABLE JOIN_FAILED, or
+        DEADLINE_EXCEEDED JOIN_TIMEOUT), never what the address answered.
         """
 
     @_abc_1.abstractmethod
@@ -710,7 +735,9 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         as SGLang's and vLLM's get_weights_by_name).
 
         Allowed in every state; reads the weights between two inference steps.
-        Unknown names fail with INVALID_ARGUMENT. Idempotent.
+        Unknown names fail with INVALID_ARGUMENT. A name asked several times is
+        read and answered once. Digests are kept until the weights change (the
+        next applied update), so asking again costs no second read. Idempotent.
         """
 
     @_abc_1.abstractmethod

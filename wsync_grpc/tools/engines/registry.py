@@ -121,6 +121,7 @@ class ServerOptions:
         limits: calls of each class at once (``--max-calls``); ``None``: the defaults.
         bounds: caps on what callers choose, and the update idle limit; ``None``: the defaults.
         keepalive: HTTP/2 keepalive of the server; ``None``: the defaults.
+        allowed_masters: CIDR networks Init's master address must lie in (``--allow-master``); empty: any.
     """
 
     host: str = "127.0.0.1"
@@ -136,6 +137,7 @@ class ServerOptions:
     limits: CallLimits | None = None
     bounds: ServerBounds | None = None
     keepalive: Keepalive | None = None
+    allowed_masters: Sequence[str] = ()
 
     def start(self, engine: Engine, services: Callable[[grpc.Server], list[str]] | None = None) -> WsyncServer:
         """Start the weight-sync server for ``engine`` (with ``services`` beside it); it serves until stopped.
@@ -157,6 +159,7 @@ class ServerOptions:
             limits=self.limits,
             bounds=self.bounds,
             keepalive=self.keepalive,
+            allowed_masters=self.allowed_masters,
         )
 
 

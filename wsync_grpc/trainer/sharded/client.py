@@ -40,6 +40,7 @@ from wsync_grpc.trainer.options import ApplyMode, Layout
 from wsync_grpc.trainer.planning import Planner
 from wsync_grpc.trainer.request import UpdateRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
+from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS
 from wsync_grpc.trainer.sharded.outcome import decode_outcome, encode_error, encode_result
 from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
 from wsync_grpc.trainer.sharded.sender import SEND_MODES, FollowerGroup, SendMode, ShardedSender, send_own
@@ -69,16 +70,22 @@ class ShardedTrainerClient:
         trainer_group: the trainer's process group (every rank of it calls this client);
             ``None`` = the default group. ``torch.distributed`` must be initialized.
         client_options: the keyword arguments of :class:`TrainerClient` (``master_address`` is
-            trainer rank 0's address, where the engines reach its store).
+            trainer rank 0's address, where the engines reach its store; ``"auto"`` only with one rank).
 
     Raises:
-        ValueError: ``torch.distributed`` not initialized, or a bad client option.
+        ValueError: ``torch.distributed`` not initialized, a bad client option, or ``master_address="auto"``
+            with several trainer ranks.
     """
 
     def __init__(
         self, targets: Sequence[str], *, trainer_group: dist.ProcessGroup | None = None, **client_options: Any
     ) -> None:
         self._ranks = TrainerRanks(trainer_group, float(client_options.get("group_timeout_s", DEFAULT_GROUP_TIMEOUT_S)))
+        if client_options.get("master_address") == AUTO_MASTER_ADDRESS and self._ranks.size > 1:
+            raise ValueError(
+                "master_address='auto' is this rank's own route: every trainer rank needs rank 0's address "
+                "(e.g. wsync_grpc.group.routes.route_address(targets[0]) on rank 0, shared with the others)"
+            )
         senders: list[ShardedSender] = []
 
         def sender(buffers: PackBuffers) -> ShardedSender:
