@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.service.server import WsyncServer, build_server
 from wsync_grpc.testing import free_port, spawn_engine
+from wsync_grpc.trainer import SyncProgress, TrainerClient
 
 TOKEN = "s3cret-token"
 
@@ -184,3 +186,29 @@ def test_cli_serve_exposed_with_insecure_warns_that_the_token_and_the_metrics_ar
         assert "metrics served on 0.0.0.0" in text and "without a token" in text
     finally:
         engine.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_over_tls_with_the_token_holds_its_lease_and_its_watch(tls: dict[str, Path]) -> None:
+    """The trainer's streams (KeepAlive, held Watch) run on their own channels: the same TLS and token."""
+    engine = TensorEngine(synthetic.build("tiny", dtype=torch.bfloat16), aliases=synthetic.aliases("tiny"))
+    srv = build_server(engine, token=TOKEN, tls_cert=tls["cert"], tls_key=tls["key"])
+    try:
+        stub, auth = tls_stub(tls, srv), [("authorization", f"Bearer {TOKEN}")]
+        creds = grpc.ssl_channel_credentials(root_certificates=tls["ca"].read_bytes())
+        target = f"127.0.0.1:{srv.port}"
+        with TrainerClient([target], token=TOKEN, credentials=creds, rpc_timeout_s=30) as c:
+            waited: list[float] = []
+
+            def progress(_: SyncProgress) -> None:
+                if not waited:  # a held Watch refused (no token, no TLS) would end by now and fail the sync
+                    time.sleep(0.5)
+                    waited.append(0.5)
+
+            new = synthetic.build("tiny", seed=3, dtype=torch.bfloat16)
+            c.sync(new.items(), "over-tls", progress=progress)
+            st = stub.GetStatus(pb.GetStatusRequest(), metadata=auth, timeout=10)
+            assert waited and st.weight_version == "over-tls"
+            assert st.owner.owner == c.owner and st.owner.keepalive_calls == 1
+    finally:
+        srv.stop(0.5)

@@ -4,6 +4,7 @@ mapping of a domain error to a rich gRPC status (wire.status)."""
 from __future__ import annotations
 
 import grpc
+import grpc.aio
 import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
@@ -27,11 +28,13 @@ from wsync_grpc.core.errors import (
     domain_error,
 )
 from wsync_grpc.core.lifecycle import Rpc, State, UpdateInProgress, WrongState
+from wsync_grpc.trainer.results import EngineFailure
 from wsync_grpc.wire.status import (
     DOMAIN,
     MAX_MESSAGE_BYTES,
     MAX_METADATA_VALUE_BYTES,
     STATUS_CODES,
+    error_info,
     status_code,
     to_status,
 )
@@ -159,3 +162,19 @@ def test_to_status_bounds_message_and_metadata() -> None:
     assert len(info.metadata["tensor"].encode()) <= MAX_METADATA_VALUE_BYTES
     short = to_status(InvalidArgument("R", "short", tensor="w"))
     assert _rich(short)[0].message == "short" and _rich(short)[1].metadata["tensor"] == "w"
+
+
+def test_a_failed_aio_call_gives_its_code_reason_and_metadata() -> None:
+    """The trainer's streams run on ``grpc.aio``: an ``AioRpcError`` is read like a synchronous call's error."""
+    status = to_status(FailedPrecondition("NOT_OWNER", "owned by alice", owner="alice"))
+    trailers = grpc.aio.Metadata(*status.trailing_metadata)  # type: ignore[attr-defined]
+    exc = grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), trailers, details=status.details)  # type: ignore[attr-defined]
+    assert error_info(exc) == ("NOT_OWNER", {"owner": "alice"})
+    failure = EngineFailure.from_exception("h:1", "KeepAlive", exc)
+    assert failure == EngineFailure(
+        "h:1", "KeepAlive", grpc.StatusCode.FAILED_PRECONDITION, "NOT_OWNER", "owned by alice", {"owner": "alice"}
+    )
+    bare = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="gone")
+    assert EngineFailure.from_exception("h:1", "Watch", bare) == EngineFailure(
+        "h:1", "Watch", grpc.StatusCode.UNAVAILABLE, "", "gone"
+    )

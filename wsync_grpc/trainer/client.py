@@ -258,7 +258,7 @@ class TrainerClient:
         self._fleet = Fleet(targets, self._settings, token, credentials, channel_options, owner, keepalive)
         self._op_lock = threading.Lock()
         self._cancel_event = threading.Event()
-        self._leases = Leases(self._fleet.members, owner, self._fleet.metadata)
+        self._leases = Leases(self._fleet)
         buffers = PackBuffers(keep_buffers, self._settings.device)
         self._sender: Sender = sender(buffers) if sender is not None else BroadcastSender(buffers)
         self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases, self._sender)

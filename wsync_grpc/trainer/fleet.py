@@ -7,7 +7,9 @@ concurrently, then collects every reply or failure; :meth:`Fleet.fan_out`
 raises :class:`~wsync_grpc.trainer.results.EngineCallError` when any engine
 failed. The fan-out helpers (status, pause, resume, checksums, leave) and
 the calls that the group formation and the failure protocol fan out
-(GetStatus, Cancel) are built on them.
+(GetStatus, Cancel) are built on them. The long-lived streams (leases, held
+Watch calls) run on :attr:`Fleet.streams` instead, one ``grpc.aio`` channel per
+engine on one event-loop thread (:mod:`wsync_grpc.trainer.streams`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.trainer.results import EngineCallError, EngineFailure, failure_lines
 from wsync_grpc.trainer.settings import ClientSettings
+from wsync_grpc.trainer.streams import StreamLoop
 from wsync_grpc.wire.convert import PAUSE_MODES, duration
 from wsync_grpc.wire.keepalive import Keepalive
 
@@ -106,6 +109,8 @@ class Fleet:
         ]
         self._options = options
         self._credentials = credentials
+        self.streams = StreamLoop(options, credentials)
+        """The event loop (one thread) and ``grpc.aio`` channels, same options, of the engines' long-lived streams."""
         self.members: list[RemoteEngine] = []
         """Every engine of the client, in rank order (those the fleet policy excluded too)."""
         for i, t in enumerate(targets):
@@ -148,7 +153,7 @@ class Fleet:
         return grpc.insecure_channel(target, options=self._options)
 
     def reconnect(self, e: RemoteEngine) -> None:
-        """Give ``e`` a fresh channel (and stub), closing the old one.
+        """Give ``e`` a fresh channel (and stub), closing the old one (its ``grpc.aio`` channel too).
 
         A channel whose engine refused its connections waits out a growing backoff (up to
         minutes) before it tries again, failing calls at once meanwhile; an engine that was
@@ -159,9 +164,10 @@ class Fleet:
         e.channel = self._channel(e.target)
         e.stub = weight_sync_pb2_grpc.WeightSyncServiceStub(e.channel)
         old.close()
+        self.streams.drop(e.target)  # its streams reopen on a fresh aio channel too
 
     def remove(self, target: str) -> RemoteEngine:
-        """Forget the member at ``target`` and close its channel; returns it.
+        """Forget the member at ``target`` and close its channels (the streams' too); returns it.
 
         Raises:
             KeyError: no member has that address.
@@ -169,10 +175,12 @@ class Fleet:
         e = self.member(target)
         self.members.remove(e)
         e.channel.close()
+        self.streams.drop(target)
         return e
 
     def close(self) -> None:
-        """Close every channel."""
+        """Close every channel, and the stream loop (its thread ends). Idempotent."""
+        self.streams.close()
         for e in self.members:
             e.channel.close()
 

@@ -10,19 +10,25 @@ restarted, the connection dropped) is reopened after
 engine, or an operator forced it away) is not: the next ``init``/``sync``
 tries again, and fails with that engine's ``NOT_OWNER`` if it still belongs
 to someone else.
+
+Every call is an asyncio task on the client's
+:class:`~wsync_grpc.trainer.streams.StreamLoop` (one thread for the whole
+fleet), not a thread per engine.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import Sequence
 
 import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.trainer.fleet import RemoteEngine
+from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.results import EngineFailure
+from wsync_grpc.trainer.streams import StreamClosed, next_message
 from wsync_grpc.wire.status import error_reason
 
 log = logging.getLogger(__name__)
@@ -31,27 +37,32 @@ RETRY_S = 1.0
 """Wait before reopening a KeepAlive call that broke, in seconds."""
 
 
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not only a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Leases:
-    """One ``KeepAlive`` call per engine, each read (and reopened when it breaks) by its own thread.
+    """One ``KeepAlive`` call per engine of ``fleet``, each read (and reopened when it breaks) by a task.
+
+    The tasks run on ``fleet.streams`` (one thread, whatever the number of engines).
+    :meth:`start` reads ``fleet.members`` as it is then (excluded members too), so
+    engines added to the fleet between syncs get their call at the next formation;
+    :meth:`forget` ends the call of an engine that leaves it. A call whose channel
+    the fleet closed (``Fleet.reconnect``) is reopened on the fresh one.
 
     Args:
-        engines: the engines.
-        owner: the client's owner name.
-        metadata: the call metadata (token).
+        fleet: the client's engines, owner name, call metadata (token) and stream loop.
     """
 
-    def __init__(
-        self, engines: Sequence[RemoteEngine], owner: str, metadata: tuple[tuple[str, str | bytes], ...]
-    ) -> None:
-        self._engines = engines  # the fleet's live list: members added later get a lease at the next start
-        self._owner = owner
-        self._metadata = metadata
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._threads: dict[str, threading.Thread] = {}
-        self._calls: dict[str, grpc.Call] = {}
         self._lost: dict[str, EngineFailure] = {}
-        self._forgotten: set[str] = set()
+        # Touched on the loop's thread only:
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     @property
     def lost(self) -> dict[str, EngineFailure]:
@@ -60,58 +71,81 @@ class Leases:
             return dict(self._lost)
 
     def start(self) -> None:
-        """Open a KeepAlive call to every engine that has none running (e.g. after a ``NOT_OWNER``)."""
-        with self._lock:
-            if self._closed.is_set():
-                return
-            for e in self._engines:
-                t = self._threads.get(e.target)
-                self._forgotten.discard(e.target)
-                if t is None or not t.is_alive():
-                    self._lost.pop(e.target, None)
-                    t = threading.Thread(target=self._hold, args=(e,), name="wsync-lease", daemon=True)
-                    self._threads[e.target] = t
-                    t.start()
+        """Open a KeepAlive call to every engine of the fleet that has none running (e.g. after a ``NOT_OWNER``).
 
-    def _hold(self, e: RemoteEngine) -> None:
-        req = pb.KeepAliveRequest(owner=self._owner)
+        Returns once every call is started (not answered). Nothing happens once :meth:`close` was called.
+        """
+        if self._closed.is_set():
+            return
+        targets = [e.target for e in self._fleet.members]
+        with contextlib.suppress(StreamClosed):
+            self._fleet.streams.run(self._start(targets))
+
+    async def _start(self, targets: list[str]) -> None:
+        streams = self._fleet.streams
+        for target in targets:
+            task = self._tasks.get(target)
+            if task is None or task.done():
+                with self._lock:
+                    self._lost.pop(target, None)
+                self._tasks[target] = streams.spawn(self._hold(target), name=f"wsync-lease {target}")
+
+    async def _hold(self, target: str) -> None:
+        req = pb.KeepAliveRequest(owner=self._fleet.owner)
         while not self._closed.is_set():
-            call = e.stub.KeepAlive(req, metadata=self._metadata)
-            with self._lock:
-                if e.target in self._forgotten:
-                    call.cancel()  # type: ignore[no-untyped-call]
-                    return
-                self._calls[e.target] = call
-            if self._closed.is_set():
-                call.cancel()  # type: ignore[no-untyped-call]
             try:
-                for _ in call:  # type: ignore[attr-defined]
+                call = self._fleet.streams.stub(target).KeepAlive(req, metadata=self._fleet.metadata)
+            except StreamClosed:
+                return
+            try:
+                while await next_message(call) is not None:
                     pass
+            except asyncio.CancelledError:
+                if _cancelling():  # forget() or close()
+                    call.cancel()
+                    raise
+                continue  # the fleet closed the channel under the call (a reconnection): reopen it at once
             except grpc.RpcError as exc:
-                if self._closed.is_set() or e.target in self._forgotten:
+                if self._closed.is_set():
                     return
                 if error_reason(exc) == "NOT_OWNER":
-                    failure = EngineFailure.from_exception(e.target, "KeepAlive", exc)
-                    log.warning("%s: the client does not own the engine any more: %s", e.target, failure.message)
+                    failure = EngineFailure.from_exception(target, "KeepAlive", exc)
+                    log.warning("%s: the client does not own the engine any more: %s", target, failure.message)
                     with self._lock:
-                        self._lost[e.target] = failure
+                        self._lost[target] = failure
                     return
-            self._closed.wait(RETRY_S)
+            await asyncio.sleep(RETRY_S)
 
     def forget(self, target: str) -> None:
-        """End ``target``'s KeepAlive call (the engine releases the lease at once) and forget it."""
+        """End ``target``'s KeepAlive call (the engine releases the lease at once) and forget its state.
+
+        For an engine that left the fleet; a later :meth:`start` opens a new call if it is back. Idempotent.
+        """
         with self._lock:
-            call = self._calls.pop(target, None)
-            self._threads.pop(target, None)
             self._lost.pop(target, None)
-            self._forgotten.add(target)
-        if call is not None:
-            call.cancel()  # type: ignore[no-untyped-call]
+
+        async def forget() -> None:
+            task = self._tasks.pop(target, None)
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait([task])
+
+        with contextlib.suppress(StreamClosed):
+            self._fleet.streams.run(forget())
 
     def close(self) -> None:
         """End every KeepAlive call: each engine releases the lease at once. Idempotent."""
+        if self._closed.is_set():
+            return
         self._closed.set()
-        with self._lock:
-            calls = list(self._calls.values())
-        for call in calls:
-            call.cancel()  # type: ignore[no-untyped-call]
+
+        async def close() -> None:
+            tasks = [t for t in self._tasks.values() if not t.done()]
+            self._tasks.clear()
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)
+
+        with contextlib.suppress(StreamClosed):
+            self._fleet.streams.run(close())

@@ -216,7 +216,12 @@ class UpdateProtocol:
         request.report("prepared")
         # Held from Prepare's reply to Complete's: a dead engine or trainer is noticed at once.
         self._holds = Holds(
-            self._fleet.engines, request.update_id, self._fleet.metadata, self._fleet.owner, self._cancel_event
+            self._fleet.streams,
+            self._fleet.engines,
+            request.update_id,
+            self._fleet.metadata,
+            self._fleet.owner,
+            self._cancel_event,
         )
         try:
             t_transfer, pack_s = time.monotonic(), 0.0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
+import grpc.aio
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.trainer.options import ApplyMode, Layout
@@ -61,12 +62,16 @@ class EngineFailure:
         """Describe ``exc``, reading code, ErrorInfo reason and metadata from a failed gRPC call.
 
         The rich status is parsed by :func:`wsync_grpc.wire.status.error_info`
-        (the grpc-status-details-bin trailer), as the engines send it.
+        (the grpc-status-details-bin trailer), as the engines send it, from a
+        synchronous call's error or a ``grpc.aio.AioRpcError`` alike.
         """
         if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
             call = cast(grpc.Call, exc)
             reason, metadata = error_info(exc)
             return cls(target, rpc, call.code(), reason, call.details() or "", metadata)
+        if isinstance(exc, grpc.aio.AioRpcError):  # a failed call of the client's streams (grpc.aio)
+            reason, metadata = error_info(exc)
+            return cls(target, rpc, exc.code(), reason, exc.details() or "", metadata)
         if isinstance(exc, grpc.FutureCancelledError):
             return cls(target, rpc, grpc.StatusCode.CANCELLED, "", "the call was cancelled by the client")
         if isinstance(exc, grpc.FutureTimeoutError):

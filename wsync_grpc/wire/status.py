@@ -123,9 +123,11 @@ def error_info(exc: grpc.RpcError) -> tuple[str, dict[str, str]]:
 
     The rich status is parsed with ``grpc_status.rpc_status.from_call`` (the
     ``grpc-status-details-bin`` trailer), as the engines send it; a status whose
-    details disagree with the call's code or message counts as none.
+    details disagree with the call's code or message counts as none. ``exc`` is a
+    synchronous call's error (a ``grpc.Call``) or a ``grpc.aio.AioRpcError``: both
+    carry ``code()``, ``details()`` and ``trailing_metadata()``, all that is read.
     """
-    call = cast(grpc.Call, exc)
+    call = cast(grpc.Call, exc)  # duck-typed: an AioRpcError has the three methods read
     try:
         status = rpc_status.from_call(call)
     except ValueError:
