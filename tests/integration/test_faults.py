@@ -292,7 +292,7 @@ HUGE_STRINGS: dict[str, tuple[list[pb.PrepareRequest], str]] = {
     ),
     "100 kB weight version": (
         [pb.PrepareRequest(header=pb.PrepareHeader(weight_version="v" * 100_000, bucket_count=1, total_bytes=10**15))],
-        "TOO_MANY_BYTES",
+        "VERSION_TOO_LONG",
     ),
 }
 

@@ -86,6 +86,9 @@ class Membership:
         self._port_in_use: int | None = None
         self._init_attempted = False
         self._formed_with: tuple[str, ...] = ()
+        self.fresh_statuses: dict[str, pb.GetStatusResponse] = {}
+        """target -> a ``GetStatus`` reply asked for the update about to run; the next formation uses
+        them instead of asking again, then forgets them."""
         self.master_address = settings.master_address
         """The store's address at the last formation (``"auto"`` resolved)."""
 
@@ -141,7 +144,12 @@ class Membership:
         self.drop()
         self._cancel_event.clear()
         self._init_attempted = True
-        statuses, failures = self._fleet.gather("GetStatus", self._fleet.start_get_status)
+        fresh, self.fresh_statuses = self.fresh_statuses, {}
+        if all(e.target in fresh for e in self._fleet.engines):
+            statuses: dict[str, pb.GetStatusResponse] = dict(fresh)  # just asked (the roster's probe)
+            failures: dict[str, EngineFailure] = {}
+        else:
+            statuses, failures = self._fleet.gather("GetStatus", self._fleet.start_get_status)
         if failures:
             raise InitError(f"cannot initialize: {failure_lines(failures)}", rpc="Init", failures=failures, results={})
         self._leases.start()

@@ -273,6 +273,7 @@ class Roster:
                     result = attempt(request)
                     break
                 except SyncError as err:
+                    self._membership.fresh_statuses = {}  # the engines' states changed since the probe
                     left_out = self._after_failure(policy, err)
                     if not left_out:
                         raise
@@ -288,6 +289,7 @@ class Roster:
                         request.update_id,
                     )
         finally:
+            self._membership.fresh_statuses = {}
             self._count()
         self._published(request, result)
         rejoined = [t for t, state in before.items() if state != "in_sync" and t in result.engines]
@@ -312,6 +314,7 @@ class Roster:
             e.taking_part, e.excluded = True, None
             self._seen(e, replies[e.target])
         self._check_minimum(policy, request, "init", failures)
+        self._membership.fresh_statuses = replies  # a group formed for this update needs not ask again
         return failures
 
     def _status_of(
