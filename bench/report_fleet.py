@@ -240,12 +240,12 @@ def _exclusion(d: dict[str, Any]) -> list[str]:
 
 
 THREADS_WHY = (
-    "Named, per engine (`threading.enumerate()` on a client of this code): idle, the reader of its `KeepAlive` "
-    "lease stream (`wsync-lease`, `Leases._hold`) and the gRPC channel's spin thread (grpc's synchronous API "
-    "runs one per channel while a call is in flight on it, and the lease call always is); during a sync, also "
-    "the reader of its held `Watch` (`wsync-hold`, `Holds._read`). The rest of the process's threads (gRPC's "
-    "and gloo's native threads, the trainer's store) do not grow with the fleet. Multiplexing the lease and "
-    "watch streams on one loop thread would make both lines flat."
+    "The trainer's lease (`KeepAlive`) and held `Watch` streams of every engine run as tasks on one asyncio "
+    "loop thread (`wsync-streams`, `trainer/streams.py`), so nothing held between or during syncs grows with "
+    "the fleet. What still grows during a sync is transient: the fan-out calls (Prepare, Complete, GetStatus) "
+    "use grpc's synchronous API, which runs a spin thread per channel while a call is in flight on it; they "
+    "end with the calls, and most calls end before the last one starts. The rest of the process's threads "
+    "(gRPC's and gloo's native threads, the trainer's store) do not grow with the fleet."
 )
 """Where the trainer's threads per engine come from (as measured on this code; see the section)."""
 
@@ -293,8 +293,8 @@ def _init_text(d: dict[str, Any]) -> str:
     )
     out += (
         f" At {hi} engines the forced re-formation takes {force - first:.1f} s more than the first one "
-        f"({(force - first) / hi * 1e3:.0f} ms per engine): it first frees the engines from the old group, one "
-        "blocking `Leave` per engine in turn (`Membership._free_all`), each engine dropping its gloo group."
+        f"({(force - first) / hi * 1e3:.0f} ms per engine): it first frees the engines from the old group "
+        "(`Membership._free_all`: `Leave` fanned out to every engine at once), each engine dropping its gloo group."
     )
     if superlinear:
         out += (
