@@ -14,7 +14,9 @@ engine on one event-loop thread (:mod:`wsync_grpc.trainer.streams`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -187,38 +189,65 @@ class Fleet:
     # ------------------------------------------------------------------ gather / fan out
 
     def gather(
-        self, rpc: str, start: Callable[[RemoteEngine], grpc.Future[R]], engines: Sequence[RemoteEngine] | None = None
+        self, rpc: str, start: Callable[[RemoteEngine], Awaitable[R]], engines: Sequence[RemoteEngine] | None = None
     ) -> tuple[dict[str, R], dict[str, EngineFailure]]:
         """Start one call per engine (concurrently), then collect every reply or failure.
 
-        Every call carries its own deadline, so collecting is bounded.
+        The calls run on the client's event loop (:attr:`streams`), over the engines' ``grpc.aio``
+        channels: a fan-out to N engines costs no thread per engine. Every call carries its own
+        deadline, so collecting is bounded.
 
         Args:
             rpc: the RPC's name, for the failures.
-            start: starts the call on one engine.
+            start: starts the call on one engine, on the loop's thread: e.g.
+                ``lambda e: fleet.aio(e).GetStatus(request, timeout=..., metadata=...)``.
             engines: the engines to call; ``None`` = every engine taking part (:attr:`engines`).
 
         Returns:
             target -> reply for the engines that answered, target -> failure for the others.
+
+        Raises:
+            StreamClosed: the client was closed.
         """
-        engines = self.engines if engines is None else engines
-        futures: dict[str, grpc.Future[R]] = {}
-        failures: dict[str, EngineFailure] = {}
-        for e in engines:
-            try:
-                futures[e.target] = start(e)
-            except Exception as exc:
-                failures[e.target] = EngineFailure.from_exception(e.target, rpc, exc)
+        engines = list(self.engines if engines is None else engines)
+
+        async def one(e: RemoteEngine) -> R:
+            return await start(e)
+
+        async def every() -> list[R | BaseException]:
+            return await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+
+        outcomes = self.streams.run(every()) if engines else []
         results: dict[str, R] = {}
-        for target, fut in futures.items():
-            try:
-                results[target] = fut.result()
-            except Exception as exc:
-                failures[target] = EngineFailure.from_exception(target, rpc, exc)
+        failures: dict[str, EngineFailure] = {}
+        for e, out in zip(engines, outcomes, strict=True):
+            if isinstance(out, BaseException):
+                failures[e.target] = EngineFailure.from_exception(e.target, rpc, out)
+            else:
+                results[e.target] = out
         return results, failures
 
+    def submit(self, start: Callable[[], Awaitable[R]]) -> Future[R]:
+        """Start one call on the client's event loop and return its future at once.
+
+        Args:
+            start: starts the call, on the loop's thread (as for :meth:`gather`).
+
+        Raises:
+            StreamClosed: the client was closed.
+        """
+
+        async def call() -> R:
+            return await start()
+
+        return self.streams.submit(call())
+
+    def aio(self, e: RemoteEngine) -> weight_sync_pb2_grpc.WeightSyncServiceAsyncStub:
+        """``e``'s ``grpc.aio`` stub (on the loop's thread only: inside a ``start`` of :meth:`gather`)."""
+        return self.streams.stub(e.target)
+
     def fan_out(
-        self, rpc: str, start: Callable[[RemoteEngine], grpc.Future[R]], engines: Sequence[RemoteEngine] | None = None
+        self, rpc: str, start: Callable[[RemoteEngine], Awaitable[R]], engines: Sequence[RemoteEngine] | None = None
     ) -> dict[str, R]:
         """:meth:`gather`, then target -> reply.
 
@@ -238,15 +267,14 @@ class Fleet:
 
     # ------------------------------------------------------------------ one engine's calls
 
-    def start_get_status(self, e: RemoteEngine) -> grpc.Future[pb.GetStatusResponse]:
-        """Start ``GetStatus`` on ``e``."""
-        return e.stub.GetStatus.future(
-            pb.GetStatusRequest(), timeout=self._settings.rpc_timeout_s, metadata=self.metadata
-        )
+    def start_get_status(self, e: RemoteEngine) -> Awaitable[pb.GetStatusResponse]:
+        """Start ``GetStatus`` on ``e`` (on the loop: a ``start`` of :meth:`gather`)."""
+        timeout = self._settings.rpc_timeout_s
+        return self.aio(e).GetStatus(pb.GetStatusRequest(), timeout=timeout, metadata=self.metadata)
 
-    def start_cancel(self, e: RemoteEngine, update_id: str, reason: str) -> grpc.Future[pb.CancelResponse]:
-        """Start ``Cancel`` of ``update_id`` (``""`` = whatever is in flight) on ``e``."""
-        return e.stub.Cancel.future(
+    def start_cancel(self, e: RemoteEngine, update_id: str, reason: str) -> Awaitable[pb.CancelResponse]:
+        """Start ``Cancel`` of ``update_id`` (``""`` = whatever is in flight) on ``e`` (on the loop)."""
+        return self.aio(e).Cancel(
             pb.CancelRequest(update_id=update_id, reason=reason, owner=self.owner),
             timeout=self._settings.rpc_timeout_s,
             metadata=self.metadata,
@@ -270,14 +298,14 @@ class Fleet:
         if timeout is not None:
             req.timeout.CopyFrom(duration(timeout))
         deadline = self._settings.timeouts.pause_rpc_s(timeout)
-        return self.fan_out("Pause", lambda e: e.stub.Pause.future(req, timeout=deadline, metadata=self.metadata))
+        return self.fan_out("Pause", lambda e: self.aio(e).Pause(req, timeout=deadline, metadata=self.metadata))
 
     def resume(self, force: bool) -> dict[str, pb.ResumeResponse]:
         """``Resume`` every engine: target -> reply (``TrainerClient.resume``)."""
         req = pb.ResumeRequest(force=force)
         return self.fan_out(
             "Resume",
-            lambda e: e.stub.Resume.future(req, timeout=self._settings.rpc_timeout_s, metadata=self.metadata),
+            lambda e: self.aio(e).Resume(req, timeout=self._settings.rpc_timeout_s, metadata=self.metadata),
         )
 
     def checksums(self, names: Iterable[str]) -> dict[str, pb.GetWeightChecksumsResponse]:
@@ -285,9 +313,7 @@ class Fleet:
         req = pb.GetWeightChecksumsRequest(names=list(names))
         return self.fan_out(
             "GetWeightChecksums",
-            lambda e: e.stub.GetWeightChecksums.future(
-                req, timeout=self._settings.rpc_timeout_s, metadata=self.metadata
-            ),
+            lambda e: self.aio(e).GetWeightChecksums(req, timeout=self._settings.rpc_timeout_s, metadata=self.metadata),
         )
 
     def leave(self, timeout: float) -> dict[str, pb.LeaveResponse]:
@@ -298,5 +324,5 @@ class Fleet:
         """
         return self.fan_out(
             "Leave",
-            lambda e: e.stub.Leave.future(pb.LeaveRequest(owner=self.owner), timeout=timeout, metadata=self.metadata),
+            lambda e: self.aio(e).Leave(pb.LeaveRequest(owner=self.owner), timeout=timeout, metadata=self.metadata),
         )

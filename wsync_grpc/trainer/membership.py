@@ -21,18 +21,19 @@ lease was lost (an operator forced it away).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
-import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.group.process_group import WeightSyncGroup, free_port, join_group
 from wsync_grpc.group.routes import route_address
-from wsync_grpc.trainer.fleet import Fleet
+from wsync_grpc.trainer.fleet import Fleet, RemoteEngine
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.results import (
     TRAINER,
@@ -249,11 +250,11 @@ class Membership:
                     break
                 time.sleep(0.1)
             left, leave_failures = self._fleet.gather(
-                "Leave", lambda e: e.stub.Leave.future(pb.LeaveRequest(owner=owner), **kw), leave
+                "Leave", lambda e: self._fleet.aio(e).Leave(pb.LeaveRequest(owner=owner), **kw), leave
             )
             cancelled, cancel_failures = self._fleet.gather(
                 "Cancel",
-                lambda e: e.stub.Cancel.future(
+                lambda e: self._fleet.aio(e).Cancel(
                     pb.CancelRequest(reason="the trainer re-initializes the group", owner=owner), **kw
                 ),
                 cancel,
@@ -313,7 +314,7 @@ class Membership:
 
     def _start_inits(
         self, address: str, port: int, world_size: int, events: threading.Event
-    ) -> tuple[dict[str, grpc.Future[pb.InitResponse]], dict[str, EngineFailure]]:
+    ) -> tuple[dict[str, Future[pb.InitResponse]], dict[str, EngineFailure]]:
         """Start Init on every engine; ``events`` is set whenever one finishes.
 
         Returns:
@@ -321,7 +322,7 @@ class Membership:
         """
         s = self._settings
         rpc_deadline = s.timeouts.group_rpc_s
-        futures: dict[str, grpc.Future[pb.InitResponse]] = {}
+        futures: dict[str, Future[pb.InitResponse]] = {}
         failures: dict[str, EngineFailure] = {}
         for e in self._fleet.engines:
             req = pb.InitRequest(
@@ -336,13 +337,17 @@ class Membership:
                 trainer_ranks=self._sender.trainer_ranks,
             )
             try:
-                call = e.stub.Init.future(req, timeout=rpc_deadline, metadata=self._fleet.metadata)
+                call = self._fleet.submit(functools.partial(self._start_init, e, req, rpc_deadline))
             except Exception as exc:
                 failures[e.target] = EngineFailure.from_exception(e.target, "Init", exc)
                 continue
             call.add_done_callback(lambda _f: events.set())
             futures[e.target] = call
         return futures, failures
+
+    def _start_init(self, e: RemoteEngine, req: pb.InitRequest, deadline: float) -> Awaitable[pb.InitResponse]:
+        """Start ``Init`` on ``e`` (on the client's event loop)."""
+        return self._fleet.aio(e).Init(req, timeout=deadline, metadata=self._fleet.metadata)
 
     def _rank_mismatches(self, replies: Mapping[str, pb.InitResponse]) -> dict[str, EngineFailure]:
         """target -> failure for every engine whose Init reply has other ranks than assigned."""
@@ -469,7 +474,7 @@ class _TrainerJoin:
         finally:
             self._events.set()
 
-    def run_until_done_or_failed(self, futures: Mapping[str, grpc.Future[pb.InitResponse]]) -> None:
+    def run_until_done_or_failed(self, futures: Mapping[str, Future[pb.InitResponse]]) -> None:
         """Start the join; return when it ended, or as soon as one of ``futures`` (the Init calls) failed."""
         self.thread.start()
         while True:
@@ -498,7 +503,7 @@ class _TrainerJoin:
 
 
 def _collect_inits(
-    futures: Mapping[str, grpc.Future[pb.InitResponse]],
+    futures: Mapping[str, Future[pb.InitResponse]],
 ) -> tuple[dict[str, pb.InitResponse], dict[str, EngineFailure]]:
     """Wait for every Init call (each bounded by its deadline): target -> reply, target -> failure."""
     replies: dict[str, pb.InitResponse] = {}

@@ -189,7 +189,7 @@ class UpdateProtocol:
         metadata = self._trace.metadata(self._fleet.metadata)
         replies, failures = self._fleet.gather(
             "Prepare",
-            lambda e: e.stub.Prepare.future(stream(), timeout=self._settings.rpc_timeout_s, metadata=metadata),
+            lambda e: self._fleet.aio(e).Prepare(stream(), timeout=self._settings.rpc_timeout_s, metadata=metadata),
         )
         prepare_s = time.monotonic() - t0
         if not failures and self._cancel_event.is_set():
@@ -287,7 +287,7 @@ class UpdateProtocol:
         metadata = self._trace.metadata(self._fleet.metadata)
         return self._fleet.gather(
             "Complete",
-            lambda e: e.stub.Complete.future(req, timeout=self._settings.timeouts.group_rpc_s, metadata=metadata),
+            lambda e: self._fleet.aio(e).Complete(req, timeout=self._settings.timeouts.group_rpc_s, metadata=metadata),
         )
 
     # ------------------------------------------------------------------ the failure protocol

@@ -15,6 +15,8 @@ second).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -72,7 +74,7 @@ class EngineFailure:
         if isinstance(exc, grpc.aio.AioRpcError):  # a failed call of the client's streams (grpc.aio)
             reason, metadata = error_info(exc)
             return cls(target, rpc, exc.code(), reason, exc.details() or "", metadata)
-        if isinstance(exc, grpc.FutureCancelledError):
+        if isinstance(exc, grpc.FutureCancelledError | concurrent.futures.CancelledError | asyncio.CancelledError):
             return cls(target, rpc, grpc.StatusCode.CANCELLED, "", "the call was cancelled by the client")
         if isinstance(exc, grpc.FutureTimeoutError):
             return cls(target, rpc, grpc.StatusCode.DEADLINE_EXCEEDED, "", "no reply before the deadline")

@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -327,8 +327,8 @@ class Roster:
         """
         timeout = min(self._settings.rpc_timeout_s, PROBE_TIMEOUT_S)
 
-        def ask(e: RemoteEngine) -> grpc.Future[pb.GetStatusResponse]:
-            return e.stub.GetStatus.future(pb.GetStatusRequest(), timeout=timeout, metadata=self._fleet.metadata)
+        def ask(e: RemoteEngine) -> Awaitable[pb.GetStatusResponse]:
+            return self._fleet.aio(e).GetStatus(pb.GetStatusRequest(), timeout=timeout, metadata=self._fleet.metadata)
 
         replies, failures = self._fleet.gather("GetStatus", ask, engines)
         again = [e for e in engines if e.target in failures and failures[e.target].code == grpc.StatusCode.UNAVAILABLE]

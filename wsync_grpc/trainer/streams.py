@@ -11,9 +11,14 @@ tasks over ``grpc.aio`` channels (one per engine, with the same options and
 credentials as the engine's synchronous channel) on one thread, ``wsync-streams``:
 the trainer's threads stay constant in N.
 
+The calls the client fans out to every engine (GetStatus, Init, Prepare,
+Complete, Cancel...: :meth:`Fleet.gather <wsync_grpc.trainer.fleet.Fleet.gather>`)
+run on the same loop and channels, so a fan-out to N engines costs no thread
+per engine either.
+
 Every method but :meth:`StreamLoop.stub` and :meth:`StreamLoop.spawn` is
 called from the client's threads, never from the loop's own; those two run on
-the loop (inside a coroutine given to :meth:`StreamLoop.run`).
+the loop (inside a coroutine given to :meth:`StreamLoop.run` or :meth:`StreamLoop.submit`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar, cast
 
@@ -154,6 +160,21 @@ class StreamLoop:
                 if deadline is not None and time.monotonic() >= deadline:
                     future.cancel()
                     raise TimeoutError(f"no result from the stream loop within {timeout} s") from None
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start ``coro`` on the loop and return its future at once (from any thread but the loop's).
+
+        The future's ``cancel()`` cancels the coroutine (and the calls it awaits).
+
+        Raises:
+            StreamClosed: the loop was closed.
+        """
+        try:
+            loop = self._started()
+            return asyncio.run_coroutine_threadsafe(coro, loop)
+        except (StreamClosed, RuntimeError):
+            coro.close()
+            raise StreamClosed("the client's stream loop is closed") from None
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Start ``coro`` as a task on the loop, cancelled by :meth:`close` if still running. Loop thread only.
