@@ -240,11 +240,10 @@ def _exclusion(d: dict[str, Any]) -> list[str]:
 
 
 THREADS_WHY = (
-    "The trainer's lease (`KeepAlive`) and held `Watch` streams of every engine run as tasks on one asyncio "
-    "loop thread (`wsync-streams`, `trainer/streams.py`), so nothing held between or during syncs grows with "
-    "the fleet. What still grows during a sync is transient: the fan-out calls (Prepare, Complete, GetStatus) "
-    "use grpc's synchronous API, which runs a spin thread per channel while a call is in flight on it; they "
-    "end with the calls, and most calls end before the last one starts. The rest of the process's threads "
+    "Every call the trainer makes to the engines runs on one asyncio loop thread (`wsync-streams`, "
+    "`trainer/streams.py`) over one `grpc.aio` channel per engine: the lease (`KeepAlive`) and held `Watch` "
+    "streams as tasks, the fan-out calls (GetStatus, Init, Prepare, Complete, Cancel) as coroutines gathered "
+    "on it, so nothing the trainer does starts a thread per engine. The rest of the process's threads "
     "(gRPC's and gloo's native threads, the trainer's store) do not grow with the fleet."
 )
 """Where the trainer's threads per engine come from (as measured on this code; see the section)."""

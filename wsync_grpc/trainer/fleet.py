@@ -1,15 +1,19 @@
 """The engines as the trainer reaches them, and one RPC fanned out over all of them.
 
-A :class:`Fleet` owns one gRPC channel and stub per engine
-(:class:`RemoteEngine`, in target order, which is rank order) and the call
-metadata (the token). :meth:`Fleet.gather` starts one call per engine
-concurrently, then collects every reply or failure; :meth:`Fleet.fan_out`
-raises :class:`~wsync_grpc.trainer.results.EngineCallError` when any engine
-failed. The fan-out helpers (status, pause, resume, checksums, leave) and
-the calls that the group formation and the failure protocol fan out
-(GetStatus, Cancel) are built on them. The long-lived streams (leases, held
-Watch calls) run on :attr:`Fleet.streams` instead, one ``grpc.aio`` channel per
-engine on one event-loop thread (:mod:`wsync_grpc.trainer.streams`).
+A :class:`Fleet` owns the engines (:class:`RemoteEngine`, in target order,
+which is rank order), the call metadata (the token), and
+:attr:`Fleet.streams`: one event-loop thread and one ``grpc.aio`` channel per
+engine (:mod:`wsync_grpc.trainer.streams`), on which every call the client
+makes runs, so that its threads do not grow with the fleet.
+:meth:`Fleet.gather` starts one call per engine concurrently on that loop,
+then collects every reply or failure; :meth:`Fleet.fan_out` raises
+:class:`~wsync_grpc.trainer.results.EngineCallError` when any engine failed.
+The fan-out helpers (status, pause, resume, checksums, leave) and the calls
+that the group formation, the update and the failure protocol fan out are
+built on them; the long-lived streams (leases, held Watch calls) run on the
+same loop. Each engine also keeps a synchronous channel and stub
+(:attr:`RemoteEngine.stub`) for the caller's own raw calls
+(``TrainerClient.stubs``).
 """
 
 from __future__ import annotations
