@@ -416,10 +416,7 @@ class Roster:
         """Record the version every engine that took part serves now."""
         if request.adapter is not None:
             return  # adapters do not change the base weights' version
-        for e in self._fleet.engines:
-            if e.target in result.engines:
-                e.version, e.excluded = request.weight_version, None
-                e.updates_completed += 1
+        self._applied(self._fleet.engines, result)
         if len(result.engines) == len(self._fleet.engines):
             self.version = request.weight_version
             self.checkpoint = request.checkpoint_path if request.transport is Transport.DISK else None
@@ -461,9 +458,14 @@ class Roster:
         finally:
             for e in self._fleet.members:
                 e.taking_part = was[e.target]
+        self._applied(engines, result)
+        self._count()
+        return result
+
+    @staticmethod
+    def _applied(engines: list[RemoteEngine], result: SyncResult) -> None:
+        """Those of ``engines`` that applied ``result`` serve its version now, one more update completed."""
         for e in engines:
             if e.target in result.engines:
                 e.version, e.excluded = result.weight_version, None
                 e.updates_completed += 1
-        self._count()
-        return result
