@@ -254,9 +254,7 @@ class Membership:
             )
             cancelled, cancel_failures = self._fleet.gather(
                 "Cancel",
-                lambda e: self._fleet.aio(e).Cancel(
-                    pb.CancelRequest(reason="the trainer re-initializes the group", owner=owner), **kw
-                ),
+                lambda e: self._fleet.start_cancel(e, "", "the trainer re-initializes the group"),
                 cancel,
             )
             for t in left:
