@@ -9,7 +9,6 @@ tell anyone who reaches it the whole API (``docs/architecture.md``, "Invariants"
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Callable
 from typing import Any
 
@@ -17,19 +16,9 @@ import grpc
 
 from wsync_grpc.service.call_limits import HEALTH_PREFIX, REFLECTION_PREFIX
 from wsync_grpc.service.interceptors import Handler, Interceptor
+from wsync_grpc.wire.targets import is_loopback
 
-LOOPBACK_NAMES = ("localhost",)
-"""Host names that only this host reaches (besides the loopback addresses, 127.0.0.0/8 and ::1)."""
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` serves this host only (``127.0.0.0/8``, ``::1``, ``localhost``)."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+__all__ = ["TokenAuth", "is_loopback"]
 
 
 def _deny(request: Any, context: grpc.ServicerContext) -> Any:
