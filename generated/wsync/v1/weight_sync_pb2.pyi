@@ -28,6 +28,9 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   DEADLINE_EXCEEDED   a join, receive, drain or apply ran past its timeout
   UNAVAILABLE         the group broke (a peer died or closed its connection)
   UNIMPLEMENTED       a transport this engine does not implement yet
+  UNAUTHENTICATED     no known bearer token, where the engine asks for one
+  PERMISSION_DENIED   also ROLE_NOT_ALLOWED: the token's principal lacks the
+                      role the call needs (metadata principal, role, needs)
   RESOURCE_EXHAUSTED  too many calls of one class at once (reason
                       TOO_MANY_CALLS): the excess is refused, not queued;
                       retry later

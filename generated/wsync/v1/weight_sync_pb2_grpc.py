@@ -46,8 +46,13 @@ class WeightSyncServiceStub:
     true). Every new owner gets a new lease generation (OwnerInfo.generation)
     and credential: the credential of an earlier lease is a fenced token that
     never proves anything again. A failed Init or Prepare claims nothing.
-    Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     def __init__(self, channel):
@@ -149,8 +154,13 @@ class WeightSyncServiceServicer:
     true). Every new owner gets a new lease generation (OwnerInfo.generation)
     and credential: the credential of an earlier lease is a fenced token that
     never proves anything again. A failed Init or Prepare claims nothing.
-    Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     def Init(self, request, context):
@@ -523,8 +533,13 @@ class WeightSyncService:
     true). Every new owner gets a new lease generation (OwnerInfo.generation)
     and credential: the credential of an earlier lease is a fenced token that
     never proves anything again. A failed Init or Prepare claims nothing.
-    Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     @staticmethod

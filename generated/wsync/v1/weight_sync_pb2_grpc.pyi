@@ -28,6 +28,9 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   DEADLINE_EXCEEDED   a join, receive, drain or apply ran past its timeout
   UNAVAILABLE         the group broke (a peer died or closed its connection)
   UNIMPLEMENTED       a transport this engine does not implement yet
+  UNAUTHENTICATED     no known bearer token, where the engine asks for one
+  PERMISSION_DENIED   also ROLE_NOT_ALLOWED: the token's principal lacks the
+                      role the call needs (metadata principal, role, needs)
   RESOURCE_EXHAUSTED  too many calls of one class at once (reason
                       TOO_MANY_CALLS): the excess is refused, not queued;
                       retry later
@@ -84,8 +87,13 @@ class WeightSyncServiceStub:
     true). Every new owner gets a new lease generation (OwnerInfo.generation)
     and credential: the credential of an earlier lease is a fenced token that
     never proves anything again. A failed Init or Prepare claims nothing.
-    Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     @_typing.overload
@@ -327,8 +335,13 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     true). Every new owner gets a new lease generation (OwnerInfo.generation)
     and credential: the credential of an earlier lease is a fenced token that
     never proves anything again. A failed Init or Prepare claims nothing.
-    Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -566,8 +579,13 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
     true). Every new owner gets a new lease generation (OwnerInfo.generation)
     and credential: the credential of an earlier lease is a fenced token that
     never proves anything again. A failed Init or Prepare claims nothing.
-    Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     @_abc_1.abstractmethod
