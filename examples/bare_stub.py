@@ -5,7 +5,9 @@
 For people writing their own sender (or porting it to another language): Init,
 a streaming Prepare (header, then one message per bucket), one broadcast per
 bucket on the weight-sync group, Complete. Here the "model" is the engine's own
-tensors with every value set to 0.5, sent in one flattened bucket.
+tensors with every value set to 0.5, sent in one flattened bucket. Init's reply
+carries the caller's lease credential: every later call of the owner sends it
+back as the "wsync-lease" metadata header.
 """
 
 import sys
@@ -29,7 +31,7 @@ port = free_port()
 stub.Leave(pb.LeaveRequest(), timeout=30)  # forget any group of an earlier trainer
 init = stub.Init.future(pb.InitRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2))
 group = join_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2)
-init.result(timeout=120)
+lease = [("wsync-lease", init.result(timeout=120).lease_credential)]  # proves the ownership from now on
 
 # 3. Prepare: one flattened bucket holding every tensor at 256-byte aligned offsets.
 bucket = pb.BucketSpec(index=0)
@@ -40,7 +42,8 @@ for t in names:
     offset = (offset + nbytes + 255) // 256 * 256
 bucket.size_bytes = offset
 header = pb.PrepareHeader(weight_version="all-halves", bucket_count=1, total_bytes=offset)
-prepared = stub.Prepare(iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=bucket)]), timeout=60)
+stream = iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=bucket)])
+prepared = stub.Prepare(stream, timeout=60, metadata=lease)
 
 # 4. Broadcast the bucket's bytes (the engine's receive is already posted), then Complete.
 flat = torch.zeros(offset, dtype=torch.uint8)
@@ -49,5 +52,5 @@ for t in bucket.tensors:
     view = flat[t.offset_bytes :].view(dtype)[: torch.Size(t.shape).numel()]
     view.fill_(0.5)
 wait_work(group.broadcast(flat), time.monotonic() + 120)
-done = stub.Complete(pb.CompleteRequest(update_id=prepared.update_id), timeout=120)
+done = stub.Complete(pb.CompleteRequest(update_id=prepared.update_id), timeout=120, metadata=lease)
 print(f"engine serves {done.weight_version}: {done.tensor_count} tensors, {done.bytes_received} bytes")

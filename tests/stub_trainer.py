@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import grpc
@@ -25,6 +26,7 @@ from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.engines import synthetic
 from wsync_grpc.group.process_group import join_group
 from wsync_grpc.group.waits import wait_work
+from wsync_grpc.wire.lease import lease_channel
 
 ALIGN = 256
 
@@ -66,7 +68,8 @@ def main() -> int:
     a = p.parse_args()
 
     tensors = synthetic.build(a.preset, dtype=getattr(torch, a.dtype), seed=a.seed)
-    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(a.target))
+    # One caller: the channel keeps the lease credential Init (or Prepare) issues and presents it.
+    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(lease_channel(grpc.insecure_channel(a.target))[0])
     out: dict[str, object] = {}
     if not a.skip_init:
         # A new trainer forms a new group: whatever group the engine had is gone.
@@ -76,6 +79,9 @@ def main() -> int:
         fut = stub.Init.future(init, timeout=a.timeout + 10)  # ask the engine before blocking in the join
         group = join_group(master_address="127.0.0.1", master_port=a.port, rank=0, world_size=2, timeout_s=a.timeout)
         fut.result()
+        # Hold the lease as a trainer does: this process's death ends the call and frees the engine at once.
+        keepalive = stub.KeepAlive(pb.KeepAliveRequest())
+        threading.Thread(target=lambda: [None for _ in keepalive], daemon=True).start()
     buckets = plan(tensors, a.bucket_bytes)
     layout = pb.BUCKET_LAYOUT_FLATTENED if a.layout == "flattened" else pb.BUCKET_LAYOUT_INDIVIDUAL
     specs = []

@@ -32,6 +32,7 @@ __all__ = [
     "code_of",
     "free_port",
     "join_as_trainer",
+    "lease_credential",
     "run_stub_trainer",
     "start_stub_trainer",
     "status",
@@ -102,6 +103,16 @@ class StatusProbe:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def lease_credential(stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> str:
+    """The lease credential the caller of ``stub`` (an :func:`~wsync_grpc.testing.owner_channel`) holds, as the
+    first message of a KeepAlive it opens echoes it (closing that call ends the lease's ttl at once, as the
+    owner's last KeepAlive does; the owner's next call renews it)."""
+    call = stub.KeepAlive(pb.KeepAliveRequest(), timeout=10)
+    credential: str = next(call).lease_credential
+    call.cancel()
+    return credential
 
 
 def code_of(e: grpc.RpcError) -> grpc.StatusCode:

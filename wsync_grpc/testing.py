@@ -37,6 +37,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 from wsync_grpc.core.engine import Engine
 from wsync_grpc.group.process_group import WeightSyncGroup, free_port, join_group
 from wsync_grpc.service.server import WsyncServer, build_server
+from wsync_grpc.wire.lease import lease_channel
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
@@ -49,6 +50,7 @@ __all__ = [
     "free_port",
     "in_process_server",
     "join_as_trainer",
+    "owner_channel",
     "spawn_engine",
     "spawn_process",
     "stop_all",
@@ -311,7 +313,7 @@ def stop_all(engines: Sequence[EngineProcess], grace_s: float = 10.0) -> None:
 def in_process_server(
     engine: Engine, *, stop_grace_s: float = 0.5, **build_server_kwargs: Any
 ) -> Iterator[tuple[WsyncServer, weight_sync_pb2_grpc.WeightSyncServiceStub]]:
-    """Serve ``engine`` in this process; yield the server and a stub on an insecure channel to it.
+    """Serve ``engine`` in this process; yield the server and a stub on an insecure :func:`owner_channel` to it.
 
     ``build_server_kwargs`` go to :func:`~wsync_grpc.service.server.build_server` (a loopback port
     chosen by the OS unless ``port`` is given; a TLS server needs a channel of your own). At the
@@ -321,12 +323,21 @@ def in_process_server(
         RuntimeError: the port could not be bound.
     """
     srv = build_server(engine, **build_server_kwargs)
-    channel = grpc.insecure_channel(srv.address)
+    channel = owner_channel(srv.address)
     try:
         yield srv, weight_sync_pb2_grpc.WeightSyncServiceStub(channel)
     finally:
         channel.close()
         srv.stop(stop_grace_s)
+
+
+def owner_channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel to ``target`` (TLS with ``credentials``, else plaintext) whose calls are one caller's: it keeps
+    the lease credential a reply issues it and presents it with every later call
+    (:func:`~wsync_grpc.wire.lease.lease_channel`). Two such channels are two callers.
+    """
+    ch = grpc.secure_channel(target, credentials) if credentials is not None else grpc.insecure_channel(target)
+    return lease_channel(ch)[0]
 
 
 def join_as_trainer(

@@ -204,9 +204,8 @@ def test_a_request_running_with_a_replaced_adapter_is_aborted_and_answers_name_t
         assert engine.complete("r2-disk") == after and engine.last_model == "r2-disk@d"
         again = Stream(engine, "running", max_tokens=900)
         assert again.started.wait(120)
-        with grpc.insecure_channel(engine.target) as ch:
-            stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
-            r = stub.UnloadAdapter(pb.UnloadAdapterRequest(name="running", owner=OWNER), timeout=60)
+        # The owner's own call: the client's stub presents its lease credential.
+        r = c.stubs[engine.target].UnloadAdapter(pb.UnloadAdapterRequest(name="running", owner=OWNER), timeout=60)
         assert (r.was_loaded, r.version, r.aborted_requests) == (True, "r2", 1)
         models, reason, _ = again.finish()
         assert models == {"running@r2"} and reason == "abort"

@@ -226,13 +226,14 @@ def test_unload_aborts_requests_naming_it_and_generation_says_not_found(tiny: Ti
         assert (reply.adapter, list(reply.adapter_versions)) == ("a", ["v1"])
         handle = tiny.engine.submit(PROMPT, 200, adapter="a")
         assert handle.wait_for_tokens(2, 60)
-        with pytest.raises(grpc.RpcError) as e:  # another owner may not unload it
-            tiny.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="intruder"), timeout=10)
+        with pytest.raises(grpc.RpcError) as e:  # another caller may not unload it, even sending the owner's name
+            tiny.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="trainer"), timeout=10)
         assert error_reason(e.value) == "NOT_OWNER"
-        r = tiny.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="trainer"), timeout=10)
+        owners = c.stubs[tiny.target]  # the owner's own stub: it presents the client's lease credential
+        r = owners.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="trainer"), timeout=10)
         assert (r.was_loaded, r.version, r.aborted_requests) == (True, "v1", 1)
         assert handle.result().finish_reason is FinishReason.ABORTED
-        assert not tiny.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="trainer"), timeout=10).was_loaded
+        assert not owners.UnloadAdapter(pb.UnloadAdapterRequest(name="a", owner="trainer"), timeout=10).was_loaded
         with pytest.raises(grpc.RpcError) as e:
             tiny.gen.Generate(generation_pb2.GenerateRequest(prompt=PROMPT, adapter="a"), timeout=60)
         assert code_of(e.value) == grpc.StatusCode.NOT_FOUND

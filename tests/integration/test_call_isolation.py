@@ -27,7 +27,7 @@ from wsync_grpc.engines.reference import ReferenceEngine
 from wsync_grpc.group.waits import wait_work
 from wsync_grpc.service.call_limits import DEFAULT_CALL_LIMITS, CallClass
 from wsync_grpc.service.server import WsyncServer, build_server
-from wsync_grpc.testing import join_as_trainer
+from wsync_grpc.testing import join_as_trainer, owner_channel
 from wsync_grpc.wire.convert import duration
 from wsync_grpc.wire.status import error_reason
 
@@ -99,9 +99,9 @@ def test_the_owners_calls_answer_within_a_second_whatever_the_crowd_does(
 ) -> None:
     srv, engine = served
     limits = DEFAULT_CALL_LIMITS
-    owner_channel = grpc.insecure_channel(srv.address)
+    owners_channel = owner_channel(srv.address)  # keeps the lease credential Init issues, and presents it
     crowd_channel = grpc.insecure_channel(srv.address)
-    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(owner_channel)
+    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(owners_channel)
     crowd = weight_sync_pb2_grpc.WeightSyncServiceStub(crowd_channel)
     release = threading.Event()
     streams: list[Any] = []
@@ -170,5 +170,5 @@ def test_the_owners_calls_answer_within_a_second_whatever_the_crowd_does(
         for call in streams:
             call.cancel()
         trainer.destroy()  # type: ignore[attr-defined]
-        owner_channel.close()
+        owners_channel.close()
         crowd_channel.close()

@@ -32,14 +32,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from support import ENV, ROOT, code_of, free_port, join_as_trainer, status, tensor_server
+from support import ENV, ROOT, code_of, free_port, join_as_trainer, lease_credential, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.engines import synthetic
 from wsync_grpc.group.waits import wait_work
-from wsync_grpc.testing import EngineProcess, cli_command, spawn_engine
+from wsync_grpc.testing import EngineProcess, cli_command, owner_channel, spawn_engine
 from wsync_grpc.trainer import TRAINER, SyncError, SyncProgress, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
@@ -59,12 +59,13 @@ def start_cli_engine(tmp: Path, name: str, *args: str) -> EngineProcess:
 # ----------------------------------------------------------------------------- two trainers race
 
 RACER = r"""
-import base64, json, sys, time
+import base64, json, os, sys, time
 import grpc
 from wsync.v1 import weight_sync_pb2 as pb, weight_sync_pb2_grpc
 from wsync_grpc.wire.status import error_reason
 
 stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(sys.argv[1]))
+LEASE = [("wsync-lease", os.environ["WSYNC_LEASE"])]  # both racers present the owner's credential
 stub.GetStatus(pb.GetStatusRequest(), timeout=30)  # connected before the first race
 print(json.dumps({"ready": True}), flush=True)
 
@@ -82,12 +83,12 @@ for line in sys.stdin:
     stream = [pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=bucket)]
     while time.time() < float(go_at):
         time.sleep(0.0005)
-    out = {"prepare": outcome(lambda: stub.Prepare(iter(stream), timeout=30))}
+    out = {"prepare": outcome(lambda: stub.Prepare(iter(stream), timeout=30, metadata=LEASE))}
     if not out["prepare"]["ok"]:
         # The loser must not be able to touch the winner's update through its own update id.
         own = header.update_id
-        out["complete"] = outcome(lambda: stub.Complete(pb.CompleteRequest(update_id=own), timeout=30))
-        out["cancel"] = outcome(lambda: stub.Cancel(pb.CancelRequest(update_id=own), timeout=30))
+        out["complete"] = outcome(lambda: stub.Complete(pb.CompleteRequest(update_id=own), timeout=30, metadata=LEASE))
+        out["cancel"] = outcome(lambda: stub.Cancel(pb.CancelRequest(update_id=own), timeout=30, metadata=LEASE))
     print(json.dumps(out), flush=True)
 """
 
@@ -114,6 +115,7 @@ def race_bucket() -> pb.BucketSpec:
 def test_two_trainer_processes_race_prepare_exactly_one_proceeds(rounds: int) -> None:
     with tensor_server("tiny", seed=0) as (srv, engine, stub):
         trainer = join_as_trainer(stub)
+        env = {**ENV, "WSYNC_LEASE": lease_credential(stub)}  # the two racers are one owner (one lease)
         racers = [
             subprocess.Popen(
                 [sys.executable, "-c", RACER, srv.address],
@@ -121,7 +123,7 @@ def test_two_trainer_processes_race_prepare_exactly_one_proceeds(rounds: int) ->
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=ENV,
+                env=env,
                 cwd=ROOT,
             )
             for _ in range(2)
@@ -338,7 +340,7 @@ def test_claims_far_beyond_the_model_allocate_nothing(tmp_path: Path) -> None:
     1.08 GB of declared bytes) faces claims of up to 10^12 bytes, a million tensors and a header
     of the largest acceptable claim held open: its peak RSS and peak virtual size hardly move."""
     engine = start_cli_engine(tmp_path, "big", "--synthetic", "smollm2-shapes", "--dtype", "bfloat16")
-    channel = grpc.insecure_channel(engine.target)
+    channel = owner_channel(engine.target)
     stub = weight_sync_pb2_grpc.WeightSyncServiceStub(channel)
     trainer = join_as_trainer(stub)
     pid = engine.process.pid
@@ -558,26 +560,30 @@ def test_an_init_whose_group_never_forms_gives_up_at_its_timeout() -> None:
         assert st.last_error.reason == error_reason(e.value)
 
 
-def _armed_update(stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> str:
-    """Prepare one bucket of ``model.norm.weight`` (the engine must be joined); the update's id."""
+def _armed_update(stub: weight_sync_pb2_grpc.WeightSyncServiceStub) -> pb.PrepareResponse:
+    """Prepare one bucket of ``model.norm.weight`` (the engine must be joined); the reply (update id, lease)."""
     spec = pb.BucketSpec(index=0, size_bytes=128)
     spec.tensors.add(name="model.norm.weight", dtype="bfloat16", shape=[64], offset_bytes=0)
     header = pb.PrepareHeader(weight_version="never", bucket_count=1, total_bytes=128)
-    reply = stub.Prepare(iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=spec)]), timeout=30)
-    return reply.update_id
+    reply: pb.PrepareResponse = stub.Prepare(
+        iter([pb.PrepareRequest(header=header), pb.PrepareRequest(bucket=spec)]), timeout=30
+    )
+    return reply
 
 
 def test_an_operators_cancel_of_an_armed_update_records_its_reason() -> None:
-    """``wsync cancel --reason``: the update is abandoned, the group left, the reason in ``last_error``."""
+    """``wsync cancel --reason`` by the owner (its lease credential in ``WSYNC_LEASE``): the update is abandoned,
+    the group left, the reason in ``last_error``."""
     with tensor_server("tiny") as (srv, _engine, stub):
         trainer = join_as_trainer(stub)
         try:
-            update_id = _armed_update(stub)
+            armed = _armed_update(stub)
+            update_id = armed.update_id
             r = subprocess.run(
                 cli_command("cancel", "--target", srv.address, "--reason", "rollback requested by ops"),
                 capture_output=True,
                 text=True,
-                env=ENV,
+                env={**ENV, "WSYNC_LEASE": armed.lease_credential},
                 cwd=ROOT,
                 timeout=60,
             )
@@ -598,7 +604,7 @@ def test_sigterm_with_an_update_in_flight_cancels_it_and_stops(tmp_path: Path) -
         ["--synthetic", "tiny", "--grace", "1"], port_file=tmp_path / "port", log=log, env=ENV, cwd=ROOT
     )
     try:
-        stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(engine.target))
+        stub = weight_sync_pb2_grpc.WeightSyncServiceStub(owner_channel(engine.target))
         trainer = join_as_trainer(stub)
         try:
             _armed_update(stub)

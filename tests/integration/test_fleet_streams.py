@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import ENV, ROOT, status, tensor_server
+from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.testing import EngineProcess, spawn_engine, stop_all, wait_all
 from wsync_grpc.trainer.fleet import Fleet
@@ -152,6 +153,15 @@ def eventually(check: Callable[[], bool], within_s: float) -> None:
         time.sleep(0.02)
 
 
+def claim(fleet: Fleet, target: str) -> None:
+    """Give the fleet's member ``target`` its lease credential, as Init (or a disk Prepare) would: a KeepAlive
+    on the member's own channel claims the free engine, and its first message hands the channel the credential."""
+    call = fleet.member(target).stub.KeepAlive(pb.KeepAliveRequest(owner="lessee"), timeout=10)
+    next(call)
+    call.cancel()
+    assert fleet.member(target).lease.credential
+
+
 def stream_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "wsync-streams"]
 
@@ -165,6 +175,8 @@ def test_leases_follow_the_fleet_and_a_forgotten_engine_is_released_at_once() ->
         leases = Leases(fleet)
         before = len(stream_threads())
         try:
+            for t in targets:
+                claim(fleet, t)
             leases.start()
             eventually(lambda: all(status(s).owner.keepalive_calls == 1 for s in (stub_a, stub_b)), 5)
             assert status(stub_b).owner.owner == "lessee"
@@ -177,6 +189,7 @@ def test_leases_follow_the_fleet_and_a_forgotten_engine_is_released_at_once() ->
             assert not status(stub_b).HasField("owner") and status(stub_a).owner.keepalive_calls == 1
 
             fleet.add(b.address)  # it joins again
+            claim(fleet, b.address)
             leases.start()
             eventually(lambda: status(stub_b).owner.keepalive_calls == 1, 5)
 

@@ -53,7 +53,8 @@ def test_lone_tensors_are_received_in_place_or_swapped(apply: ApplyMode, solo_by
 
 
 OWNER = "in-place-test"
-"""The owner name of this module's trainer, which its raw Prepare calls share (one owner per engine)."""
+"""The owner name of this module's trainer, whose raw Prepare calls go through the client's own stub
+(``TrainerClient.stubs``: its channel carries the client's lease credential; one owner per engine)."""
 
 
 def _header(bucket_count: int, total: int) -> pb.PrepareRequest:
@@ -78,6 +79,7 @@ def test_bucket_batches_are_validated_like_single_buckets() -> None:
         total = sum(s.size_bytes for s in specs)
         with TrainerClient([srv.address], owner=OWNER) as client:
             client.init()
+            raw = client.stubs[srv.address]
             bad = [
                 ([_header(3, total), pb.PrepareRequest(buckets=pb.BucketBatch())], "EMPTY_MESSAGE"),
                 (
@@ -95,7 +97,7 @@ def test_bucket_batches_are_validated_like_single_buckets() -> None:
             ]
             for msgs, reason in bad:
                 with pytest.raises(grpc.RpcError) as e:
-                    stub.Prepare(iter(msgs), timeout=30)
+                    raw.Prepare(iter(msgs), timeout=30)
                 assert code_of(e.value) == grpc.StatusCode.INVALID_ARGUMENT
                 assert reason in (e.value.details() or "") or reason in str(e.value.trailing_metadata()), e.value
                 assert status(stub).state == State.READY.value
@@ -105,9 +107,9 @@ def test_bucket_batches_are_validated_like_single_buckets() -> None:
                 pb.PrepareRequest(bucket=specs[0]),
                 pb.PrepareRequest(buckets=pb.BucketBatch(buckets=specs[1:])),
             ]
-            reply = stub.Prepare(iter(ok), timeout=30)
+            reply = raw.Prepare(iter(ok), timeout=30)
             assert reply.bucket_count == 3 and reply.total_bytes == total
-            stub.Cancel(pb.CancelRequest(update_id=reply.update_id, owner=OWNER), timeout=30)
+            raw.Cancel(pb.CancelRequest(update_id=reply.update_id, owner=OWNER), timeout=30)
 
 
 @pytest.mark.parametrize(("apply", "dirty"), [(pb.APPLY_MODE_STREAMING, True), (pb.APPLY_MODE_STAGED, False)])

@@ -106,6 +106,11 @@ class Harness:
         if state == State.UNINITIALIZED:
             return
         if state == State.JOINING:
+            # Claim the engine first (a KeepAlive issues the credential at once), so that this
+            # caller's other calls prove its ownership while its Init is still joining.
+            keepalive = self.stub.KeepAlive(pb.KeepAliveRequest(), timeout=10)  # type: ignore[attr-defined]
+            next(keepalive)
+            keepalive.cancel()
             port = free_port()
             self.init_req = self.init_request(port)
             self.pool.submit(self.stub.Init, self.init_req, timeout=60)  # type: ignore[attr-defined]

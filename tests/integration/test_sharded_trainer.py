@@ -20,7 +20,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.group.process_group import free_port, join_group
-from wsync_grpc.testing import EngineProcess, spawn_engine
+from wsync_grpc.testing import EngineProcess, owner_channel, spawn_engine
 
 pytest.importorskip("transformers")
 
@@ -36,7 +36,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
 
 
 def _stub(target: str) -> weight_sync_pb2_grpc.WeightSyncServiceStub:
-    return weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(target))
+    """A stub of one caller: it keeps the lease credential its Init gets, and presents it."""
+    return weight_sync_pb2_grpc.WeightSyncServiceStub(owner_channel(target))
 
 
 @pytest.mark.parametrize("mode", ["gather", "direct"])

@@ -48,6 +48,7 @@ from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.group.process_group import WeightSyncGroup, join_group
 from wsync_grpc.group.waits import wait_work
 from wsync_grpc.service.server import build_server
+from wsync_grpc.testing import owner_channel
 from wsync_grpc.wire.status import error_reason
 
 PRESET = "tiny"
@@ -108,7 +109,7 @@ class WsyncMachine(RuleBasedStateMachine):
         super().__init__()
         self.engine = TensorEngine(synthetic.build(PRESET, seed=0), aliases=synthetic.aliases(PRESET))
         self.srv = build_server(self.engine)
-        self.channel = grpc.insecure_channel(self.srv.address)
+        self.channel = owner_channel(self.srv.address)  # one caller: it keeps and presents its lease credential
         self.stub = weight_sync_pb2_grpc.WeightSyncServiceStub(self.channel)
         self.trainer: WeightSyncGroup | None = None
         self.pool: list[Any] = []  # background Prepare calls to reap

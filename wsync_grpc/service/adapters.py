@@ -34,8 +34,11 @@ def list_adapters(engine: Engine) -> pb.ListAdaptersResponse:
     return out
 
 
-def unload_adapter(state: EngineState, request: pb.UnloadAdapterRequest) -> pb.UnloadAdapterResponse:
-    """Remove adapter ``request.name`` under the engine's weights lock; idempotent.
+def unload_adapter(
+    state: EngineState, request: pb.UnloadAdapterRequest, credential: str = ""
+) -> pb.UnloadAdapterResponse:
+    """Remove adapter ``request.name`` under the engine's weights lock; idempotent (``credential``: the caller's
+    lease credential).
 
     Raises:
         InvalidArgument: BAD_ADAPTER_NAME.
@@ -44,7 +47,7 @@ def unload_adapter(state: EngineState, request: pb.UnloadAdapterRequest) -> pb.U
     name = check_name(request.name)
     engine = state.engine
     with state.lock:
-        state.check_owner(request.owner, "UnloadAdapter")
+        state.check_owner(credential, "UnloadAdapter")
         state.lifecycle.check(Rpc.UNLOAD_ADAPTER)
         upd = state.update
         if upd is not None and upd.header.adapter is not None and upd.header.adapter.name == name:

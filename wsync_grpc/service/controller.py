@@ -13,6 +13,7 @@ the role KServe's ``DataPlane`` plays under its gRPC servicer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -29,7 +30,7 @@ from wsync_grpc.core.layout import Transport
 from wsync_grpc.core.lifecycle import Event, Rpc, State, WrongState
 from wsync_grpc.core.lora import LoraAdapters, adapter_param_specs
 from wsync_grpc.core.membership import GroupParams
-from wsync_grpc.core.ownership import describe
+from wsync_grpc.core.ownership import Lease, describe
 from wsync_grpc.core.timeouts import DEFAULT_PREPARE_TIMEOUT_S, ServerBounds
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 from wsync_grpc.service.engine_state import EngineState
@@ -52,10 +53,12 @@ class InitOutcome:
 
     Attributes:
         already_joined: the engine was a member of this very group already (Init is idempotent).
+        lease: the caller's lease (its credential goes back to it alone).
         join_seconds: how long the join took, in seconds (0 when already joined).
     """
 
     already_joined: bool
+    lease: Lease
     join_seconds: float = 0.0
 
 
@@ -120,20 +123,39 @@ class UpdateController:
         allowed_masters: Sequence[str] = (),
     ) -> None:
         self.engine = engine
-        self.bounds = bounds if bounds is not None else ServerBounds()
         self.checkpoint_roots = CheckpointRoots(checkpoint_roots)
         self.allowed_masters = MasterAllowList(allowed_masters)
         self.prepare_timeout_s = prepare_timeout_s
         self.state = EngineState(engine, keep_buffers)
+        self.bounds = bounds if bounds is not None else ServerBounds()
         self._lock = self.state.lock
         self._preparing: PrepareReader | None = None  # the Prepare stream being read, in PREPARING
         self._digests: dict[str, Checksum] = {}  # name -> checksum of the weights _digests_key names
         self._digests_key: tuple[str, int] | None = None
 
+    @property
+    def bounds(self) -> ServerBounds:
+        """See the constructor; assigning it applies from the next update (the lease ttl cap at once)."""
+        return self._bounds
+
+    @bounds.setter
+    def bounds(self, value: ServerBounds) -> None:
+        self._bounds = value
+        with self.state.lock:
+            self.state.ownership.max_ttl_s = value.max_lease_ttl_s
+
     # --------------------------------------------------------------- Init/Leave
 
-    def init(self, params: GroupParams, owner: str, ttl_s: float, force: bool) -> InitOutcome:
-        """Make ``owner`` the owner and join the group ``params`` describe (see ``InitRequest``).
+    def init(self, params: GroupParams, owner: str, credential: str, ttl_s: float, force: bool) -> InitOutcome:
+        """Make the caller the owner and join the group ``params`` describe (see ``InitRequest``).
+
+        Args:
+            owner: the caller's display name.
+            credential: the lease credential it presented (``""``: none).
+            ttl_s: the lease's ttl, in seconds.
+            force: take the engine from a live owner.
+
+        A failed Init claims nothing: a lease it issued is void again.
 
         Raises:
             PermissionDenied: MASTER_NOT_ALLOWED (before anything changes or connects).
@@ -145,20 +167,24 @@ class UpdateController:
         params = self.allowed_masters.check(params)
         with self._lock:
             previous = st.ownership.owner
-            changed = st.claim(owner, "Init", ttl_s, force)
-            if changed and force and previous is not None:
-                self._cancel_in_flight("", f"the engine was taken over from {describe(previous)} (forced)")
-            if st.lifecycle.check(Rpc.INIT) == State.READY:
-                if params == m.params:
-                    return InitOutcome(already_joined=True)
-                if not changed:
-                    raise AlreadyExists(
-                        "GROUP_MISMATCH",
-                        f"already joined group {m.params.group_name if m.params else ''!r} with other "
-                        "parameters; call Leave first",
-                    )
-                m.leave()  # the previous owner is gone: its group goes with it
-                st.lifecycle.fire(Event.LEAVE)
+            lease = st.claim(owner, credential, "Init", ttl_s, force)
+            try:
+                if lease.changed and force and previous is not None:
+                    self._cancel_in_flight("", f"the engine was taken over from {describe(previous)} (forced)")
+                if st.lifecycle.check(Rpc.INIT) == State.READY:
+                    if params == m.params:
+                        return InitOutcome(already_joined=True, lease=lease)
+                    if not lease.changed:
+                        raise AlreadyExists(
+                            "GROUP_MISMATCH",
+                            f"already joined group {m.params.group_name if m.params else ''!r} with other "
+                            "parameters; call Leave first",
+                        )
+                    m.leave()  # the previous owner is gone: its group goes with it
+                    st.lifecycle.fire(Event.LEAVE)
+            except BaseException:
+                st.ownership.undo(lease)
+                raise
             st.lifecycle.fire(Event.JOIN)
             st.failed_update = None
         start = time.monotonic()
@@ -168,15 +194,19 @@ class UpdateController:
             err = domain_error(e, Phase.JOIN)
             with self._lock:
                 st.lifecycle.fire(Event.JOIN_FAILED)
+                st.ownership.undo(lease)
                 st.record_error(err)
             raise err from e
         with self._lock:
             m.joined(params, groups)
             st.lifecycle.fire(Event.JOINED)
-        return InitOutcome(already_joined=False, join_seconds=time.monotonic() - start)
+        return InitOutcome(already_joined=False, lease=lease, join_seconds=time.monotonic() - start)
 
-    def leave(self, owner: str, force: bool) -> bool:
+    def leave(self, credential: str, force: bool) -> bool:
         """Leave the weight-sync group (idempotent); whether the engine was a member.
+
+        Args:
+            credential: the lease credential the caller presented (``""``: none).
 
         Raises:
             FailedPrecondition: NOT_OWNER (unless ``force``), WRONG_STATE (an update in flight).
@@ -184,11 +214,11 @@ class UpdateController:
         st = self.state
         with self._lock:
             if force:
-                self._force_away(owner, "Leave")
+                self._force_away(credential, "Leave")
             else:
-                st.check_owner(owner, "Leave")
+                st.check_owner(credential, "Leave")
             state = st.lifecycle.check(Rpc.LEAVE)
-            if st.ownership.owner == owner:
+            if st.ownership.holds(credential):
                 st.ownership.expire()  # the owner left: its lease lives only while it keeps it alive
             if state == State.UNINITIALIZED:
                 return False
@@ -196,35 +226,51 @@ class UpdateController:
             st.lifecycle.fire(Event.LEAVE)
             return was_member
 
-    def _force_away(self, caller: str, what: str) -> None:
-        """An operator's force: the live owner, if another caller, loses the engine. Lock held."""
-        lost = self.state.ownership.force_release(caller, self.state.update is not None)
+    def _force_away(self, credential: str, what: str) -> None:
+        """An operator's force: the live owner, unless the caller, loses the engine. Lock held."""
+        lost = self.state.ownership.force_release(credential, self.state.busy)
         if lost is not None:
             log.warning("%s with force: %s loses the engine", what, describe(lost))
 
     # ------------------------------------------------------ Prepare/Update/Complete
 
     def prepare(
-        self, stream: Iterator[PrepareMessage], stop_stream: Callable[[], None], trace_context: Context | None
+        self,
+        stream: Iterator[PrepareMessage],
+        stop_stream: Callable[[], None],
+        trace_context: Context | None,
+        credential: str = "",
     ) -> PrepareResult:
         """Read, validate and arm one update; return once every receiver is armed.
+
+        Ownership is checked before any state changes: a caller presenting no credential of the live
+        owner is refused before the stream is read, and the engine enters PREPARING only once the
+        header has arrived and its caller is (or has just become) the owner. A Prepare that fails
+        claims nothing (a lease it issued is void again).
 
         Args:
             stream: the Prepare stream's messages (a header first).
             stop_stream: ends ``stream`` (on a stall, or a Cancel while it is read).
             trace_context: the OpenTelemetry context of the Prepare's span, kept by the update.
+            credential: the lease credential the caller presented (``""``: none).
+
+        Returns:
+            The armed update, with the caller's lease credential.
 
         Raises:
-            WsyncError: see :meth:`~wsync_grpc.service.prepare.PrepareReader.read`,
+            WsyncError: NOT_OWNER, see :meth:`~wsync_grpc.service.prepare.PrepareReader.read`,
                 :meth:`~wsync_grpc.transports.TransportPart.plan` and
                 :meth:`~wsync_grpc.service.session.UpdateSession.wait_armed`; WRONG_STATE for a transport that
                 needs the group before Init.
         """
         started = time.monotonic()
         st = self.state
+        leases: list[Lease] = []
         with self._lock:
-            st.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
-            reader = self._preparing = PrepareReader(self.prepare_timeout_s, self._claim_for_prepare)
+            st.check_owner(credential, "Prepare")
+            st.lifecycle.check(Rpc.PREPARE)
+        reader = PrepareReader(self.prepare_timeout_s)
+        reader.on_owner = functools.partial(self._begin_prepare, reader, credential, leases)
         try:
             params = st.membership.params
             validator = update_validator(self.engine, params.trainer_ranks if params is not None else 1)
@@ -244,22 +290,50 @@ class UpdateController:
                 planned.release()  # the receivers hold their own references to what planning opened
         except BaseException:
             with self._lock:
-                self._preparing = None
-                if st.lifecycle.state == State.PREPARING:
-                    st.lifecycle.fire(Event.REJECTED)
+                if self._preparing is reader:
+                    self._preparing = None
+                    if st.lifecycle.state == State.PREPARING:
+                        st.lifecycle.fire(Event.REJECTED)
+                for lease in leases:
+                    st.ownership.undo(lease)
             raise
-        session.wait_armed(self.prepare_timeout_s)
+        try:
+            session.wait_armed(self.prepare_timeout_s)
+        except BaseException:
+            with self._lock:
+                for lease in leases:
+                    if st.update is None:
+                        st.ownership.undo(lease)
+            raise
+        finally:
+            with self._lock:
+                self._preparing = None
         with self._lock:
-            self._preparing = None
-            return session.armed()
+            result = session.armed()
+        return dataclasses.replace(result, lease_credential=leases[0].credential if leases else "")
 
-    def _claim_for_prepare(self, owner: str) -> None:
-        """The Prepare header named ``owner``: it must own the engine, or the engine must have no live owner."""
+    def _begin_prepare(self, reader: PrepareReader, credential: str, leases: list[Lease], owner: str) -> None:
+        """The Prepare header named ``owner``: claim the engine for the caller, then enter PREPARING.
+
+        The caller must own the engine (``credential``), or the engine must have no live owner (the
+        caller then becomes it; its lease is appended to ``leases``).
+
+        Raises:
+            FailedPrecondition: NOT_OWNER; WRONG_STATE.
+            Aborted: UPDATE_IN_PROGRESS.
+        """
         with self._lock:
-            self.state.claim(owner, "Prepare")
+            lease = self.state.claim(owner, credential, "Prepare")
+            try:
+                self.state.lifecycle.begin(Rpc.PREPARE, Event.PREPARE)
+            except BaseException:
+                self.state.ownership.undo(lease)
+                raise
+            leases.append(lease)
+            self._preparing = reader
 
     def update(
-        self, owner: str, update_id: str, transport: Transport, specs: Sequence[BucketSpecFields]
+        self, credential: str, update_id: str, transport: Transport, specs: Sequence[BucketSpecFields]
     ) -> UpdateOutcome:
         """Declare further buckets of the incremental update ``update_id``.
 
@@ -270,7 +344,7 @@ class UpdateController:
         """
         st = self.state
         with self._lock:
-            st.check_owner(owner, "Update")
+            st.check_owner(credential, "Update")
             st.lifecycle.check(Rpc.UPDATE)
             upd = st.current(update_id)
             upd.check_accepts_buckets()
@@ -281,7 +355,7 @@ class UpdateController:
             return UpdateOutcome(upd.header.update_id, len(upd.feed), upd.bytes)
 
     def begin_complete(
-        self, owner: str, update_id: str, timeout_s: Callable[[float], float], verify_only: bool
+        self, credential: str, update_id: str, timeout_s: Callable[[float], float], verify_only: bool
     ) -> tuple[UpdateSession, float]:
         """Start Complete on update ``update_id``: no bucket may be declared any more.
 
@@ -299,7 +373,7 @@ class UpdateController:
         """
         st = self.state
         with self._lock:
-            st.check_owner(owner, "Complete")
+            st.check_owner(credential, "Complete")
             if st.lifecycle.check(Rpc.COMPLETE) == State.FAILED:
                 raise st.failure_of(update_id)
             upd = st.current(update_id)
@@ -317,7 +391,7 @@ class UpdateController:
         """
         return upd.verify(timeout_s) if verify_only else upd.complete(timeout_s, flush_cache)
 
-    def cancel(self, owner: str, update_id: str, reason: str, force: bool) -> CancelOutcome:
+    def cancel(self, credential: str, update_id: str, reason: str, force: bool) -> CancelOutcome:
         """Abandon the update in flight (idempotent); ``update_id`` empty: whatever is in flight.
 
         Raises:
@@ -326,11 +400,11 @@ class UpdateController:
         st = self.state
         with self._lock:
             if not force:
-                st.check_owner(owner, "Cancel")
+                st.check_owner(credential, "Cancel")
             state = st.lifecycle.check(Rpc.CANCEL)
             outcome = self._cancel_in_flight(update_id, reason, state)
             if force:
-                self._force_away(owner, "Cancel")
+                self._force_away(credential, "Cancel")
             return outcome
 
     def _cancel_in_flight(self, update_id: str, reason: str, state: State | None = None) -> CancelOutcome:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from wsync_grpc.core.engine import Engine, PauseMode, PauseOutcome, RemoteWorkers
 from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
-from wsync_grpc.core.lifecycle import Lifecycle
-from wsync_grpc.core.ownership import Ownership, OwnerView
+from wsync_grpc.core.lifecycle import Lifecycle, State
+from wsync_grpc.core.ownership import Lease, Ownership, OwnerView
 from wsync_grpc.service.membership import Membership
 from wsync_grpc.service.metrics import EngineMetrics
 from wsync_grpc.service.status import EngineFacts, ErrorRecord, StatusSnapshot
@@ -74,28 +74,32 @@ class EngineState:
         self.metrics = EngineMetrics()
         self.metrics.watch_state(self.snapshot, lambda: self.receive_buffer_bytes)
 
-    def check_owner(self, caller: str, what: str) -> None:
-        """Refuse ``caller`` when another owner is alive (renew the lease when it is the owner). Lock held.
+    @property
+    def busy(self) -> bool:
+        """An update (or the owner's Init joining the group) is in flight: the owner is alive. Lock held."""
+        return self.update is not None or self.lifecycle.state is State.JOINING
+
+    def check_owner(self, credential: str, what: str) -> None:
+        """Refuse a caller presenting ``credential`` when another owner is alive (renew the lease when it is
+        the owner's). Lock held.
 
         Raises:
             FailedPrecondition: NOT_OWNER.
         """
-        self.ownership.check(caller, self.update is not None, what=what)
+        self.ownership.check(credential, self.busy, what=what)
 
-    def claim(self, caller: str, what: str, ttl_s: float | None = None, force: bool = False) -> bool:
-        """Make ``caller`` the owner unless another owner is alive (see :meth:`Ownership.claim`). Lock held.
-
-        Returns:
-            Whether the owner changed.
+    def claim(self, caller: str, credential: str, what: str, ttl_s: float | None = None, force: bool = False) -> Lease:
+        """Keep the owner presenting ``credential``, or make ``caller`` the owner with a new lease unless another
+        owner is alive (see :meth:`Ownership.claim`). Lock held.
 
         Raises:
             FailedPrecondition: NOT_OWNER.
         """
-        return self.ownership.claim(caller, self.update is not None, what=what, ttl_s=ttl_s, force=force)
+        return self.ownership.claim(caller, credential, self.busy, what=what, ttl_s=ttl_s, force=force)
 
     def owner_view(self) -> OwnerView | None:
         """The live owner, as GetStatus reports it; ``None`` when there is none. Lock held."""
-        return self.ownership.view(self.update is not None)
+        return self.ownership.view(self.busy)
 
     def record_error(self, err: WsyncError, update_id: str = "") -> None:
         """Remember ``err`` as the last error (GetStatus reports it)."""

@@ -1,6 +1,8 @@
 """``KeepAlive``: the owner's hold on its lease, as a server stream (``docs/architecture.md``, "Ownership").
 
-While one of the owner's KeepAlive calls is open the lease cannot expire;
+A KeepAlive call presents the owner's lease credential (the ``wsync-lease`` header,
+:mod:`wsync_grpc.wire.lease`), or none to claim an engine that has no live owner (its first message
+then carries the new credential). While one of the owner's KeepAlive calls is open the lease cannot expire;
 gRPC ends the call as soon as the owner's process dies or its connection
 drops, and the end of the owner's last call releases the lease at once
 (:meth:`~wsync_grpc.core.ownership.Ownership.keepalive_closed`). When the
@@ -18,10 +20,11 @@ import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.errors import FailedPrecondition, clip
-from wsync_grpc.core.ownership import describe
+from wsync_grpc.core.ownership import Lease, describe
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.status import owner_info
 from wsync_grpc.wire.convert import state_to_proto
+from wsync_grpc.wire.lease import presented
 from wsync_grpc.wire.status import to_status
 
 log = logging.getLogger(__name__)
@@ -33,39 +36,50 @@ POLL_S = 0.05
 """How often a KeepAlive stream checks whether its owner lost the engine, in seconds."""
 
 
-def open_keepalive(engine: EngineState, owner: str, context: grpc.ServicerContext) -> int:
-    """Claim the engine for ``owner`` and count this call; its end releases the lease. Lock not held.
+def credential_of(context: grpc.ServicerContext) -> str:
+    """The lease credential the call presents (its ``wsync-lease`` header; ``""``: none)."""
+    return presented(context.invocation_metadata())
+
+
+def open_keepalive(engine: EngineState, owner: str, credential: str, context: grpc.ServicerContext) -> Lease:
+    """Hold the lease the caller presents (``credential``), or claim the engine for ``owner`` when it presents
+    none and the engine has no live owner; count this call, whose end releases the lease. Lock not held.
 
     Returns:
-        The ownership generation the call holds.
+        The caller's lease (the stream's first message carries its credential).
 
     Raises:
-        FailedPrecondition: NOT_OWNER, another owner is alive.
+        FailedPrecondition: NOT_OWNER, another owner is alive, or ``credential`` is a lease credential that is
+            not the current one (a KeepAlive never turns an ended lease into a new one).
     """
     with engine.lock:
-        engine.claim(owner, "KeepAlive")
+        engine.ownership.check_holder(credential, what="KeepAlive")
+        lease = engine.claim(owner, credential, "KeepAlive")
         generation = engine.ownership.keepalive_opened()
 
     def on_call_end() -> None:
         with engine.lock:
             engine.ownership.keepalive_closed(generation)
-            released = engine.ownership.owner == owner and engine.owner_view() is None
+            released = engine.ownership.generation == generation and engine.owner_view() is None
         if released:
             log.info("the owner %s closed its last KeepAlive call: its lease is released", clip(owner))
 
     if not context.add_callback(on_call_end):
         on_call_end()
-    return generation
+    return lease
 
 
 def keepalive_stream(
-    engine: EngineState, owner: str, generation: int, interval_s: float, context: grpc.ServicerContext
+    engine: EngineState, owner: str, lease: Lease, interval_s: float, context: grpc.ServicerContext
 ) -> Iterator[pb.KeepAliveResponse]:
-    """One message at once and one every ``interval_s`` seconds while ``owner`` holds the engine.
+    """One message at once (with the lease's credential) and one every ``interval_s`` seconds while the
+    caller (``owner``) holds the engine.
 
     Ends with FAILED_PRECONDITION / NOT_OWNER once the ownership passed to
     someone else; stops without a last message when the caller has gone.
     """
+    generation = lease.generation
+    credential = lease.credential
     while context.is_active():
         with engine.lock:
             own = engine.ownership
@@ -77,6 +91,7 @@ def keepalive_stream(
                 view = engine.owner_view()
                 if view is not None:
                     msg.owner.CopyFrom(owner_info(view))
+                msg.lease_credential, credential = credential, ""  # the first message only
         if lost:
             err = FailedPrecondition(
                 "NOT_OWNER",

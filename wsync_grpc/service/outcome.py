@@ -14,13 +14,17 @@ from wsync_grpc.worker.receiver import Receiver
 
 @dataclass(frozen=True)
 class PrepareResult:
-    """An armed update (the fields of ``wsync.v1.PrepareResponse``; sizes in bytes, times in seconds)."""
+    """An armed update (the fields of ``wsync.v1.PrepareResponse``; sizes in bytes, times in seconds).
+
+    ``lease_credential``: the caller's lease credential (its reply alone carries it).
+    """
 
     update_id: str
     bucket_count: int
     tensor_count: int
     total_bytes: int
     ready_seconds: float
+    lease_credential: str = ""
 
 
 @dataclass(frozen=True)

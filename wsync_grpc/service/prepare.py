@@ -73,6 +73,7 @@ class PrepareReader:
             before it is validated; raises to refuse the caller (NOT_OWNER).
 
     Attributes:
+        on_owner: see above (may be set after construction, before :meth:`read`).
         cancel: set (by Cancel) to abandon the Prepare: the read ends with
             ABORTED/UPDATE_CANCELLED.
         update_id: the update's id once its header was read; ``None`` before.
@@ -80,7 +81,7 @@ class PrepareReader:
 
     def __init__(self, stall_timeout_s: float, on_owner: Callable[[str], None] | None = None) -> None:
         self.stall_timeout_s = stall_timeout_s
-        self._on_owner = on_owner
+        self.on_owner = on_owner
         self.cancel = threading.Event()
         self.update_id: str | None = None
         self.validator: UpdateValidator | None = None
@@ -139,8 +140,8 @@ class PrepareReader:
         if self.cancel.is_set():
             raise cancelled_while_preparing()
         if isinstance(msg, HeaderMessage):
-            if self._on_owner is not None and v.header is None:
-                self._on_owner(msg.owner)
+            if self.on_owner is not None and v.header is None:
+                self.on_owner(msg.owner)
             self.update_id = v.header_message(msg.header()).update_id
             return
         if v.header is None:

@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +33,7 @@ from wsync.v1 import weight_sync_pb2, weight_sync_pb2_grpc
 
 from wsync_grpc.core.engine import Engine
 from wsync_grpc.core.timeouts import ServerBounds
-from wsync_grpc.service.auth import TokenAuth, is_loopback
+from wsync_grpc.service.auth import Principal, Role, TokenAuth, is_loopback
 from wsync_grpc.service.call_limits import CallLimiter, CallLimits
 from wsync_grpc.service.interceptors import Interceptor
 from wsync_grpc.service.metrics import RpcMetrics
@@ -91,6 +91,7 @@ def build_server(
     host: str = "127.0.0.1",
     port: int = 0,
     token: str | None = None,
+    principals: Mapping[str, Principal] | None = None,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
     extra: Callable[[grpc.Server], list[str]] | None = None,
@@ -109,7 +110,9 @@ def build_server(
         host: bind address; loopback by default.
         port: TCP port; 0 picks a free one (see :attr:`WsyncServer.port`).
         token: if set, every call but health must carry ``authorization: Bearer <token>``, and
-            reflection too when ``host`` is not a loopback address.
+            reflection too when ``host`` is not a loopback address; its bearer is an operator.
+        principals: token -> principal (a name and a role: :mod:`wsync_grpc.service.auth`), accepted beside
+            ``token``; a principal may make only the calls its role allows (PERMISSION_DENIED otherwise).
         tls_cert, tls_key: PEM files of the server's certificate chain and key; both set = TLS.
         extra: registers further services on the server; returns their full names
             (for reflection and health).
@@ -149,7 +152,10 @@ def build_server(
     # token check before the bounds, so that a caller without the token takes no slot.
     rpc_metrics = RpcMetrics(servicer.engine.metrics)
     interceptors: list[Interceptor] = [rpc_metrics]
-    interceptors += [TokenAuth(token, exposed=not is_loopback(host))] if token else []
+    tokens: dict[str, Principal] = dict(principals or {})
+    if token:
+        tokens[token] = Principal("token", Role.OPERATOR)
+    interceptors += [TokenAuth(tokens, exposed=not is_loopback(host))] if tokens else []
     interceptors.append(limiter)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=limits.pool_threads(), thread_name_prefix="wsync-grpc"),

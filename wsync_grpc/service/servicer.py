@@ -30,7 +30,7 @@ from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_PREPARE_TI
 from wsync_grpc.service.adapters import list_adapters, unload_adapter
 from wsync_grpc.service.controller import CancelOutcome, UpdateController
 from wsync_grpc.service.engine_state import EngineState
-from wsync_grpc.service.lease import DEFAULT_KEEPALIVE_INTERVAL_S, keepalive_stream, open_keepalive
+from wsync_grpc.service.lease import DEFAULT_KEEPALIVE_INTERVAL_S, credential_of, keepalive_stream, open_keepalive
 from wsync_grpc.service.prepare import BucketsMessage, HeaderMessage, PrepareMessage, StreamBroken
 from wsync_grpc.service.status import owner_info, status_response
 from wsync_grpc.service.tracing import server_span
@@ -141,7 +141,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         params = st.membership.params_of(request)
         params = dataclasses.replace(params, timeout_s=self.bounds.timeout(params.timeout_s))
         ttl_s = self.bounds.lease_ttl(seconds(request.lease_ttl, DEFAULT_LEASE_TTL_S))
-        outcome = self.controller.init(params, request.owner, ttl_s, request.force)
+        outcome = self.controller.init(params, request.owner, credential_of(context), ttl_s, request.force)
         with st.lock:
             view = st.owner_view()
             return pb.InitResponse(
@@ -149,12 +149,13 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 group=st.membership.info(),
                 join_seconds=outcome.join_seconds,
                 owner=owner_info(view) if view is not None else pb.OwnerInfo(),
+                lease_credential=outcome.lease.credential,
             )
 
     @grpc_errors
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         """Leave the weight-sync group (idempotent)."""
-        return pb.LeaveResponse(was_member=self.controller.leave(request.owner, request.force))
+        return pb.LeaveResponse(was_member=self.controller.leave(credential_of(context), request.force))
 
     # ------------------------------------------------------ Prepare/Update/Complete
 
@@ -168,6 +169,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
                 prepare_messages(request_iterator),
                 lambda: context.cancel(),  # type: ignore[no-untyped-call]
                 trace_context,
+                credential_of(context),
             )
         return pb.PrepareResponse(**dataclasses.asdict(result))
 
@@ -175,7 +177,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     def Update(self, request: pb.UpdateRequest, context: grpc.ServicerContext) -> pb.UpdateResponse:
         """Declare further buckets of an incremental update."""
         outcome = self.controller.update(
-            request.owner, request.update_id, transport_from_proto(request.transport), request.buckets
+            credential_of(context), request.update_id, transport_from_proto(request.transport), request.buckets
         )
         return pb.UpdateResponse(**dataclasses.asdict(outcome))
 
@@ -183,7 +185,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> pb.CompleteResponse:
         """Wait for the receivers, then apply and publish the new weight version (or only verify, phase one)."""
         upd, timeout = self.controller.begin_complete(
-            request.owner,
+            credential_of(context),
             request.update_id,
             lambda default_s: self.bounds.timeout(seconds(request.timeout, default_s)),  # refused before any change
             request.verify_only,
@@ -198,7 +200,9 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     @grpc_errors
     def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
         """Abandon the update in flight (idempotent)."""
-        outcome = self.controller.cancel(request.owner, request.update_id, request.reason or "cancelled", request.force)
+        outcome = self.controller.cancel(
+            credential_of(context), request.update_id, request.reason or "cancelled", request.force
+        )
         return cancel_response(outcome)
 
     # ------------------------------------------------------------- Pause/Resume
@@ -239,7 +243,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
             st.lifecycle.check(Rpc.WATCH)
             session = st.current(request.update_id)
             if request.hold:
-                st.check_owner(request.owner, "Watch with hold")
+                st.check_owner(credential_of(context), "Watch with hold")
                 hold(session, context)
         return watch_stream(st, session, interval_s, context)
 
@@ -247,8 +251,8 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
     def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> Iterator[pb.KeepAliveResponse]:
         """Hold the owner's lease while the call is open; its end releases it."""
         interval_s = self.bounds.interval(seconds(request.interval, DEFAULT_KEEPALIVE_INTERVAL_S))
-        generation = open_keepalive(self.controller.state, request.owner, context)
-        return keepalive_stream(self.controller.state, request.owner, generation, interval_s, context)
+        lease = open_keepalive(self.controller.state, request.owner, credential_of(context), context)
+        return keepalive_stream(self.controller.state, request.owner, lease, interval_s, context)
 
     @grpc_errors
     def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
@@ -260,7 +264,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
     ) -> pb.UnloadAdapterResponse:
         """Stop serving a LoRA adapter (idempotent); the owner's call."""
-        return unload_adapter(self.controller.state, request)
+        return unload_adapter(self.controller.state, request, credential_of(context))
 
     @grpc_errors
     def GetWeightChecksums(

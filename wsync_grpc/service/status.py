@@ -139,6 +139,7 @@ def owner_info(o: OwnerView) -> pb.OwnerInfo:
         since_unix_seconds=o.since_unix_s,
         keepalive_calls=o.keepalive_calls,
         lease_ttl=duration(o.lease_ttl_s),
+        generation=o.generation,
     )
     if o.expires_in_s is not None:
         msg.expires_in.CopyFrom(duration(o.expires_in_s))

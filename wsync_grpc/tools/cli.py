@@ -31,7 +31,9 @@ from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S
 from wsync_grpc.tools import reload, serve, watch
 from wsync_grpc.tools.common import DEFAULT_PORT, UsageError
 from wsync_grpc.wire.convert import PAUSE_MODES, duration
+from wsync_grpc.wire.lease import LEASE_HEADER
 from wsync_grpc.wire.status import error_reason
+from wsync_grpc.wire.targets import check_clear_token
 
 log = logging.getLogger("wsync")
 
@@ -41,12 +43,19 @@ def _channel(args: argparse.Namespace, target: str | None = None) -> grpc.Channe
     certificate if asked), else plaintext.
 
     Raises:
-        UsageError: half a client certificate, or a file that cannot be read.
+        UsageError: half a client certificate, or a file that cannot be read; a token (or lease credential)
+            that would travel in clear to a target that is not a loopback address.
     """
+    target = target or args.target
     creds = _credentials(args)
     if creds is None:
-        return grpc.insecure_channel(target or args.target)
-    return grpc.secure_channel(target or args.target, creds)
+        if _metadata(args):
+            try:
+                check_clear_token(target)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, creds)
 
 
 def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
@@ -71,8 +80,11 @@ def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str | bytes], ...]:
+    """The bearer token (``--token`` or ``WSYNC_TOKEN``) and the owner's lease credential (``WSYNC_LEASE``, never
+    on the command line), for the calls that send them."""
     token = args.token or os.environ.get("WSYNC_TOKEN")
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    lease = os.environ.get("WSYNC_LEASE")
+    return ((("authorization", f"Bearer {token}"),) if token else ()) + (((LEASE_HEADER, lease),) if lease else ())
 
 
 def _call(args: argparse.Namespace, fn: Callable[[weight_sync_pb2_grpc.WeightSyncServiceStub], Message]) -> int:
@@ -130,8 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _reload(args: argparse.Namespace) -> int:
+    targets = args.target or [f"127.0.0.1:{DEFAULT_PORT}"]
+    if (args.token or os.environ.get("WSYNC_TOKEN")) and args.tls_ca is None:
+        for t in targets:
+            try:
+                check_clear_token(t)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
     return reload.reload(
-        args.target or [f"127.0.0.1:{DEFAULT_PORT}"],
+        targets,
         args.checkpoint,
         args.version,
         apply_mode=args.apply_mode,

@@ -32,7 +32,7 @@ from wsync_grpc.core.timeouts import (
     DEFAULT_UPDATE_IDLE_S,
     ServerBounds,
 )
-from wsync_grpc.service.auth import is_loopback
+from wsync_grpc.service.auth import Principal, is_loopback, read_token_file
 from wsync_grpc.service.call_limits import DEFAULT_CALL_LIMITS, CallLimits
 from wsync_grpc.service.membership import MasterAllowList
 from wsync_grpc.service.server import stop_on_signals, write_port_file
@@ -121,7 +121,23 @@ def chosen_engine(args: argparse.Namespace) -> EnginePlugin:
     return plugin
 
 
-def _server_options(args: argparse.Namespace, token: str | None) -> ServerOptions:
+def _principals(args: argparse.Namespace) -> dict[str, Principal]:
+    """The principals of ``--token-file`` (none without it).
+
+    Raises:
+        UsageError: the file cannot be read, is open to other users, or holds a bad line.
+    """
+    if args.token_file is None:
+        return {}
+    try:
+        return read_token_file(args.token_file)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--token-file: {e}") from None
+
+
+def _server_options(
+    args: argparse.Namespace, token: str | None, principals: dict[str, Principal] | None = None
+) -> ServerOptions:
     """The server ``args`` ask for.
 
     Raises:
@@ -142,6 +158,7 @@ def _server_options(args: argparse.Namespace, token: str | None) -> ServerOption
         host=args.host,
         port=args.port,
         token=token,
+        principals=principals or None,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         port_file=args.port_file,
@@ -158,8 +175,9 @@ def _server_options(args: argparse.Namespace, token: str | None) -> ServerOption
 
 def _serve(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("WSYNC_TOKEN") or None
-    _check_exposure(args, token)
-    server = _server_options(args, token)
+    principals = _principals(args)
+    _check_exposure(args, token or (str(args.token_file) if principals else None))
+    server = _server_options(args, token, principals)
     plugin = chosen_engine(args)
     if isinstance(plugin, EngineServer):
         return plugin.serve(args, server)
@@ -249,7 +267,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     src.add_argument("--synthetic", metavar="PRESET", help="short for --engine synthetic --size PRESET")
     s.add_argument("--dtype", choices=SERVED_DTYPES, default="float32", help="served dtype (reference, synthetic)")
-    s.add_argument("--token", help="require 'authorization: Bearer TOKEN' (or set WSYNC_TOKEN)")
+    s.add_argument("--token", help="require 'authorization: Bearer TOKEN' (or set WSYNC_TOKEN); an operator's")
+    s.add_argument(
+        "--token-file",
+        type=Path,
+        help="accept the tokens of this file (mode 600), one 'name:role:token' line each, role reader, trainer or "
+        "operator",
+    )
     s.add_argument("--tls-cert", type=Path, help="PEM certificate (with --tls-key: serve TLS)")
     s.add_argument("--tls-key", type=Path, help="PEM private key")
     s.add_argument(

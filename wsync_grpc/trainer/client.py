@@ -161,7 +161,9 @@ class TrainerClient:
             (default :data:`~wsync_grpc.core.planning.DEFAULT_SOLO_BYTES`; 0 packs
             every tensor).
         token: shared secret sent as ``authorization: Bearer <token>`` with
-            every call (the engines' ``--token``); ``None`` sends none.
+            every call (the engines' ``--token``); ``None`` sends none. Without
+            ``credentials`` it may only go to loopback targets (127.0.0.0/8, ::1,
+            ``localhost``): another target raises ``ValueError`` (use TLS).
         credentials: TLS channel credentials (``grpc.ssl_channel_credentials``);
             ``None`` (default) uses plaintext channels.
         channel_options: extra gRPC channel options.
@@ -176,10 +178,13 @@ class TrainerClient:
             CUDA, where torch's caching allocator already reuses freed blocks
             and the training step can use them between syncs. Released by
             :meth:`close`.
-        owner: the client's name as the engines' owner (``InitRequest.owner``);
-            ``None`` (default) = ``"host:pid:random"``, unique per client. Every
-            engine has one owner at a time: a client whose engine another live
-            client owns gets ``NOT_OWNER`` from ``init``/``sync``.
+        owner: the client's display name as the engines' owner (``InitRequest.owner``;
+            what ``GetStatus`` and ``NOT_OWNER`` show); ``None`` (default) =
+            ``"host:pid:random"``. It proves nothing: each engine issues the client a
+            lease credential at ``Init`` (or a disk update's ``Prepare``), which the
+            client sends with every call on that engine. Every engine has one owner
+            at a time: a client whose engine another live client owns gets
+            ``NOT_OWNER`` from ``init``/``sync``.
         metrics_registry: where the client's Prometheus metrics go (:mod:`wsync_grpc.trainer.metrics`);
             ``None`` = a registry of its own (:attr:`metrics_registry`), for the caller to serve.
         sender: builds the client's :class:`~wsync_grpc.trainer.sender.Sender` (which trainer ranks
@@ -195,7 +200,8 @@ class TrainerClient:
     Raises:
         ValueError: no targets, duplicate targets, a ``workers`` list of the
             wrong length or with a count below 1, non-positive timeouts, a
-            negative ``ramp_bytes`` or ``solo_bytes``.
+            negative ``ramp_bytes`` or ``solo_bytes``; a ``token`` without
+            ``credentials`` for a target that is not a loopback address.
     """
 
     # The constructor's settings, shared with the client's parts: assigning one applies from the next call.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -34,6 +34,8 @@ from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.streams import StreamLoop
 from wsync_grpc.wire.convert import PAUSE_MODES, duration
 from wsync_grpc.wire.keepalive import Keepalive
+from wsync_grpc.wire.lease import LeaseHolder, aio_lease_interceptors, lease_channel
+from wsync_grpc.wire.targets import check_clear_token
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Largest reply the client accepts, in bytes (checksums of 100k tensors exceed gRPC's 4 MiB default)."""
@@ -60,6 +62,8 @@ class RemoteEngine:
         updates_completed: its ``GetStatus().updates_completed`` when last seen (a lower count later
             means the engine restarted).
         excluded: why the fleet policy left it out of the last update; ``None`` when it was not.
+        lease: the client's lease credential on it, sent with every call on :attr:`channel` and taken from
+            the replies that issue one (:mod:`wsync_grpc.wire.lease`).
     """
 
     target: str
@@ -72,6 +76,7 @@ class RemoteEngine:
     version: str | None = None
     updates_completed: int = 0
     excluded: EngineFailure | None = None
+    lease: LeaseHolder = field(default_factory=LeaseHolder)
 
 
 class Fleet:
@@ -116,7 +121,9 @@ class Fleet:
         self._options = options
         self._credentials = credentials
         self.streams = StreamLoop(options, credentials)
+        self.streams.interceptors = self._aio_interceptors  # its channels carry each engine's lease too
         """The event loop (one thread) and ``grpc.aio`` channels, same options, of the engines' long-lived streams."""
+        self._token_in_clear = bool(token) and credentials is None
         self.members: list[RemoteEngine] = []
         """Every engine of the client, in rank order (those the fleet policy excluded too)."""
         for i, t in enumerate(targets):
@@ -142,21 +149,34 @@ class Fleet:
         """Open a channel to ``target`` and make it the last member (highest ranks); returns it.
 
         Raises:
-            ValueError: ``target`` is a member already, or ``workers`` is below 1.
+            ValueError: ``target`` is a member already, or ``workers`` is below 1, or a token would travel in
+                clear to a target that is not a loopback address.
         """
+        if self._token_in_clear:
+            check_clear_token(target)
         if any(e.target == target for e in self.members):
             raise ValueError(f"{target} is an engine of this client already")
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
-        ch = self._channel(target)
-        e = RemoteEngine(target, ch, weight_sync_pb2_grpc.WeightSyncServiceStub(ch), fixed_workers=workers)
+        lease = LeaseHolder()
+        ch = self._channel(target, lease)
+        e = RemoteEngine(target, ch, weight_sync_pb2_grpc.WeightSyncServiceStub(ch), fixed_workers=workers, lease=lease)
         self.members.append(e)
         return e
 
-    def _channel(self, target: str) -> grpc.Channel:
+    def _aio_interceptors(self, target: str) -> list[Any]:
+        """The interceptors of ``target``'s ``grpc.aio`` channel: its member's lease credential."""
+        try:
+            return aio_lease_interceptors(self.member(target).lease)
+        except KeyError:
+            return []
+
+    def _channel(self, target: str, lease: LeaseHolder) -> grpc.Channel:
         if self._credentials is not None:
-            return grpc.secure_channel(target, self._credentials, options=self._options)
-        return grpc.insecure_channel(target, options=self._options)
+            ch = grpc.secure_channel(target, self._credentials, options=self._options)
+        else:
+            ch = grpc.insecure_channel(target, options=self._options)
+        return lease_channel(ch, lease)[0]
 
     def reconnect(self, e: RemoteEngine) -> None:
         """Give ``e`` a fresh channel (and stub), closing the old one (its ``grpc.aio`` channel too).
@@ -167,7 +187,7 @@ class Fleet:
         connects at once.
         """
         old = e.channel
-        e.channel = self._channel(e.target)
+        e.channel = self._channel(e.target, e.lease)
         e.stub = weight_sync_pb2_grpc.WeightSyncServiceStub(e.channel)
         old.close()
         self.streams.drop(e.target)  # its streams reopen on a fresh aio channel too

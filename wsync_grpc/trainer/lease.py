@@ -1,8 +1,10 @@
 """The trainer's lease on each engine: one ``KeepAlive`` call per engine for as long as the client lives.
 
 An engine has one owner at a time (``docs/architecture.md``, "Ownership").
-The client becomes it at ``Init`` and holds it with one open ``KeepAlive``
-call per engine (:class:`Leases`): while the call is open, no other trainer
+The client becomes it at ``Init`` (or at a disk update's ``Prepare``), which
+returns its lease credential (``RemoteEngine.lease``), and holds it with one
+open ``KeepAlive`` call per engine (:class:`Leases`), opened once that
+credential is there: while the call is open, no other trainer
 can take the engine; when the client's process dies, gRPC ends the call and
 the engine releases the lease at once. A call that breaks (the engine
 restarted, the connection dropped) is reopened after
@@ -29,6 +31,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.results import EngineFailure
 from wsync_grpc.trainer.streams import StreamClosed, next_message
+from wsync_grpc.wire.lease import LEASE_HEADER, LeaseHolder
 from wsync_grpc.wire.status import error_reason
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,19 @@ def _cancelling() -> bool:
     """Whether the running task itself is being cancelled (not only a call it awaited)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+async def _credential_from(lease: LeaseHolder) -> None:
+    """Wait until ``lease`` holds a credential (woken as soon as one is taken), at most :data:`RETRY_S`."""
+    arrived = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    remove = lease.listen(lambda: loop.call_soon_threadsafe(arrived.set))
+    try:
+        if not lease.credential:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arrived.wait(), RETRY_S)
+    finally:
+        remove()
 
 
 class Leases:
@@ -93,8 +109,16 @@ class Leases:
     async def _hold(self, target: str) -> None:
         req = pb.KeepAliveRequest(owner=self._fleet.owner)
         while not self._closed.is_set():
+            lease = self._lease(target)
+            if lease is None:  # no longer a member
+                return
+            credential = lease.credential
+            if not credential:  # it comes from Init or a disk Prepare: a KeepAlive never claims the engine
+                await _credential_from(lease)
+                continue
             try:
-                call = self._fleet.streams.stub(target).KeepAlive(req, metadata=self._fleet.metadata)
+                metadata = (*self._fleet.metadata, (LEASE_HEADER, credential))
+                call = self._fleet.streams.stub(target).KeepAlive(req, metadata=metadata)
             except StreamClosed:
                 return
             try:
@@ -109,12 +133,20 @@ class Leases:
                 if self._closed.is_set():
                     return
                 if error_reason(exc) == "NOT_OWNER":
+                    lease.drop(credential)  # an ended lease: it proves nothing any more
                     failure = EngineFailure.from_exception(target, "KeepAlive", exc)
                     log.warning("%s: the client does not own the engine any more: %s", target, failure.message)
                     with self._lock:
                         self._lost[target] = failure
                     return
             await asyncio.sleep(RETRY_S)
+
+    def _lease(self, target: str) -> LeaseHolder | None:
+        """The client's lease credential holder on member ``target``; ``None`` once it is no member."""
+        try:
+            return self._fleet.member(target).lease
+        except KeyError:
+            return None
 
     def forget(self, target: str) -> None:
         """End ``target``'s KeepAlive call (the engine releases the lease at once) and forget its state.

@@ -35,6 +35,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.trainer.fleet import RemoteEngine
 from wsync_grpc.trainer.results import EngineFailure
 from wsync_grpc.trainer.streams import StreamClosed, StreamLoop, next_message
+from wsync_grpc.wire.lease import LEASE_HEADER
 
 REATTACH_S = 2.0
 """How long a re-opened held Watch may take to send its first message, in seconds."""
@@ -77,6 +78,7 @@ class Holds:
         self._failures: dict[str, EngineFailure] = {}
         self._request = pb.WatchRequest(update_id=update_id, hold=True, owner=owner)  # the engine's default interval
         self._metadata = metadata
+        self._leases = {e.target: e.lease for e in engines}  # a held Watch is the owner's: it shows its credential
         # Touched on the loop's thread only:
         self._calls: list[grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.WatchResponse]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -89,7 +91,9 @@ class Holds:
             return dict(self._failures)
 
     def _watch(self, target: str) -> grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.WatchResponse]:
-        call = self._streams.stub(target).Watch(self._request, metadata=self._metadata)
+        credential = self._leases[target].credential
+        metadata = (*self._metadata, (LEASE_HEADER, credential)) if credential else self._metadata
+        call = self._streams.stub(target).Watch(self._request, metadata=metadata)
         self._calls.append(call)
         return call
 

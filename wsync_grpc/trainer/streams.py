@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar, cast
@@ -82,6 +82,8 @@ class StreamLoop:
     def __init__(self, options: Sequence[tuple[str, Any]], credentials: grpc.ChannelCredentials | None) -> None:
         self._options = list(options)
         self._credentials = credentials
+        self.interceptors: Callable[[str], Sequence[Any]] = lambda _target: ()
+        """target -> the ``grpc.aio`` client interceptors of its channel (the fleet's: the lease credential)."""
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -217,10 +219,11 @@ class StreamLoop:
             self.spawn(channel.close(None), name=f"wsync-close {target}")
         stub = self._stubs.get(target)
         if stub is None:
+            interceptors = list(self.interceptors(target))
             channel = (
-                grpc.aio.secure_channel(target, self._credentials, options=self._options)
+                grpc.aio.secure_channel(target, self._credentials, options=self._options, interceptors=interceptors)
                 if self._credentials is not None
-                else grpc.aio.insecure_channel(target, options=self._options)
+                else grpc.aio.insecure_channel(target, options=self._options, interceptors=interceptors)
             )
             stub = weight_sync_pb2_grpc.WeightSyncServiceStub(channel)
             self._channels[target], self._stubs[target] = channel, stub

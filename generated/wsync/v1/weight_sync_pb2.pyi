@@ -21,11 +21,16 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   INVALID_ARGUMENT    bad metadata (unknown tensor, shape, dtype, offsets...)
   FAILED_PRECONDITION the RPC is not allowed in the current lifecycle state
   ABORTED             another update is already in flight
-  FAILED_PRECONDITION also NOT_OWNER: another caller owns the engine
+  FAILED_PRECONDITION also NOT_OWNER: another caller owns the engine (the
+                      call presents no lease credential of the live owner,
+                      or one of an ended lease)
   ALREADY_EXISTS      the group is already joined with other parameters
   DEADLINE_EXCEEDED   a join, receive, drain or apply ran past its timeout
   UNAVAILABLE         the group broke (a peer died or closed its connection)
   UNIMPLEMENTED       a transport this engine does not implement yet
+  UNAUTHENTICATED     no known bearer token, where the engine asks for one
+  PERMISSION_DENIED   also ROLE_NOT_ALLOWED: the token's principal lacks the
+                      role the call needs (metadata principal, role, needs)
   RESOURCE_EXHAUSTED  too many calls of one class at once (reason
                       TOO_MANY_CALLS): the excess is refused, not queued;
                       retry later
@@ -355,9 +360,9 @@ class InitRequest(_message.Message):
     choose (NCCL on CUDA workers, gloo otherwise).
     """
     owner: _builtins.str
-    """owner names the caller, which becomes the engine's owner (e.g.
-    "host:pid:random", unique per trainer). Empty is the anonymous owner,
-    shared by every caller that sends no owner.
+    """owner is the display name of the caller, which becomes the engine's
+    owner (e.g. "host:pid:random"): what GetStatus and NOT_OWNER show. It
+    proves nothing (the lease credential does). Empty is anonymous.
     """
     force: _builtins.bool
     """force takes the engine over from a live owner (an operator's escape
@@ -385,7 +390,7 @@ class InitRequest(_message.Message):
         """lease_ttl is how long the ownership outlives the owner's last call while
         none of its KeepAlive calls is open. Unset or zero means 60 seconds;
         capped by the engine's operator (OwnerInfo.lease_ttl is the value in
-        force).
+        force; a lease claimed by KeepAlive or Prepare gets the default, capped).
         """
 
     def __init__(
@@ -421,6 +426,7 @@ class InitResponse(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     JOIN_SECONDS_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    LEASE_CREDENTIAL_FIELD_NUMBER: _builtins.int
     already_joined: _builtins.bool
     """already_joined is true when the engine was already a member with
     identical parameters and nothing was done (but the ownership).
@@ -428,6 +434,11 @@ class InitResponse(_message.Message):
     join_seconds: _builtins.float
     """join_seconds is how long forming the group took, in seconds (0 when
     already_joined).
+    """
+    lease_credential: _builtins.str
+    """lease_credential is the caller's lease credential: send it as the
+    "wsync-lease" metadata header with every call that needs the ownership.
+    Secret: the engine shows it to nobody else. Never empty on success.
     """
     @_builtins.property
     def group(self) -> Global___GroupInfo:
@@ -444,10 +455,11 @@ class InitResponse(_message.Message):
         group: Global___GroupInfo | None = ...,
         join_seconds: _builtins.float = ...,
         owner: Global___OwnerInfo | None = ...,
+        lease_credential: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "owner", b"owner"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_joined", b"already_joined", "group", b"group", "join_seconds", b"join_seconds", "owner", b"owner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_joined", b"already_joined", "group", b"group", "join_seconds", b"join_seconds", "lease_credential", b"lease_credential", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -464,9 +476,10 @@ class OwnerInfo(_message.Message):
     KEEPALIVE_CALLS_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
     EXPIRES_IN_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
-    """owner is the owner's name as it sent it (InitRequest.owner); empty is the
-    anonymous owner.
+    """owner is the owner's display name as it sent it (InitRequest.owner);
+    empty is anonymous. Never the lease credential.
     """
     since_unix_seconds: _builtins.float
     """since_unix_seconds is when it became the owner, seconds since the Unix
@@ -475,6 +488,11 @@ class OwnerInfo(_message.Message):
     keepalive_calls: _builtins.int
     """keepalive_calls is the number of the owner's KeepAlive calls open now; 0
     means the lease lives on its ttl.
+    """
+    generation: _builtins.int
+    """generation is the lease's generation, its fencing number: every new
+    owner gets a higher one (a lease credential names its generation before
+    its first "."). 0 never occurs for a live owner.
     """
     @_builtins.property
     def lease_ttl(self) -> _duration_pb2.Duration:
@@ -496,10 +514,11 @@ class OwnerInfo(_message.Message):
         keepalive_calls: _builtins.int = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
         expires_in: _duration_pb2.Duration | None = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expires_in", b"expires_in", "lease_ttl", b"lease_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in", b"expires_in", "keepalive_calls", b"keepalive_calls", "lease_ttl", b"lease_ttl", "owner", b"owner", "since_unix_seconds", b"since_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in", b"expires_in", "generation", b"generation", "keepalive_calls", b"keepalive_calls", "lease_ttl", b"lease_ttl", "owner", b"owner", "since_unix_seconds", b"since_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -690,9 +709,9 @@ class PrepareHeader(_message.Message):
     Update before Complete (vLLM's start/update/finish style).
     """
     owner: _builtins.str
-    """owner names the caller (as InitRequest.owner); it must be the engine's
-    owner, or the engine must have no live owner. Empty is the anonymous
-    owner.
+    """owner is the display name the caller takes if this Prepare makes it the
+    engine's owner (as InitRequest.owner); ignored otherwise. It proves
+    nothing (the lease credential does). Empty is anonymous.
     """
     checkpoint_path: _builtins.str
     """checkpoint_path is, for transport TRANSPORT_DISK only, the safetensors
@@ -951,6 +970,7 @@ class PrepareResponse(_message.Message):
     TENSOR_COUNT_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     READY_SECONDS_FIELD_NUMBER: _builtins.int
+    LEASE_CREDENTIAL_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id is the update's id (the one sent, or the one assigned)."""
     bucket_count: _builtins.int
@@ -963,6 +983,10 @@ class PrepareResponse(_message.Message):
     """ready_seconds is the time from the first stream message to the armed
     receivers, in seconds.
     """
+    lease_credential: _builtins.str
+    """lease_credential is the caller's lease credential (see
+    InitResponse.lease_credential). Never empty on success.
+    """
     def __init__(
         self,
         *,
@@ -971,10 +995,11 @@ class PrepareResponse(_message.Message):
         tensor_count: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
         ready_seconds: _builtins.float = ...,
+        lease_credential: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_count", b"bucket_count", "ready_seconds", b"ready_seconds", "tensor_count", b"tensor_count", "total_bytes", b"total_bytes", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_count", b"bucket_count", "lease_credential", b"lease_credential", "ready_seconds", b"ready_seconds", "tensor_count", b"tensor_count", "total_bytes", b"total_bytes", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -997,8 +1022,9 @@ class UpdateRequest(_message.Message):
     header's transport.
     """
     owner: _builtins.str
-    """owner names the caller; it must be the engine's owner. Empty is the
-    anonymous owner.
+    """owner names the caller, for the engine's log only: the ownership is proven
+    by the lease credential (the wsync-lease header; see WeightSyncService).
+    Empty is anonymous.
     """
     @_builtins.property
     def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___BucketSpec]:
@@ -1070,8 +1096,9 @@ class CompleteRequest(_message.Message):
     (prefix/KV cache), as SGLang's flush_cache. Default false.
     """
     owner: _builtins.str
-    """owner names the caller; it must be the engine's owner. Empty is the
-    anonymous owner.
+    """owner names the caller, for the engine's log only: the ownership is proven
+    by the lease credential (the wsync-lease header; see WeightSyncService).
+    Empty is anonymous.
     """
     verify_only: _builtins.bool
     """verify_only waits for every bucket and verifies the update without
@@ -1340,8 +1367,10 @@ class WatchRequest(_message.Message):
     (an operator's `wsync` CLI).
     """
     owner: _builtins.str
-    """owner names the caller; with hold it must be the engine's owner. Empty is
-    the anonymous owner. Ignored without hold.
+    """owner names the caller, for the engine's log only: the ownership is proven
+    by the lease credential (the wsync-lease header; see WeightSyncService).
+    Empty is anonymous. With hold the caller must
+    present the owner's lease credential.
     """
     @_builtins.property
     def interval(self) -> _duration_pb2.Duration:
@@ -1640,8 +1669,10 @@ class CancelRequest(_message.Message):
     reason: _builtins.str
     """reason is recorded in last_error for operators. Empty means "cancelled"."""
     owner: _builtins.str
-    """owner names the caller; it must be the engine's owner unless force is
-    set. Empty is the anonymous owner.
+    """owner names the caller, for the engine's log only: the ownership is proven
+    by the lease credential (the wsync-lease header; see WeightSyncService).
+    Empty is anonymous. The caller must present
+    the owner's lease credential unless force is set.
     """
     force: _builtins.bool
     """force cancels even when another caller owns the engine (an operator);
@@ -1702,8 +1733,11 @@ class LeaveRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     FORCE_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
-    """owner names the caller; it must be the engine's owner unless force is
-    set or the owner is no longer alive. Empty is the anonymous owner.
+    """owner names the caller, for the engine's log only: the ownership is proven
+    by the lease credential (the wsync-lease header; see WeightSyncService).
+    Empty is anonymous. The caller must present
+    the owner's lease credential unless force is set or the owner is no
+    longer alive.
     """
     force: _builtins.bool
     """force leaves even when another caller owns the engine (an operator).
@@ -1850,8 +1884,9 @@ class KeepAliveRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     INTERVAL_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
-    """owner names the caller (as InitRequest.owner). Empty is the anonymous
-    owner.
+    """owner is the display name the caller takes if this call makes it the
+    engine's owner (as InitRequest.owner); ignored otherwise. Empty is
+    anonymous.
     """
     @_builtins.property
     def interval(self) -> _duration_pb2.Duration:
@@ -1973,7 +2008,11 @@ class UnloadAdapterRequest(_message.Message):
     name: _builtins.str
     """name is the adapter's name. Required."""
     owner: _builtins.str
-    """owner names the caller (as InitRequest.owner); it must own the engine."""
+    """owner names the caller, for the engine's log only: the ownership is proven
+    by the lease credential (the wsync-lease header; see WeightSyncService).
+    Empty is anonymous. The caller must present
+    the owner's lease credential.
+    """
     def __init__(
         self,
         *,
@@ -2027,10 +2066,15 @@ class KeepAliveResponse(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    LEASE_CREDENTIAL_FIELD_NUMBER: _builtins.int
     state: Global___LifecycleState.ValueType
     """state is the engine's lifecycle state."""
     weight_version: _builtins.str
     """weight_version is the version being served."""
+    lease_credential: _builtins.str
+    """lease_credential is, in the stream's first message, the caller's lease
+    credential (see InitResponse.lease_credential); empty in later messages.
+    """
     @_builtins.property
     def owner(self) -> Global___OwnerInfo:
         """owner is the lease, as GetStatus reports it."""
@@ -2041,10 +2085,11 @@ class KeepAliveResponse(_message.Message):
         state: Global___LifecycleState.ValueType = ...,
         weight_version: _builtins.str = ...,
         owner: Global___OwnerInfo | None = ...,
+        lease_credential: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "state", b"state", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_credential", b"lease_credential", "owner", b"owner", "state", b"state", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

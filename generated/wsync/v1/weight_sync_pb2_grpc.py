@@ -27,16 +27,32 @@ if _version_not_supported:
 
 class WeightSyncServiceStub:
     """WeightSyncService is served by the inference engine. One trainer drives it:
-    the engine's owner. Init makes its caller the owner (a lease, in the spirit
-    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
-    Cancel, Leave and held Watch calls from any other caller fail with
-    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
-    while one of its KeepAlive calls is open, while an update it prepared is in
-    flight, and for lease_ttl after its last call. Ownership passes when the
-    owner is no longer alive (its process died: its KeepAlive call ended), when
-    it leaves, or when an operator forces it (Init, Cancel or Leave with force
-    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    the engine's owner. The call that makes a caller the owner (a successful
+    Init; or, when the engine has no live owner, the caller's KeepAlive or
+    Prepare) issues it a lease credential (in the spirit of etcd's leases): an
+    unguessable string returned in that call's reply (lease_credential) and
+    to nobody else. The owner proves its ownership by sending the credential
+    back as the metadata header "wsync-lease" (grpcurl: -H 'wsync-lease: ...')
+    with every call; owner names (InitRequest.owner...) are display names, not
+    proof. While the owner is alive, Init, Prepare, Update, Complete, Cancel,
+    Leave, UnloadAdapter and held Watch calls that do not present its
+    credential fail with FAILED_PRECONDITION, reason NOT_OWNER, naming the
+    owner's display name (never its credential); a Prepare is refused before
+    any of its messages is read. The owner is alive while one of its KeepAlive
+    calls is open, while its Init joins or an update it prepared is in flight,
+    and for lease_ttl after its last call. Ownership passes when the owner is
+    no longer alive (its process died: its KeepAlive call ended), when it
+    leaves, or when an operator forces it (Init, Cancel or Leave with force =
+    true). Every new owner gets a new lease generation (OwnerInfo.generation)
+    and credential: the credential of an earlier lease is a fenced token that
+    never proves anything again. A failed Init or Prepare claims nothing.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     def __init__(self, channel):
@@ -119,16 +135,32 @@ class WeightSyncServiceStub:
 
 class WeightSyncServiceServicer:
     """WeightSyncService is served by the inference engine. One trainer drives it:
-    the engine's owner. Init makes its caller the owner (a lease, in the spirit
-    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
-    Cancel, Leave and held Watch calls from any other caller fail with
-    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
-    while one of its KeepAlive calls is open, while an update it prepared is in
-    flight, and for lease_ttl after its last call. Ownership passes when the
-    owner is no longer alive (its process died: its KeepAlive call ended), when
-    it leaves, or when an operator forces it (Init, Cancel or Leave with force
-    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    the engine's owner. The call that makes a caller the owner (a successful
+    Init; or, when the engine has no live owner, the caller's KeepAlive or
+    Prepare) issues it a lease credential (in the spirit of etcd's leases): an
+    unguessable string returned in that call's reply (lease_credential) and
+    to nobody else. The owner proves its ownership by sending the credential
+    back as the metadata header "wsync-lease" (grpcurl: -H 'wsync-lease: ...')
+    with every call; owner names (InitRequest.owner...) are display names, not
+    proof. While the owner is alive, Init, Prepare, Update, Complete, Cancel,
+    Leave, UnloadAdapter and held Watch calls that do not present its
+    credential fail with FAILED_PRECONDITION, reason NOT_OWNER, naming the
+    owner's display name (never its credential); a Prepare is refused before
+    any of its messages is read. The owner is alive while one of its KeepAlive
+    calls is open, while its Init joins or an update it prepared is in flight,
+    and for lease_ttl after its last call. Ownership passes when the owner is
+    no longer alive (its process died: its KeepAlive call ended), when it
+    leaves, or when an operator forces it (Init, Cancel or Leave with force =
+    true). Every new owner gets a new lease generation (OwnerInfo.generation)
+    and credential: the credential of an earlier lease is a fenced token that
+    never proves anything again. A failed Init or Prepare claims nothing.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     def Init(self, request, context):
@@ -140,10 +172,14 @@ class WeightSyncServiceServicer:
         the trainer creates its side of the group, never after it blocks.
         Fails with DEADLINE_EXCEEDED at `timeout` if the group does not form.
 
-        Init makes the caller (InitRequest.owner) the engine's owner; another
-        caller's Init fails with NOT_OWNER while the owner is alive, unless
-        force = true. When the previous owner is no longer alive, a new owner's
-        Init with other parameters leaves the old group first.
+        Init makes the caller the engine's owner (InitRequest.owner its display
+        name) and returns its lease credential (InitResponse.lease_credential);
+        the owner's own Init presents it (wsync-lease) and keeps its lease. A
+        caller that does not present the live owner's credential fails with
+        NOT_OWNER, unless force = true. When the previous owner is no longer
+        alive, a new owner's Init with other parameters leaves the old group
+        first. A failed Init claims nothing: the credential it would have issued
+        is void.
 
         Idempotent: calling Init again with identical parameters while joined
         succeeds with already_joined = true; with other parameters it fails with
@@ -185,8 +221,13 @@ class WeightSyncServiceServicer:
         behave as for a broadcast; an applied disk update of an engine without a
         group leaves it UNINITIALIZED, a failed one FAILED.
 
-        The header's owner must be the engine's owner, or the engine must have
-        no live owner (the caller then becomes it): NOT_OWNER otherwise.
+        The caller must present the owner's lease credential (wsync-lease), or
+        the engine must have no live owner: NOT_OWNER otherwise, before any
+        message is read and with no change of state (the engine enters
+        PREPARING only once the header arrived). A caller that claims the engine
+        this way becomes its owner (PrepareHeader.owner its display name) and
+        gets its credential in PrepareResponse.lease_credential; a Prepare that
+        fails claims nothing.
 
         Not idempotent: a second Prepare while an update is in flight fails with
         ABORTED.
@@ -350,10 +391,14 @@ class WeightSyncServiceServicer:
         another trainer may take the engine over without waiting. The engine
         sends one message at once and one every `interval` with its state.
 
-        Precondition: the caller (owner) is the engine's owner, or the engine has
-        no live owner (the caller then becomes it): NOT_OWNER otherwise. The
-        stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
-        the ownership away. Several calls of one owner may be open. Safe to retry.
+        Precondition: the caller presents the owner's lease credential
+        (wsync-lease), or presents none while the engine has no live owner (the
+        caller then becomes it, KeepAliveRequest.owner its display name, and the
+        first message carries its credential): NOT_OWNER otherwise, also for the
+        credential of an ended lease even when the engine has no live owner (a
+        KeepAlive never revives an ended lease: Init again). The stream ends with
+        FAILED_PRECONDITION / NOT_OWNER when an operator forces the ownership
+        away. Several calls of one owner may be open. Safe to retry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -376,7 +421,8 @@ class WeightSyncServiceServicer:
         refused from then on, and requests running with it end with finish
         reason aborted.
 
-        Precondition: the caller owns the engine (NOT_OWNER otherwise); not while
+        Precondition: the caller presents the owner's lease credential
+        (NOT_OWNER otherwise); not while
         an update of that adapter is in flight (FAILED_PRECONDITION
         ADAPTER_UPDATE_IN_FLIGHT). Idempotent: unloading an adapter the engine
         does not serve answers was_loaded = false.
@@ -468,16 +514,32 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WeightSyncService:
     """WeightSyncService is served by the inference engine. One trainer drives it:
-    the engine's owner. Init makes its caller the owner (a lease, in the spirit
-    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
-    Cancel, Leave and held Watch calls from any other caller fail with
-    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
-    while one of its KeepAlive calls is open, while an update it prepared is in
-    flight, and for lease_ttl after its last call. Ownership passes when the
-    owner is no longer alive (its process died: its KeepAlive call ended), when
-    it leaves, or when an operator forces it (Init, Cancel or Leave with force
-    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    the engine's owner. The call that makes a caller the owner (a successful
+    Init; or, when the engine has no live owner, the caller's KeepAlive or
+    Prepare) issues it a lease credential (in the spirit of etcd's leases): an
+    unguessable string returned in that call's reply (lease_credential) and
+    to nobody else. The owner proves its ownership by sending the credential
+    back as the metadata header "wsync-lease" (grpcurl: -H 'wsync-lease: ...')
+    with every call; owner names (InitRequest.owner...) are display names, not
+    proof. While the owner is alive, Init, Prepare, Update, Complete, Cancel,
+    Leave, UnloadAdapter and held Watch calls that do not present its
+    credential fail with FAILED_PRECONDITION, reason NOT_OWNER, naming the
+    owner's display name (never its credential); a Prepare is refused before
+    any of its messages is read. The owner is alive while one of its KeepAlive
+    calls is open, while its Init joins or an update it prepared is in flight,
+    and for lease_ttl after its last call. Ownership passes when the owner is
+    no longer alive (its process died: its KeepAlive call ended), when it
+    leaves, or when an operator forces it (Init, Cancel or Leave with force =
+    true). Every new owner gets a new lease generation (OwnerInfo.generation)
+    and credential: the credential of an earlier lease is a fenced token that
+    never proves anything again. A failed Init or Prepare claims nothing.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     @staticmethod

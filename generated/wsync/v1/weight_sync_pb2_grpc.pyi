@@ -21,11 +21,16 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   INVALID_ARGUMENT    bad metadata (unknown tensor, shape, dtype, offsets...)
   FAILED_PRECONDITION the RPC is not allowed in the current lifecycle state
   ABORTED             another update is already in flight
-  FAILED_PRECONDITION also NOT_OWNER: another caller owns the engine
+  FAILED_PRECONDITION also NOT_OWNER: another caller owns the engine (the
+                      call presents no lease credential of the live owner,
+                      or one of an ended lease)
   ALREADY_EXISTS      the group is already joined with other parameters
   DEADLINE_EXCEEDED   a join, receive, drain or apply ran past its timeout
   UNAVAILABLE         the group broke (a peer died or closed its connection)
   UNIMPLEMENTED       a transport this engine does not implement yet
+  UNAUTHENTICATED     no known bearer token, where the engine asks for one
+  PERMISSION_DENIED   also ROLE_NOT_ALLOWED: the token's principal lacks the
+                      role the call needs (metadata principal, role, needs)
   RESOURCE_EXHAUSTED  too many calls of one class at once (reason
                       TOO_MANY_CALLS): the excess is refused, not queued;
                       retry later
@@ -63,16 +68,32 @@ GRPC_VERSION: str
 
 class WeightSyncServiceStub:
     """WeightSyncService is served by the inference engine. One trainer drives it:
-    the engine's owner. Init makes its caller the owner (a lease, in the spirit
-    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
-    Cancel, Leave and held Watch calls from any other caller fail with
-    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
-    while one of its KeepAlive calls is open, while an update it prepared is in
-    flight, and for lease_ttl after its last call. Ownership passes when the
-    owner is no longer alive (its process died: its KeepAlive call ended), when
-    it leaves, or when an operator forces it (Init, Cancel or Leave with force
-    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    the engine's owner. The call that makes a caller the owner (a successful
+    Init; or, when the engine has no live owner, the caller's KeepAlive or
+    Prepare) issues it a lease credential (in the spirit of etcd's leases): an
+    unguessable string returned in that call's reply (lease_credential) and
+    to nobody else. The owner proves its ownership by sending the credential
+    back as the metadata header "wsync-lease" (grpcurl: -H 'wsync-lease: ...')
+    with every call; owner names (InitRequest.owner...) are display names, not
+    proof. While the owner is alive, Init, Prepare, Update, Complete, Cancel,
+    Leave, UnloadAdapter and held Watch calls that do not present its
+    credential fail with FAILED_PRECONDITION, reason NOT_OWNER, naming the
+    owner's display name (never its credential); a Prepare is refused before
+    any of its messages is read. The owner is alive while one of its KeepAlive
+    calls is open, while its Init joins or an update it prepared is in flight,
+    and for lease_ttl after its last call. Ownership passes when the owner is
+    no longer alive (its process died: its KeepAlive call ended), when it
+    leaves, or when an operator forces it (Init, Cancel or Leave with force =
+    true). Every new owner gets a new lease generation (OwnerInfo.generation)
+    and credential: the credential of an earlier lease is a fenced token that
+    never proves anything again. A failed Init or Prepare claims nothing.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     @_typing.overload
@@ -88,10 +109,14 @@ class WeightSyncServiceStub:
     the trainer creates its side of the group, never after it blocks.
     Fails with DEADLINE_EXCEEDED at `timeout` if the group does not form.
 
-    Init makes the caller (InitRequest.owner) the engine's owner; another
-    caller's Init fails with NOT_OWNER while the owner is alive, unless
-    force = true. When the previous owner is no longer alive, a new owner's
-    Init with other parameters leaves the old group first.
+    Init makes the caller the engine's owner (InitRequest.owner its display
+    name) and returns its lease credential (InitResponse.lease_credential);
+    the owner's own Init presents it (wsync-lease) and keeps its lease. A
+    caller that does not present the live owner's credential fails with
+    NOT_OWNER, unless force = true. When the previous owner is no longer
+    alive, a new owner's Init with other parameters leaves the old group
+    first. A failed Init claims nothing: the credential it would have issued
+    is void.
 
     Idempotent: calling Init again with identical parameters while joined
     succeeds with already_joined = true; with other parameters it fails with
@@ -129,8 +154,13 @@ class WeightSyncServiceStub:
     behave as for a broadcast; an applied disk update of an engine without a
     group leaves it UNINITIALIZED, a failed one FAILED.
 
-    The header's owner must be the engine's owner, or the engine must have
-    no live owner (the caller then becomes it): NOT_OWNER otherwise.
+    The caller must present the owner's lease credential (wsync-lease), or
+    the engine must have no live owner: NOT_OWNER otherwise, before any
+    message is read and with no change of state (the engine enters
+    PREPARING only once the header arrived). A caller that claims the engine
+    this way becomes its owner (PrepareHeader.owner its display name) and
+    gets its credential in PrepareResponse.lease_credential; a Prepare that
+    fails claims nothing.
 
     Not idempotent: a second Prepare while an update is in flight fails with
     ABORTED.
@@ -254,10 +284,14 @@ class WeightSyncServiceStub:
     another trainer may take the engine over without waiting. The engine
     sends one message at once and one every `interval` with its state.
 
-    Precondition: the caller (owner) is the engine's owner, or the engine has
-    no live owner (the caller then becomes it): NOT_OWNER otherwise. The
-    stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
-    the ownership away. Several calls of one owner may be open. Safe to retry.
+    Precondition: the caller presents the owner's lease credential
+    (wsync-lease), or presents none while the engine has no live owner (the
+    caller then becomes it, KeepAliveRequest.owner its display name, and the
+    first message carries its credential): NOT_OWNER otherwise, also for the
+    credential of an ended lease even when the engine has no live owner (a
+    KeepAlive never revives an ended lease: Init again). The stream ends with
+    FAILED_PRECONDITION / NOT_OWNER when an operator forces the ownership
+    away. Several calls of one owner may be open. Safe to retry.
     """
     ListAdapters: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.ListAdaptersRequest, _weight_sync_pb2.ListAdaptersResponse]
     """ListAdapters reports the LoRA adapters the engine serves, each with its
@@ -272,7 +306,8 @@ class WeightSyncServiceStub:
     refused from then on, and requests running with it end with finish
     reason aborted.
 
-    Precondition: the caller owns the engine (NOT_OWNER otherwise); not while
+    Precondition: the caller presents the owner's lease credential
+    (NOT_OWNER otherwise); not while
     an update of that adapter is in flight (FAILED_PRECONDITION
     ADAPTER_UPDATE_IN_FLIGHT). Idempotent: unloading an adapter the engine
     does not serve answers was_loaded = false.
@@ -281,16 +316,32 @@ class WeightSyncServiceStub:
 @_typing.type_check_only
 class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     """WeightSyncService is served by the inference engine. One trainer drives it:
-    the engine's owner. Init makes its caller the owner (a lease, in the spirit
-    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
-    Cancel, Leave and held Watch calls from any other caller fail with
-    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
-    while one of its KeepAlive calls is open, while an update it prepared is in
-    flight, and for lease_ttl after its last call. Ownership passes when the
-    owner is no longer alive (its process died: its KeepAlive call ended), when
-    it leaves, or when an operator forces it (Init, Cancel or Leave with force
-    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    the engine's owner. The call that makes a caller the owner (a successful
+    Init; or, when the engine has no live owner, the caller's KeepAlive or
+    Prepare) issues it a lease credential (in the spirit of etcd's leases): an
+    unguessable string returned in that call's reply (lease_credential) and
+    to nobody else. The owner proves its ownership by sending the credential
+    back as the metadata header "wsync-lease" (grpcurl: -H 'wsync-lease: ...')
+    with every call; owner names (InitRequest.owner...) are display names, not
+    proof. While the owner is alive, Init, Prepare, Update, Complete, Cancel,
+    Leave, UnloadAdapter and held Watch calls that do not present its
+    credential fail with FAILED_PRECONDITION, reason NOT_OWNER, naming the
+    owner's display name (never its credential); a Prepare is refused before
+    any of its messages is read. The owner is alive while one of its KeepAlive
+    calls is open, while its Init joins or an update it prepared is in flight,
+    and for lease_ttl after its last call. Ownership passes when the owner is
+    no longer alive (its process died: its KeepAlive call ended), when it
+    leaves, or when an operator forces it (Init, Cancel or Leave with force =
+    true). Every new owner gets a new lease generation (OwnerInfo.generation)
+    and credential: the credential of an earlier lease is a fenced token that
+    never proves anything again. A failed Init or Prepare claims nothing.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -303,10 +354,14 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     the trainer creates its side of the group, never after it blocks.
     Fails with DEADLINE_EXCEEDED at `timeout` if the group does not form.
 
-    Init makes the caller (InitRequest.owner) the engine's owner; another
-    caller's Init fails with NOT_OWNER while the owner is alive, unless
-    force = true. When the previous owner is no longer alive, a new owner's
-    Init with other parameters leaves the old group first.
+    Init makes the caller the engine's owner (InitRequest.owner its display
+    name) and returns its lease credential (InitResponse.lease_credential);
+    the owner's own Init presents it (wsync-lease) and keeps its lease. A
+    caller that does not present the live owner's credential fails with
+    NOT_OWNER, unless force = true. When the previous owner is no longer
+    alive, a new owner's Init with other parameters leaves the old group
+    first. A failed Init claims nothing: the credential it would have issued
+    is void.
 
     Idempotent: calling Init again with identical parameters while joined
     succeeds with already_joined = true; with other parameters it fails with
@@ -344,8 +399,13 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     behave as for a broadcast; an applied disk update of an engine without a
     group leaves it UNINITIALIZED, a failed one FAILED.
 
-    The header's owner must be the engine's owner, or the engine must have
-    no live owner (the caller then becomes it): NOT_OWNER otherwise.
+    The caller must present the owner's lease credential (wsync-lease), or
+    the engine must have no live owner: NOT_OWNER otherwise, before any
+    message is read and with no change of state (the engine enters
+    PREPARING only once the header arrived). A caller that claims the engine
+    this way becomes its owner (PrepareHeader.owner its display name) and
+    gets its credential in PrepareResponse.lease_credential; a Prepare that
+    fails claims nothing.
 
     Not idempotent: a second Prepare while an update is in flight fails with
     ABORTED.
@@ -469,10 +529,14 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     another trainer may take the engine over without waiting. The engine
     sends one message at once and one every `interval` with its state.
 
-    Precondition: the caller (owner) is the engine's owner, or the engine has
-    no live owner (the caller then becomes it): NOT_OWNER otherwise. The
-    stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
-    the ownership away. Several calls of one owner may be open. Safe to retry.
+    Precondition: the caller presents the owner's lease credential
+    (wsync-lease), or presents none while the engine has no live owner (the
+    caller then becomes it, KeepAliveRequest.owner its display name, and the
+    first message carries its credential): NOT_OWNER otherwise, also for the
+    credential of an ended lease even when the engine has no live owner (a
+    KeepAlive never revives an ended lease: Init again). The stream ends with
+    FAILED_PRECONDITION / NOT_OWNER when an operator forces the ownership
+    away. Several calls of one owner may be open. Safe to retry.
     """
     ListAdapters: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.ListAdaptersRequest, _weight_sync_pb2.ListAdaptersResponse]  # type: ignore[assignment]
     """ListAdapters reports the LoRA adapters the engine serves, each with its
@@ -487,7 +551,8 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     refused from then on, and requests running with it end with finish
     reason aborted.
 
-    Precondition: the caller owns the engine (NOT_OWNER otherwise); not while
+    Precondition: the caller presents the owner's lease credential
+    (NOT_OWNER otherwise); not while
     an update of that adapter is in flight (FAILED_PRECONDITION
     ADAPTER_UPDATE_IN_FLIGHT). Idempotent: unloading an adapter the engine
     does not serve answers was_loaded = false.
@@ -495,16 +560,32 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
 
 class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
     """WeightSyncService is served by the inference engine. One trainer drives it:
-    the engine's owner. Init makes its caller the owner (a lease, in the spirit
-    of etcd's); while the owner is alive, Init, Prepare, Update, Complete,
-    Cancel, Leave and held Watch calls from any other caller fail with
-    FAILED_PRECONDITION, reason NOT_OWNER, naming the owner. The owner is alive
-    while one of its KeepAlive calls is open, while an update it prepared is in
-    flight, and for lease_ttl after its last call. Ownership passes when the
-    owner is no longer alive (its process died: its KeepAlive call ended), when
-    it leaves, or when an operator forces it (Init, Cancel or Leave with force
-    = true). Pause, Resume, GetStatus and GetWeightChecksums are open to every
-    authenticated caller.
+    the engine's owner. The call that makes a caller the owner (a successful
+    Init; or, when the engine has no live owner, the caller's KeepAlive or
+    Prepare) issues it a lease credential (in the spirit of etcd's leases): an
+    unguessable string returned in that call's reply (lease_credential) and
+    to nobody else. The owner proves its ownership by sending the credential
+    back as the metadata header "wsync-lease" (grpcurl: -H 'wsync-lease: ...')
+    with every call; owner names (InitRequest.owner...) are display names, not
+    proof. While the owner is alive, Init, Prepare, Update, Complete, Cancel,
+    Leave, UnloadAdapter and held Watch calls that do not present its
+    credential fail with FAILED_PRECONDITION, reason NOT_OWNER, naming the
+    owner's display name (never its credential); a Prepare is refused before
+    any of its messages is read. The owner is alive while one of its KeepAlive
+    calls is open, while its Init joins or an update it prepared is in flight,
+    and for lease_ttl after its last call. Ownership passes when the owner is
+    no longer alive (its process died: its KeepAlive call ended), when it
+    leaves, or when an operator forces it (Init, Cancel or Leave with force =
+    true). Every new owner gets a new lease generation (OwnerInfo.generation)
+    and credential: the credential of an earlier lease is a fenced token that
+    never proves anything again. A failed Init or Prepare claims nothing.
+    Pause, Resume, GetStatus and GetWeightChecksums need no ownership. Where
+    the engine's operator gives callers tokens with roles, a reader may call
+    GetStatus, GetWeightChecksums, ListAdapters and Watch without hold; a
+    trainer also Init, Prepare, Update, Complete, Cancel, Leave, KeepAlive,
+    UnloadAdapter, Resume and a held Watch; only an operator may call Pause or
+    set force (Init, Cancel, Leave, Resume): PERMISSION_DENIED,
+    ROLE_NOT_ALLOWED otherwise.
     """
 
     @_abc_1.abstractmethod
@@ -521,10 +602,14 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         the trainer creates its side of the group, never after it blocks.
         Fails with DEADLINE_EXCEEDED at `timeout` if the group does not form.
 
-        Init makes the caller (InitRequest.owner) the engine's owner; another
-        caller's Init fails with NOT_OWNER while the owner is alive, unless
-        force = true. When the previous owner is no longer alive, a new owner's
-        Init with other parameters leaves the old group first.
+        Init makes the caller the engine's owner (InitRequest.owner its display
+        name) and returns its lease credential (InitResponse.lease_credential);
+        the owner's own Init presents it (wsync-lease) and keeps its lease. A
+        caller that does not present the live owner's credential fails with
+        NOT_OWNER, unless force = true. When the previous owner is no longer
+        alive, a new owner's Init with other parameters leaves the old group
+        first. A failed Init claims nothing: the credential it would have issued
+        is void.
 
         Idempotent: calling Init again with identical parameters while joined
         succeeds with already_joined = true; with other parameters it fails with
@@ -568,8 +653,13 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         behave as for a broadcast; an applied disk update of an engine without a
         group leaves it UNINITIALIZED, a failed one FAILED.
 
-        The header's owner must be the engine's owner, or the engine must have
-        no live owner (the caller then becomes it): NOT_OWNER otherwise.
+        The caller must present the owner's lease credential (wsync-lease), or
+        the engine must have no live owner: NOT_OWNER otherwise, before any
+        message is read and with no change of state (the engine enters
+        PREPARING only once the header arrived). A caller that claims the engine
+        this way becomes its owner (PrepareHeader.owner its display name) and
+        gets its credential in PrepareResponse.lease_credential; a Prepare that
+        fails claims nothing.
 
         Not idempotent: a second Prepare while an update is in flight fails with
         ABORTED.
@@ -753,10 +843,14 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         another trainer may take the engine over without waiting. The engine
         sends one message at once and one every `interval` with its state.
 
-        Precondition: the caller (owner) is the engine's owner, or the engine has
-        no live owner (the caller then becomes it): NOT_OWNER otherwise. The
-        stream ends with FAILED_PRECONDITION / NOT_OWNER when an operator forces
-        the ownership away. Several calls of one owner may be open. Safe to retry.
+        Precondition: the caller presents the owner's lease credential
+        (wsync-lease), or presents none while the engine has no live owner (the
+        caller then becomes it, KeepAliveRequest.owner its display name, and the
+        first message carries its credential): NOT_OWNER otherwise, also for the
+        credential of an ended lease even when the engine has no live owner (a
+        KeepAlive never revives an ended lease: Init again). The stream ends with
+        FAILED_PRECONDITION / NOT_OWNER when an operator forces the ownership
+        away. Several calls of one owner may be open. Safe to retry.
         """
 
     @_abc_1.abstractmethod
@@ -783,7 +877,8 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         refused from then on, and requests running with it end with finish
         reason aborted.
 
-        Precondition: the caller owns the engine (NOT_OWNER otherwise); not while
+        Precondition: the caller presents the owner's lease credential
+        (NOT_OWNER otherwise); not while
         an update of that adapter is in flight (FAILED_PRECONDITION
         ADAPTER_UPDATE_IN_FLIGHT). Idempotent: unloading an adapter the engine
         does not serve answers was_loaded = false.

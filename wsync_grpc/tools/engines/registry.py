@@ -29,7 +29,7 @@ import argparse
 import importlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -39,6 +39,7 @@ import grpc
 
 from wsync_grpc.core.engine import Engine
 from wsync_grpc.core.timeouts import ServerBounds
+from wsync_grpc.service.auth import Principal
 from wsync_grpc.service.call_limits import CallLimits
 from wsync_grpc.service.server import WsyncServer, build_server
 from wsync_grpc.tools.common import UsageError
@@ -112,7 +113,9 @@ class ServerOptions:
 
     Attributes:
         host, port: the gRPC server's bind address and TCP port (0 = any free one).
-        token: the bearer token every call but health and reflection must carry; ``None``: none.
+        token: the bearer token every call but health and reflection must carry (an operator's); ``None``: none.
+        principals: further tokens, each a principal with a role (``--token-file``,
+            :func:`~wsync_grpc.service.auth.read_token_file`); ``None``: none.
         tls_cert, tls_key: PEM files of the server's certificate chain and key; both set = TLS.
         port_file: where to write the bound port once the engine serves (``None``: nowhere).
         grace: seconds in-flight RPCs get at shutdown.
@@ -127,6 +130,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = None
+    principals: Mapping[str, Principal] | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
     port_file: Path | None = None
@@ -150,6 +154,7 @@ class ServerOptions:
             host=self.host,
             port=self.port,
             token=self.token,
+            principals=self.principals,
             tls_cert=self.tls_cert,
             tls_key=self.tls_key,
             extra=services,
