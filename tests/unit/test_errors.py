@@ -12,6 +12,7 @@ from wsync_grpc.core.errors import (
     Aborted,
     AlreadyExists,
     Cancelled,
+    DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
     GroupError,
@@ -118,6 +119,7 @@ EXPECTED_CODES: dict[type[WsyncError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DataLoss: grpc.StatusCode.DATA_LOSS,
     Internal: grpc.StatusCode.INTERNAL,
 }
 """The contract's canonical codes (docs/architecture.md, "Errors")."""

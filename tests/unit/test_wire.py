@@ -11,10 +11,11 @@ import torch
 from google.protobuf import duration_pb2
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.digests import Digest, DigestAlgorithm
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.header import UpdateHeader
-from wsync_grpc.core.layout import ApplyMode, Layout, Transport
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot, Transport
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.core.membership import GroupParams
@@ -24,11 +25,16 @@ from wsync_grpc.service.membership import group_info, init_params
 from wsync_grpc.wire.convert import (
     APPLY_MODES,
     BACKENDS,
+    DIGEST_ALGORITHMS,
     LAYOUTS,
     PAUSE_MODES,
     TRANSPORTS,
     backend_from_proto,
     backend_to_proto,
+    bucket_spec,
+    declared_digests,
+    digest_from_proto,
+    digest_to_proto,
     duration,
     from_proto,
     header_from_proto,
@@ -45,8 +51,9 @@ MAPS: list[tuple[Mapping[Any, int], type[enum.Enum] | None, Any, object]] = [
     (TRANSPORTS, Transport, pb.Transport, Transport.BROADCAST),
     (PAUSE_MODES, PauseMode, pb.PauseMode, PauseMode.ABORT),
     (BACKENDS, None, pb.Backend, ""),
+    (DIGEST_ALGORITHMS, DigestAlgorithm, pb.DigestAlgorithm, DigestAlgorithm.XXH3_128),
 ]
-IDS = ["layout", "apply_mode", "transport", "pause_mode", "backend"]
+IDS = ["layout", "apply_mode", "transport", "pause_mode", "backend", "digest_algorithm"]
 
 
 @pytest.mark.parametrize(("table", "domain", "proto", "default"), MAPS, ids=IDS)
@@ -174,8 +181,9 @@ def test_a_header_keeps_its_fields() -> None:
             False,
             adapter=LoraSpec("math", 8, 16.0, ("q_proj", "v_proj")),
         ),
+        UpdateHeader("u5", "v5", Layout.FLATTENED, ApplyMode.STREAMING, 4, 4096, False, digests_follow=True),
     ],
-    ids=["flattened", "individual-streaming", "disk-adapter", "broadcast-adapter"],
+    ids=["flattened", "individual-streaming", "disk-adapter", "broadcast-adapter", "digests-follow"],
 )
 def test_a_header_round_trips_through_its_proto(header: UpdateHeader) -> None:
     msg = header_to_proto(header, owner="trainer-1")
@@ -191,6 +199,47 @@ def test_a_header_with_an_undefined_enum_is_refused(field: str) -> None:
         fields: dict[str, Any] = {field: 9}
         header_from_proto(pb.PrepareHeader(weight_version="v", **fields))
     assert e.value.reason == "UNKNOWN_ENUM_VALUE" and e.value.message.startswith(f"{field} value 9")
+
+
+# --------------------------------------------------------------------- digests
+
+DIGEST = Digest(DigestAlgorithm.XXH3_128, bytes(range(16)))
+
+
+def test_a_digest_round_trips_and_travels_in_its_bucket_spec() -> None:
+    assert digest_from_proto(digest_to_proto(DIGEST), 0) == DIGEST
+    assert digest_from_proto(pb.BucketDigest(), 0) is None  # unset: no digest
+    slot = TensorSlot("w", torch.float32, (4,), 0, 16, "w")
+    spec = bucket_spec(Bucket(3, 16, (slot,), digest=DIGEST))
+    assert spec.HasField("digest") and digest_from_proto(spec.digest, 3) == DIGEST
+    assert not bucket_spec(Bucket(3, 16, (slot,))).HasField("digest")
+
+
+@pytest.mark.parametrize(
+    ("digest", "reason"),
+    [
+        (pb.BucketDigest(value=bytes(16)), "INVALID_DIGEST"),  # a value without an algorithm
+        (pb.BucketDigest(algorithm=pb.DIGEST_ALGORITHM_XXH3_128, value=bytes(8)), "INVALID_DIGEST"),
+        (pb.BucketDigest(algorithm=pb.DIGEST_ALGORITHM_XXH3_128), "INVALID_DIGEST"),
+        (pb.BucketDigest(algorithm=7, value=bytes(16)), "UNKNOWN_ENUM_VALUE"),
+    ],
+    ids=["no-algorithm", "short", "empty", "unknown-algorithm"],
+)
+def test_a_malformed_digest_is_refused_naming_its_bucket(digest: pb.BucketDigest, reason: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        digest_from_proto(digest, 5)
+    assert e.value.reason == reason
+    assert reason == "UNKNOWN_ENUM_VALUE" or e.value.metadata["bucket"] == "5"
+
+
+def test_declared_digests_name_their_buckets_once_each() -> None:
+    d = digest_to_proto(DIGEST)
+    assert declared_digests([pb.DeclaredDigest(bucket_index=2, digest=d)] * 2) == {2: DIGEST}
+    other = pb.BucketDigest(algorithm=pb.DIGEST_ALGORITHM_XXH3_128, value=bytes(16))
+    with pytest.raises(InvalidArgument, match="two different digests"):
+        declared_digests([pb.DeclaredDigest(bucket_index=2, digest=d), pb.DeclaredDigest(bucket_index=2, digest=other)])
+    with pytest.raises(InvalidArgument, match="is empty"):
+        declared_digests([pb.DeclaredDigest(bucket_index=1)])
 
 
 # ----------------------------------------------------------- Init parameters

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.membership import GroupParams
 
@@ -323,6 +324,7 @@ class ReceiverProgress:
         bytes_done: bytes received, in bytes.
         last_arrival_at: when the last bucket arrived, on the host's monotonic clock (seconds); ``None`` before.
         error: why its receiver failed (``GroupError``, ``GroupTimeout``, ``Cancelled``...); ``None`` while it has not.
+        buckets_verified: buckets whose bytes matched their digest (:mod:`wsync_grpc.core.digests`).
     """
 
     rank: int
@@ -332,6 +334,7 @@ class ReceiverProgress:
     bytes_done: int
     last_arrival_at: float | None
     error: BaseException | None
+    buckets_verified: int = 0
 
 
 @runtime_checkable
@@ -378,8 +381,11 @@ class RemoteWorkers(Protocol):
         """
         ...
 
-    def declare_to_workers(self, buckets: Sequence[Bucket], closed: bool) -> None:
-        """Feed further buckets of an incremental update to every worker (``closed``: the last ones)."""
+    def declare_to_workers(
+        self, buckets: Sequence[Bucket], closed: bool, digests: Mapping[int, Digest] | None = None
+    ) -> None:
+        """Feed every worker further buckets of an incremental update and the digests declared after their
+        buckets (bucket index -> digest); ``closed``: the declarations ended (Complete), none will follow."""
         ...
 
     def worker_progress(self) -> list[ReceiverProgress]:

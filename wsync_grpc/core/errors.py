@@ -65,6 +65,10 @@ class PermissionDenied(WsyncError):
     """A path outside what the engine's operator allows (PERMISSION_DENIED), e.g. a checkpoint outside every root."""
 
 
+class DataLoss(WsyncError):
+    """Bytes that arrived corrupted: a bucket whose digest does not match (DATA_LOSS)."""
+
+
 class NotFound(WsyncError):
     """A named file, checkpoint or adapter that does not exist (NOT_FOUND)."""
 

@@ -29,6 +29,8 @@ class UpdateHeader:
         checkpoint_path: the safetensors checkpoint a disk update reads (as sent; resolved by the engine).
         adapter: the LoRA adapter the update loads instead of base weights; ``None`` for base weights.
             From a disk update's header only its name is known until the engine read ``adapter_config.json``.
+        digests_follow: every bucket has a digest, in its spec or declared by a later Update
+            (``wsync.v1.PrepareHeader.digests_follow``); a worker holds a bucket until its digest came.
     """
 
     update_id: str
@@ -41,6 +43,7 @@ class UpdateHeader:
     transport: Transport = Transport.BROADCAST
     checkpoint_path: str = ""
     adapter: LoraSpec | None = None
+    digests_follow: bool = False
 
     @property
     def flattened(self) -> bool:

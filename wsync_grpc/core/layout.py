@@ -17,11 +17,14 @@ and from the proto numbers, one map per enum. Sizes are in bytes throughout.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from wsync_grpc.core.digests import Digest
 
 
 class Layout(enum.Enum):
@@ -113,12 +116,15 @@ class Bucket:
         tensors: its tensors, in the order they travel.
         src: the trainer rank that broadcasts it (``wsync.v1.BucketSpec.src_rank``); 0 for a
             single-sender trainer.
+        digest: the hash of its bytes on the wire, when declared with it (``wsync.v1.BucketSpec.digest``;
+            :mod:`wsync_grpc.core.digests`); ``None``: none, or one declared later.
     """
 
     index: int
     size_bytes: int
     tensors: tuple[TensorSlot, ...]
     src: int = 0
+    digest: Digest | None = None
 
     @property
     def payload_bytes(self) -> int:
@@ -150,3 +156,13 @@ class Bucket:
 def total_wire_bytes(buckets: Iterable[Bucket], layout: Layout = Layout.FLATTENED) -> int:
     """Sum of :meth:`Bucket.wire_bytes` over ``buckets``: the Prepare header's ``total_bytes``, in bytes."""
     return sum(b.wire_bytes(layout) for b in buckets)
+
+
+def with_digests(buckets: Sequence[Bucket], digests: Sequence[Digest | None]) -> list[Bucket]:
+    """``buckets`` with the digests declared with them (``digests[i]`` for ``buckets[i]``; ``None``: none).
+
+    An empty ``digests`` leaves every bucket as it is.
+    """
+    if not digests:
+        return list(buckets)
+    return [b if d is None else dataclasses.replace(b, digest=d) for b, d in zip(buckets, digests, strict=True)]

@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from wsync_grpc.core.digests import Digest, DigestAlgorithm
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
 from wsync_grpc.core.engine import ReceiverProgress
 from wsync_grpc.core.errors import (
     Aborted,
     Cancelled,
+    DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
     GroupError,
@@ -36,12 +38,41 @@ from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Piece, TensorSlot,
 from wsync_grpc.core.update import Payload, ReceivePlan, SourceFile
 
 
+def digest_to_msg(d: Digest | None) -> list[Any] | None:
+    """A digest as ``[algorithm, value]`` (``None`` for none; inverse: :func:`digest_from_msg`)."""
+    return None if d is None else [d.algorithm.value, d.value]
+
+
+def digest_from_msg(m: Sequence[Any] | None) -> Digest | None:
+    """The digest :func:`digest_to_msg` wrote.
+
+    Raises:
+        ValueError: not such a message.
+    """
+    return None if m is None else Digest(DigestAlgorithm(str(m[0])), bytes(m[1]))
+
+
+def digests_to_msg(digests: Mapping[int, Digest]) -> list[list[Any]]:
+    """Late-declared digests (bucket index -> digest) as ``[[index, algorithm, value], ...]``."""
+    return [[i, d.algorithm.value, d.value] for i, d in digests.items()]
+
+
+def digests_from_msg(m: Sequence[Sequence[Any]]) -> dict[int, Digest]:
+    """The digests :func:`digests_to_msg` wrote.
+
+    Raises:
+        ValueError: not such a message.
+    """
+    return {int(i): Digest(DigestAlgorithm(str(a)), bytes(v)) for i, a, v in m}
+
+
 def bucket_to_msg(b: Bucket) -> dict[str, Any]:
     """One bucket as a msgpack-native dict (inverse: :func:`bucket_from_msg`)."""
     return {
         "index": b.index,
         "size_bytes": b.size_bytes,
         "src": b.src,
+        "digest": digest_to_msg(b.digest),
         "tensors": [
             [t.name, dtype_name(t.dtype), list(t.shape), t.offset, t.nbytes, t.canonical, t.load]
             + ([] if t.piece is None else [list(t.piece.global_shape), list(t.piece.offsets)])
@@ -69,7 +100,13 @@ def bucket_from_msg(m: Mapping[str, Any]) -> Bucket:
         )
         for name, dtype, shape, offset, nbytes, canonical, load, *piece in m["tensors"]
     )
-    return Bucket(index=int(m["index"]), size_bytes=int(m["size_bytes"]), tensors=slots, src=int(m.get("src", 0)))
+    return Bucket(
+        index=int(m["index"]),
+        size_bytes=int(m["size_bytes"]),
+        tensors=slots,
+        src=int(m.get("src", 0)),
+        digest=digest_from_msg(m.get("digest")),
+    )
 
 
 def buckets_to_msg(buckets: Sequence[Bucket]) -> list[dict[str, Any]]:
@@ -89,6 +126,7 @@ def plan_to_msg(p: ReceivePlan) -> dict[str, Any]:
         # Where each file lies and which file it was; never the open file itself (this process's own).
         "files": {name: [f.root, f.path, f.device, f.inode] for name, f in p.files.items()},
         "timeout_s": p.timeout_s,
+        "digests_follow": p.digests_follow,
     }
 
 
@@ -110,6 +148,7 @@ def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
             for name, (root, path, device, inode) in m["files"].items()
         },
         timeout_s=float(m["timeout_s"]),
+        digests_follow=bool(m.get("digests_follow", False)),
     )
 
 
@@ -154,34 +193,38 @@ _WSYNC_ERRORS: dict[str, type[WsyncError]] = {
         Unavailable,
         PermissionDenied,
         NotFound,
+        DataLoss,
         Internal,
     )
 }
-"""Categories a worker's error keeps across the process boundary, with its reason (e.g. CHECKPOINT_CHANGED)."""
+"""Categories a worker's error keeps across the process boundary, with its reason (e.g. CHECKPOINT_CHANGED,
+BUCKET_DIGEST_MISMATCH) and its metadata (e.g. the bucket named)."""
 
 
-def error_to_msg(e: BaseException | None) -> list[str] | None:
-    """An exception as ``[kind, message]`` (``None`` for none), ``[kind, message, reason]`` for a categorized one.
+def error_to_msg(e: BaseException | None) -> list[Any] | None:
+    """An exception as ``[kind, message]`` (``None`` for none), ``[kind, message, reason, metadata]`` for a
+    categorized one.
 
     The kind keeps a group failure a group failure, and a categorized error
-    (:class:`~wsync_grpc.core.errors.WsyncError`) its category and reason.
+    (:class:`~wsync_grpc.core.errors.WsyncError`) its category, reason and metadata.
     """
     if e is None:
         return None
     if isinstance(e, WsyncError) and type(e).__name__ in _WSYNC_ERRORS:
-        return [type(e).__name__, e.message, e.reason]
+        return [type(e).__name__, e.message, e.reason, dict(e.metadata)]
     kind = type(e).__name__ if type(e).__name__ in _ERRORS else "Error"
     return [kind, str(e)]
 
 
-def error_from_msg(m: Sequence[str] | None) -> BaseException | None:
+def error_from_msg(m: Sequence[Any] | None) -> BaseException | None:
     """The exception :func:`error_to_msg` described: GroupError, GroupTimeout, Cancelled, a categorized
-    error with its reason, or RuntimeError."""
+    error with its reason and metadata, or RuntimeError."""
     if m is None:
         return None
     kind, message = str(m[0]), str(m[1])
     if len(m) > 2 and kind in _WSYNC_ERRORS:
-        return _WSYNC_ERRORS[kind](str(m[2]), message)
+        metadata = {str(k): str(v) for k, v in dict(m[3]).items()} if len(m) > 3 else {}
+        return _WSYNC_ERRORS[kind](str(m[2]), message, **metadata)
     cls = _ERRORS.get(kind, RuntimeError)
     return Cancelled() if cls is Cancelled else cls(message)
 
@@ -196,6 +239,7 @@ def progress_to_msg(p: ReceiverProgress) -> dict[str, Any]:
         "bytes_done": p.bytes_done,
         "last_arrival_at": p.last_arrival_at,
         "error": error_to_msg(p.error),
+        "buckets_verified": p.buckets_verified,
     }
 
 
@@ -210,4 +254,5 @@ def progress_from_msg(m: Mapping[str, Any]) -> ReceiverProgress:
         bytes_done=int(m["bytes_done"]),
         last_arrival_at=None if last is None else float(last),
         error=error_from_msg(m.get("error")),
+        buckets_verified=int(m.get("buckets_verified", 0)),
     )

@@ -140,6 +140,8 @@ class ReceivePlan:
         files: a disk update's tensor name -> the safetensors file holding it (as opened at Prepare); empty
             for a broadcast.
         timeout_s: bound for arming every receiver, in seconds.
+        digests_follow: every bucket has a digest, in its :attr:`Bucket.digest` or declared later
+            (:meth:`~wsync_grpc.worker.feed.BucketFeed.add_digests`); a receiver holds a bucket until it has it.
     """
 
     transport: Transport
@@ -150,6 +152,7 @@ class ReceivePlan:
     closed: bool
     files: Mapping[str, SourceFile] = field(default_factory=dict)
     timeout_s: float = 60.0
+    digests_follow: bool = False
 
     @property
     def streaming(self) -> bool:

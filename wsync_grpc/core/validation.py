@@ -245,7 +245,7 @@ class UpdateValidator:
         Raises:
             InvalidArgument: a second header, a missing or too long weight version, a too long update id, a
                 non-incremental update without buckets, counts or bytes beyond
-                what the model could hold.
+                what the model could hold, digests promised for buckets the engine reads itself.
             Unimplemented: a transport not built yet.
         """
         if self.header is not None:
@@ -272,6 +272,10 @@ class UpdateValidator:
             if not self._from_source:  # an adapter read from a source gets its spec from there first
                 self.use_specs(self.adapter_specs(h.adapter), {})
         if self._from_source:
+            if h.digests_follow:
+                raise InvalidArgument(
+                    "UNEXPECTED_DIGESTS", "header.digests_follow is for buckets a trainer sends, not read by the engine"
+                )
             self.header = dataclasses.replace(h, update_id=h.update_id or uuid.uuid4().hex)
             return self.header
         if h.checkpoint_path:

@@ -22,11 +22,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.engine import ReceiverProgress
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.membership import GroupParams
@@ -223,11 +224,14 @@ class WorkerHost:
         if not self.receiver.armed.wait(Deadline(plan.timeout_s).left()):
             raise TimeoutError(f"the receiver was not armed within {plan.timeout_s:g} s")
 
-    def declare(self, buckets: Sequence[Bucket], closed: bool) -> None:
-        """Feed further buckets of an incremental update (and close the feed when ``closed``)."""
+    def declare(self, buckets: Sequence[Bucket], closed: bool, digests: Mapping[int, Digest] | None = None) -> None:
+        """Feed further buckets of an incremental update and digests declared after their buckets (bucket
+        index -> digest); ``closed``: the declarations ended (Complete), none will follow."""
         self.feed.extend(list(buckets))
+        if digests:
+            self.feed.add_digests(digests)
         if closed:
-            self.feed.close()
+            self.feed.close_digests()
 
     def _prepare(self) -> None:
         """Staged: build the served form beside the model as the buckets arrive (its own thread).
@@ -286,6 +290,7 @@ class WorkerHost:
             bytes_done=r.bytes_done,
             last_arrival_at=r.last_arrival_at,
             error=r.error,
+            buckets_verified=r.buckets_verified,
         )
 
     def apply(self, timeout_s: float) -> int:

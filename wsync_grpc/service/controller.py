@@ -17,13 +17,14 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from opentelemetry.context import Context
 
 from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.engine import Engine, FusedGroups, ServedChecksums
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
 from wsync_grpc.core.layout import Transport
@@ -333,25 +334,43 @@ class UpdateController:
             self._preparing = reader
 
     def update(
-        self, credential: str, update_id: str, transport: Transport, specs: Sequence[BucketSpecFields]
+        self,
+        credential: str,
+        update_id: str,
+        transport: Transport,
+        specs: Sequence[BucketSpecFields],
+        spec_digests: Sequence[Digest | None] = (),
+        digests: Mapping[int, Digest] | None = None,
     ) -> UpdateOutcome:
-        """Declare further buckets of the incremental update ``update_id``.
+        """Declare further buckets of the incremental update ``update_id`` (``spec_digests``: theirs, converted at
+        the edge; empty: none), and ``digests`` of buckets already declared (bucket index -> digest).
 
         Raises:
-            FailedPrecondition: NOT_OWNER, WRONG_STATE, NO_UPDATE, UPDATE_ID_MISMATCH, NOT_INCREMENTAL, COMPLETING.
+            FailedPrecondition: NOT_OWNER, WRONG_STATE, NO_UPDATE, UPDATE_ID_MISMATCH, NOT_INCREMENTAL,
+                DIGESTS_NOT_FOLLOWING, COMPLETING.
             Unimplemented: TRANSPORT_UNIMPLEMENTED (a transport whose buckets cannot be declared).
-            InvalidArgument: EMPTY_UPDATE, and what the validator refuses.
+            InvalidArgument: EMPTY_UPDATE, UNKNOWN_BUCKET, DIGEST_CONFLICT, and what the validator refuses.
+            WsyncError: in FAILED, the error that ended update ``update_id`` (as Complete's).
         """
         st = self.state
         with self._lock:
             st.check_owner(credential, "Update")
+            ended = st.failed_error(update_id) if st.lifecycle.state == State.FAILED else None
+            if ended is not None:
+                raise ended
             st.lifecycle.check(Rpc.UPDATE)
             upd = st.current(update_id)
-            upd.check_accepts_buckets()
             transport_for(transport).check_update()
-            if not specs:
-                raise InvalidArgument("EMPTY_UPDATE", "UpdateRequest.buckets is empty")
-            upd.declare(specs)
+            if not specs and not digests:
+                raise InvalidArgument("EMPTY_UPDATE", "UpdateRequest carries neither buckets nor digests")
+            if specs:
+                upd.check_accepts_buckets()
+            if digests:
+                upd.check_accepts_digests()
+            if specs:
+                upd.declare(specs, spec_digests)
+            if digests:
+                upd.declare_digests(digests)
             return UpdateOutcome(upd.header.update_id, len(upd.feed), upd.bytes)
 
     def begin_complete(

@@ -121,11 +121,18 @@ class EngineState:
             )
         return upd
 
-    def failure_of(self, update_id: str) -> WsyncError:
-        """In FAILED: the error that ended update ``update_id``, or WRONG_STATE when it names no failed update."""
+    def failed_error(self, update_id: str) -> WsyncError | None:
+        """The error that ended update ``update_id``, when it is the last update and it failed; else ``None``."""
         failed = self.failed_update
         if failed is not None and failed.error is not None and update_id == failed.header.update_id:
             return failed.error
+        return None
+
+    def failure_of(self, update_id: str) -> WsyncError:
+        """In FAILED: the error that ended update ``update_id``, or WRONG_STATE when it names no failed update."""
+        error = self.failed_error(update_id)
+        if error is not None:
+            return error
         return FailedPrecondition("WRONG_STATE", "Complete is not allowed in state FAILED: no such update")
 
     def snapshot(self) -> StatusSnapshot:

@@ -34,6 +34,7 @@ class CompleteResult:
     Sizes in bytes, times in seconds. The counts are worker 0's; every worker
     receives the same buckets. ``verified_only``: the first phase of a
     two-phase Complete, nothing applied (``weight_version`` is still the served one).
+    ``buckets_verified``: the buckets whose digest matched on every worker (the fewest of any worker).
     """
 
     update_id: str
@@ -48,6 +49,7 @@ class CompleteResult:
     verified_only: bool = False
     prepare_seconds: float = 0.0
     verify_seconds: float = 0.0
+    buckets_verified: int = 0
 
 
 def last_arrival(receivers: Sequence[Receiver], default: float) -> float:

@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.errors import Aborted, DeadlineExceeded, InvalidArgument, WsyncError
 from wsync_grpc.core.header import UpdateHeader
-from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.layout import Bucket, with_digests
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,15 @@ class HeaderMessage:
 
 @dataclass(frozen=True)
 class BucketsMessage:
-    """Bucket specs of a Prepare stream (one ``bucket``, or a ``buckets`` batch; empty: an empty batch)."""
+    """Bucket specs of a Prepare stream (one ``bucket``, or a ``buckets`` batch; empty: an empty batch).
+
+    Attributes:
+        specs: the specs, read by the validator as they are.
+        digests: each spec's digest, converted at the edge (``None``: none); empty when no spec has one.
+    """
 
     specs: Sequence[BucketSpecFields]
+    digests: Sequence[Digest | None] = ()
 
 
 PrepareMessage = HeaderMessage | BucketsMessage
@@ -149,7 +156,7 @@ class PrepareReader:
         if not msg.specs:
             raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried an empty bucket batch")
         v.check_more_buckets(len(self._buckets) + len(msg.specs))
-        self._buckets.extend(v.bucket_messages(msg.specs))
+        self._buckets.extend(with_digests(v.bucket_messages(msg.specs), msg.digests))
 
     def _broken(self, e: StreamBroken) -> WsyncError:
         """Why the stream ended early: cancelled, stalled, or broken by the caller."""

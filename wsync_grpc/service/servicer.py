@@ -22,6 +22,7 @@ import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.engine import Engine, PauseMode
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.lifecycle import Lifecycle, Rpc, State
@@ -37,6 +38,8 @@ from wsync_grpc.service.tracing import server_span
 from wsync_grpc.service.watch import DEFAULT_WATCH_INTERVAL_S, hold, watch_stream
 from wsync_grpc.wire.convert import (
     PAUSE_MODES,
+    declared_digests,
+    digest_from_proto,
     from_proto,
     header_from_proto,
     seconds,
@@ -175,9 +178,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     @grpc_errors
     def Update(self, request: pb.UpdateRequest, context: grpc.ServicerContext) -> pb.UpdateResponse:
-        """Declare further buckets of an incremental update."""
+        """Declare further buckets of an incremental update, and digests of buckets already declared."""
         outcome = self.controller.update(
-            credential_of(context), request.update_id, transport_from_proto(request.transport), request.buckets
+            credential_of(context),
+            request.update_id,
+            transport_from_proto(request.transport),
+            request.buckets,
+            spec_digests(request.buckets),
+            declared_digests(request.digests),
         )
         return pb.UpdateResponse(**dataclasses.asdict(outcome))
 
@@ -288,7 +296,8 @@ def prepare_messages(requests: Iterator[pb.PrepareRequest]) -> Iterator[PrepareM
     """A Prepare call's ``wsync.v1.PrepareRequest`` stream as the controller reads it.
 
     The header is converted when the reader asks (after its owner check); bucket
-    specs pass as they are (the validator reads their fields without a copy).
+    specs pass as they are (the validator reads their fields without a copy), their digests
+    converted beside them.
 
     Raises:
         InvalidArgument: EMPTY_MESSAGE, a message with neither header nor bucket.
@@ -300,13 +309,24 @@ def prepare_messages(requests: Iterator[pb.PrepareRequest]) -> Iterator[PrepareM
             if kind == "header":
                 yield HeaderMessage(msg.header.owner, functools.partial(header_from_proto, msg.header))
             elif kind == "bucket":
-                yield BucketsMessage([msg.bucket])
+                yield BucketsMessage([msg.bucket], spec_digests([msg.bucket]))
             elif kind == "buckets":
-                yield BucketsMessage(msg.buckets.buckets)
+                yield BucketsMessage(msg.buckets.buckets, spec_digests(msg.buckets.buckets))
             else:
                 raise InvalidArgument("EMPTY_MESSAGE", "a PrepareRequest carried neither header nor bucket")
     except grpc.RpcError as e:
         raise StreamBroken(str(e)) from None
+
+
+def spec_digests(specs: Sequence[pb.BucketSpec]) -> list[Digest | None]:
+    """Each spec's digest (``None``: none); ``[]`` when no spec carries one.
+
+    Raises:
+        InvalidArgument: see :func:`~wsync_grpc.wire.convert.digest_from_proto`.
+    """
+    if not any(s.HasField("digest") for s in specs):
+        return []
+    return [digest_from_proto(s.digest, s.index) if s.HasField("digest") else None for s in specs]
 
 
 def cancel_response(outcome: CancelOutcome) -> pb.CancelResponse:

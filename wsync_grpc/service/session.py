@@ -34,20 +34,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from opentelemetry.context import Context
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.engine import Engine, PauseMode
 from wsync_grpc.core.errors import (
     Aborted,
     DeadlineExceeded,
     FailedPrecondition,
+    InvalidArgument,
     Phase,
     WsyncError,
     clip,
     domain_error,
 )
+from wsync_grpc.core.layout import with_digests
 from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.lora import LoraAdapters
 from wsync_grpc.core.ownership import describe
@@ -166,6 +169,7 @@ class UpdateSession:
             closed=self.feed.closed,
             files=self._files,
             timeout_s=eng.membership.group_timeout_s,
+            digests_follow=h.digests_follow,
         )
         self.workers = update_workers(
             eng.engine,
@@ -239,15 +243,60 @@ class UpdateSession:
         if self.completing or self.verifying:
             raise FailedPrecondition("COMPLETING", "Complete was already called for this update")
 
-    def declare(self, specs: Sequence[BucketSpecFields]) -> None:
+    def check_accepts_digests(self) -> None:
+        """Refuse digests declared after their buckets for an update that did not promise them, or one completing.
+
+        Lock held.
+
+        Raises:
+            FailedPrecondition: DIGESTS_NOT_FOLLOWING, COMPLETING.
+        """
+        if not self.header.digests_follow:
+            raise FailedPrecondition(
+                "DIGESTS_NOT_FOLLOWING",
+                "the update in flight was not prepared with digests_follow = true: its digests travel in its "
+                "bucket specs, or not at all",
+            )
+        if self.completing or self.verifying:
+            raise FailedPrecondition("COMPLETING", "Complete was already called for this update")
+
+    def declare_digests(self, digests: Mapping[int, Digest]) -> None:
+        """Record digests of buckets already declared (bucket index -> digest) for every worker. Lock held.
+
+        All or none. The same digest declared again is accepted.
+
+        Raises:
+            InvalidArgument: UNKNOWN_BUCKET (an index not declared yet), DIGEST_CONFLICT (another digest
+                than the bucket's spec's, or than one declared before).
+        """
+        declared = len(self.feed)
+        for i, d in digests.items():
+            if i >= declared:
+                raise InvalidArgument(
+                    "UNKNOWN_BUCKET",
+                    f"a digest names bucket {i}, but {declared} bucket(s) are declared (0..{declared - 1})",
+                    bucket=str(i),
+                )
+            bucket = self.feed.get(i, 0)
+            known = (bucket.digest if bucket is not None else None) or self.feed.declared_digest(i)
+            if known is not None and known != d:
+                raise InvalidArgument(
+                    "DIGEST_CONFLICT", f"bucket {i} has digest {known} already; {d} was declared", bucket=str(i)
+                )
+        if self.workers is not None:
+            self.workers.declare([], closed=False, digests=digests)
+        self.feed.add_digests(digests)
+
+    def declare(self, specs: Sequence[BucketSpecFields], digests: Sequence[Digest | None] = ()) -> None:
         """Validate further buckets against what this update declared, and feed them to the receivers. Lock held.
 
-        All or none: a refused batch changes nothing.
+        All or none: a refused batch changes nothing. ``digests`` are the specs' own (``None``: none;
+        empty: no spec has one).
 
         Raises:
             InvalidArgument: see :meth:`~wsync_grpc.core.validation.UpdateValidator.bucket_messages`.
         """
-        new = self.validator.bucket_messages(specs)
+        new = with_digests(self.validator.bucket_messages(specs), digests)
         if self.workers is not None:
             self.workers.declare(new, closed=False)
         self.feed.extend(new)
@@ -273,9 +322,9 @@ class UpdateSession:
                 except WsyncError as e:
                     self.fail(e)
                     raise
-            if self.workers is not None and not self.feed.closed:
-                self.workers.declare([], closed=True)
-            self.feed.close()
+            if self.workers is not None and (not self.feed.closed or self.header.digests_follow):
+                self.workers.declare([], closed=True)  # no bucket, no digest any more
+            self.feed.close_digests()
         if verify_only:
             self.verifying = True
         else:
@@ -470,6 +519,7 @@ class UpdateSession:
             verified_only=verified_only,
             prepare_seconds=armed - self.started,
             verify_seconds=self.verify_s,
+            buckets_verified=min((r.buckets_verified for r in self.receivers), default=0),
         )
 
     def _verified_result(self, done: float) -> CompleteResult:
@@ -543,7 +593,7 @@ class UpdateSession:
                 return
             self.error = err
             self.cancel.set()
-            self.feed.close()
+            self.feed.close_digests()
             applied = any(r.tensors_applied or r.wrote_served for r in self.receivers)
             for r in self.receivers:
                 # A receive may still be posted into these buffers: never reuse them.

@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.engine import Engine, ReceiverProgress, RemoteWorkers, WeightTarget
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.packing import NamedTensors
@@ -58,8 +59,9 @@ class UpdateWorkers(Protocol):
         """Start every receiver (remote: arm every worker, on a thread of its own)."""
         ...
 
-    def declare(self, buckets: Sequence[Bucket], closed: bool) -> None:
-        """Further buckets of an incremental update (``closed``: the last ones); the feed already has them."""
+    def declare(self, buckets: Sequence[Bucket], closed: bool, digests: Mapping[int, Digest] | None = None) -> None:
+        """Further buckets of an incremental update and digests declared after their buckets (bucket index ->
+        digest); ``closed``: the declarations ended (Complete). The session's feed already has them."""
         ...
 
     def apply_weights(self, timeout_s: float, weight_version: str) -> int:
@@ -152,7 +154,7 @@ class LocalWorkers:
         for r in self.receivers:
             r.start()
 
-    def declare(self, buckets: Sequence[Bucket], closed: bool) -> None:
+    def declare(self, buckets: Sequence[Bucket], closed: bool, digests: Mapping[int, Digest] | None = None) -> None:
         """Nothing to send: the receivers read the feed."""
 
     def apply_weights(self, timeout_s: float, weight_version: str) -> int:
@@ -206,6 +208,7 @@ class RemoteReceiver(ReceiverState):
             self.error is not None,
         )
         self.buckets_done, self.bytes_done = p.buckets_done, p.bytes_done
+        self.buckets_verified = p.buckets_verified
         self.last_arrival_at = p.last_arrival_at
         if streaming and p.buckets_done:
             self.wrote_served = True  # a streaming receive loads into the model as it goes
@@ -252,9 +255,9 @@ class RemoteWorkerSet:
         """Arm the workers and poll them, on a thread of its own."""
         self._thread.start()
 
-    def declare(self, buckets: Sequence[Bucket], closed: bool) -> None:
-        """Send further buckets of an incremental update to every worker (``closed``: the last ones)."""
-        self.workers.declare_to_workers(buckets, closed)
+    def declare(self, buckets: Sequence[Bucket], closed: bool, digests: Mapping[int, Digest] | None = None) -> None:
+        """Send further buckets and late digests to every worker (``closed``: the declarations ended)."""
+        self.workers.declare_to_workers(buckets, closed, digests)
 
     def apply_weights(self, timeout_s: float, weight_version: str) -> int:
         """The workers load what they received; the engine publishes ``weight_version`` with that apply."""

@@ -3,6 +3,7 @@
 The domain enums live in the core (:class:`~wsync_grpc.core.layout.Layout`,
 :class:`~wsync_grpc.core.layout.ApplyMode`,
 :class:`~wsync_grpc.core.layout.Transport`,
+:class:`~wsync_grpc.core.digests.DigestAlgorithm`,
 :class:`~wsync_grpc.core.engine.PauseMode`, the backend names ``"gloo"`` /
 ``"nccl"``); each has exactly one map to its proto enum here, and its inverse is
 derived from it. An ``*_UNSPECIFIED`` value means the contract's default; a
@@ -19,6 +20,7 @@ from typing import TypeVar
 from google.protobuf import duration_pb2
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.digests import DIGEST_SIZES, Digest, DigestAlgorithm
 from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.errors import InvalidArgument
@@ -46,6 +48,9 @@ PAUSE_MODES: dict[PauseMode, pb.PauseMode.ValueType] = {
     PauseMode.ABORT: pb.PAUSE_MODE_ABORT,
     PauseMode.WAIT: pb.PAUSE_MODE_WAIT,
     PauseMode.KEEP: pb.PAUSE_MODE_KEEP,
+}
+DIGEST_ALGORITHMS: dict[DigestAlgorithm, pb.DigestAlgorithm.ValueType] = {
+    DigestAlgorithm.XXH3_128: pb.DIGEST_ALGORITHM_XXH3_128,
 }
 BACKENDS: dict[str, pb.Backend.ValueType] = {"gloo": pb.BACKEND_GLOO, "nccl": pb.BACKEND_NCCL}
 """Backend name (``torch.distributed``'s) -> ``wsync.v1.Backend``; ``""`` (choose by device) is UNSPECIFIED."""
@@ -139,6 +144,7 @@ def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
         incremental=h.incremental,
         checkpoint_path=h.checkpoint_path,
         adapter=adapter_from_proto(h.adapter) if h.HasField("adapter") else None,
+        digests_follow=h.digests_follow,
     )
 
 
@@ -162,6 +168,7 @@ def header_to_proto(h: UpdateHeader, owner: str = "") -> pb.PrepareHeader:
         owner=owner,
         checkpoint_path=h.checkpoint_path,
         adapter=adapter_to_proto(h.adapter) if h.adapter is not None else None,
+        digests_follow=h.digests_follow,
     )
 
 
@@ -176,6 +183,60 @@ def adapter_to_proto(spec: LoraSpec) -> pb.AdapterSpec:
     return pb.AdapterSpec(name=spec.name, rank=spec.rank, alpha=spec.alpha, target_modules=targets)
 
 
+def digest_from_proto(d: pb.BucketDigest, bucket: int) -> Digest | None:
+    """The digest ``d`` of bucket ``bucket`` carries; ``None`` for none (UNSPECIFIED with no value).
+
+    Raises:
+        InvalidArgument: UNKNOWN_ENUM_VALUE (an algorithm the contract does not define), INVALID_DIGEST
+            (a value without an algorithm, or of the wrong length for it); metadata names the bucket.
+    """
+    if d.algorithm == pb.DIGEST_ALGORITHM_UNSPECIFIED:
+        if d.value:
+            raise InvalidArgument(
+                "INVALID_DIGEST", f"bucket {bucket}'s digest has a value but no algorithm", bucket=str(bucket)
+            )
+        return None
+    algorithm = from_proto(DIGEST_ALGORITHMS, d.algorithm, DigestAlgorithm.XXH3_128, "digest algorithm")
+    if len(d.value) != DIGEST_SIZES[algorithm]:
+        raise InvalidArgument(
+            "INVALID_DIGEST",
+            f"bucket {bucket}'s {algorithm.value} digest has {len(d.value)} bytes, not {DIGEST_SIZES[algorithm]}",
+            bucket=str(bucket),
+        )
+    return Digest(algorithm, bytes(d.value))
+
+
+def digest_to_proto(d: Digest) -> pb.BucketDigest:
+    """The ``wsync.v1.BucketDigest`` of ``d``."""
+    return pb.BucketDigest(algorithm=DIGEST_ALGORITHMS[d.algorithm], value=d.value)
+
+
+def declared_digests(ds: Sequence[pb.DeclaredDigest]) -> dict[int, Digest]:
+    """``UpdateRequest.digests`` as bucket index -> digest.
+
+    Raises:
+        InvalidArgument: INVALID_DIGEST (one unset or empty, or two for the same bucket), and see
+            :func:`digest_from_proto`.
+    """
+    out: dict[int, Digest] = {}
+    for d in ds:
+        digest = digest_from_proto(d.digest, d.bucket_index)
+        if digest is None:
+            raise InvalidArgument(
+                "INVALID_DIGEST",
+                f"the digest declared for bucket {d.bucket_index} is empty",
+                bucket=str(d.bucket_index),
+            )
+        if out.get(d.bucket_index, digest) != digest:
+            raise InvalidArgument(
+                "INVALID_DIGEST",
+                f"two different digests declared for bucket {d.bucket_index} in one call",
+                bucket=str(d.bucket_index),
+            )
+        out[d.bucket_index] = digest
+    return out
+
+
 def bucket_spec(bucket: Bucket, layout: Layout = Layout.FLATTENED) -> pb.BucketSpec:
     """Build the ``wsync.v1.BucketSpec`` message of ``bucket`` for ``layout``.
 
@@ -183,10 +244,12 @@ def bucket_spec(bucket: Bucket, layout: Layout = Layout.FLATTENED) -> pb.BucketS
     ``UpdateWeightsFromDistributedReqInput.names/dtypes/shapes``; the dtype is
     torch's own name (``"bfloat16"``). ``offset_bytes`` is 0 in the individual
     layout, where the contract ignores it, and ``size_bytes`` is
-    :meth:`~wsync_grpc.core.layout.Bucket.wire_bytes`.
+    :meth:`~wsync_grpc.core.layout.Bucket.wire_bytes`; ``digest`` is the bucket's, when it has one.
     """
     individual = layout is Layout.INDIVIDUAL
     msg = pb.BucketSpec(index=bucket.index, size_bytes=bucket.wire_bytes(layout), src_rank=bucket.src)
+    if bucket.digest is not None:
+        msg.digest.CopyFrom(digest_to_proto(bucket.digest))
     add = msg.tensors.add  # appending in place: faster than building a list of TensorSpec
     for t in bucket.tensors:
         spec = add(name=t.name, dtype=dtype_name(t.dtype), shape=t.shape, offset_bytes=0 if individual else t.offset)

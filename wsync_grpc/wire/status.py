@@ -24,6 +24,7 @@ from grpc_status import rpc_status
 from wsync_grpc.core.errors import (
     Aborted,
     AlreadyExists,
+    DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
@@ -54,6 +55,7 @@ STATUS_CODES: dict[type[WsyncError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DataLoss: grpc.StatusCode.DATA_LOSS,
     Internal: grpc.StatusCode.INTERNAL,
 }
 """Error category -> canonical gRPC status code (``docs/architecture.md``, "Errors")."""

@@ -1,9 +1,12 @@
-"""The buckets of one update, appended by the engine's control plane and read by every worker's receiver."""
+"""The buckets of one update (and the digests declared after them), appended by the engine's control plane and read
+by every worker's receiver."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.errors import GroupTimeout
 from wsync_grpc.core.layout import Bucket
 
@@ -12,12 +15,16 @@ class BucketFeed:
     """The buckets of one update, appended by Prepare/Update and read by every worker.
 
     Thread-safe. :meth:`close` says no more buckets will come (Complete, or a
-    failure).
+    failure; at once for an update that is not incremental). Digests of
+    buckets already declared may follow (``wsync.v1.PrepareHeader.digests_follow``)
+    until :meth:`close_digests` (Complete, or a failure).
     """
 
     def __init__(self) -> None:
         self._buckets: list[Bucket] = []
         self._closed = False
+        self._digests: dict[int, Digest] = {}
+        self._digests_closed = False
         self._max_size = 0
         self._cond = threading.Condition()
 
@@ -38,6 +45,37 @@ class BucketFeed:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def add_digests(self, digests: Mapping[int, Digest]) -> None:
+        """Record digests declared after their buckets (bucket index -> digest; validated by the caller)."""
+        with self._cond:
+            self._digests.update(digests)
+            self._cond.notify_all()
+
+    def close_digests(self) -> None:
+        """No more digests will be declared (nor buckets: :meth:`close` too). Idempotent."""
+        with self._cond:
+            self._closed = self._digests_closed = True
+            self._cond.notify_all()
+
+    def declared_digest(self, i: int) -> Digest | None:
+        """The digest declared after bucket ``i``, if one was (its spec's own is :attr:`Bucket.digest`)."""
+        with self._cond:
+            return self._digests.get(i)
+
+    def digest(self, i: int, timeout: float) -> Digest | None:
+        """The digest declared after bucket ``i``, waiting at most ``timeout`` seconds for it to come.
+
+        Returns:
+            The digest; ``None`` when the declarations ended (:meth:`close_digests`) without it.
+
+        Raises:
+            GroupTimeout: it was not declared within ``timeout``.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: i in self._digests or self._digests_closed, timeout):
+                raise GroupTimeout(f"no digest of bucket {i} was declared within {timeout:g} s")
+            return self._digests.get(i)
 
     def __len__(self) -> int:
         with self._cond:

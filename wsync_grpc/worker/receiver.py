@@ -43,6 +43,7 @@ class Receiver(Protocol):
         wrote_served: whether it began writing into the served weights (they may be half written).
         last_arrival_at: when the last bucket arrived, on the host's monotonic clock (seconds); ``None`` before.
         staged: staged apply: per received bucket (or chunk), its ``(canonical name, tensor)`` pairs.
+        buckets_verified: buckets whose bytes matched their digest (:mod:`wsync_grpc.core.digests`).
     """
 
     worker: int
@@ -55,6 +56,7 @@ class Receiver(Protocol):
     wrote_served: bool
     last_arrival_at: float | None
     staged: list[NamedTensors]
+    buckets_verified: int
 
     @property
     def timeout_s(self) -> float:
@@ -131,6 +133,8 @@ class ReceiverState:
         self.last_arrival_at: float | None = None
         self.staged: list[NamedTensors] = []
         """Staged apply: per received bucket (or chunk), the ``(canonical name, tensor)`` pairs."""
+        self.buckets_verified = 0
+        """Buckets whose bytes matched their digest."""
 
 
 class ReceiverThread(threading.Thread, ReceiverState):

@@ -34,6 +34,7 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   RESOURCE_EXHAUSTED  too many calls of one class at once (reason
                       TOO_MANY_CALLS): the excess is refused, not queued;
                       retry later
+  DATA_LOSS           a bucket's bytes do not match its digest
   INTERNAL            anything else (logged by the engine)
 
 Every duration a caller chooses is capped by the engine's operator (timeouts
@@ -131,6 +132,40 @@ can see (PrepareHeader.checkpoint_path; SGLang's update_weights_from_disk,
 vLLM's reload_weights). Engines without disk updates answer UNIMPLEMENTED.
 """
 Global___Transport: _TypeAlias = Transport  # noqa: Y015
+
+class _DigestAlgorithm:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DigestAlgorithmEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DigestAlgorithm.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DIGEST_ALGORITHM_UNSPECIFIED: _DigestAlgorithm.ValueType  # 0
+    """DIGEST_ALGORITHM_UNSPECIFIED means no digest."""
+    DIGEST_ALGORITHM_XXH3_128: _DigestAlgorithm.ValueType  # 1
+    """DIGEST_ALGORITHM_XXH3_128 is xxHash's 128-bit XXH3 (XXH3_128bits, seed
+    0, as in xxHash 0.8). The digest's value is its 16-byte canonical form
+    (XXH128_canonicalFromHash: big-endian, high 64 bits first), what
+    Python's xxhash.xxh3_128_digest returns. Not cryptographic: it catches
+    bytes corrupted or lost on the way; a trainer that must prove its bytes
+    to an engine that does not trust the network carries them over a
+    channel that does (the control plane's TLS).
+    """
+
+class DigestAlgorithm(_DigestAlgorithm, metaclass=_DigestAlgorithmEnumTypeWrapper):
+    """DigestAlgorithm names the hash of a BucketDigest."""
+
+DIGEST_ALGORITHM_UNSPECIFIED: DigestAlgorithm.ValueType  # 0
+"""DIGEST_ALGORITHM_UNSPECIFIED means no digest."""
+DIGEST_ALGORITHM_XXH3_128: DigestAlgorithm.ValueType  # 1
+"""DIGEST_ALGORITHM_XXH3_128 is xxHash's 128-bit XXH3 (XXH3_128bits, seed
+0, as in xxHash 0.8). The digest's value is its 16-byte canonical form
+(XXH128_canonicalFromHash: big-endian, high 64 bits first), what
+Python's xxhash.xxh3_128_digest returns. Not cryptographic: it catches
+bytes corrupted or lost on the way; a trainer that must prove its bytes
+to an engine that does not trust the network carries them over a
+channel that does (the control plane's TLS).
+"""
+Global___DigestAlgorithm: _TypeAlias = DigestAlgorithm  # noqa: Y015
 
 class _BucketLayout:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -676,6 +711,7 @@ class PrepareHeader(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    DIGESTS_FOLLOW_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id identifies the update in Update, Complete, Cancel and the
     status. Empty means the engine assigns one and returns it.
@@ -724,6 +760,18 @@ class PrepareHeader(_message.Message):
     and incremental must be 0/false, the stream carries no bucket and layout
     is ignored. Empty for a broadcast; required for a disk update.
     """
+    digests_follow: _builtins.bool
+    """digests_follow promises a digest for every bucket of the update: in its
+    BucketSpec, or declared with Update (UpdateRequest.digests) once the
+    trainer has hashed the bucket (as it packs it, off the wire's critical
+    path), before Complete. A worker whose bucket arrived before its digest
+    holds it, at most the group timeout, before staging or applying it; a
+    digest still missing at Complete fails the update (INVALID_ARGUMENT
+    DIGEST_MISSING). Default false: digests come in the buckets' specs or
+    not at all, and a bucket without one is received unverified (trainers
+    that send none; CompleteResponse.buckets_verified counts the checked
+    ones). Broadcast only.
+    """
     @_builtins.property
     def adapter(self) -> Global___AdapterSpec:
         """adapter, when set, makes this update load (or replace) a LoRA adapter
@@ -749,10 +797,11 @@ class PrepareHeader(_message.Message):
         owner: _builtins.str = ...,
         checkpoint_path: _builtins.str = ...,
         adapter: Global___AdapterSpec | None = ...,
+        digests_follow: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -822,6 +871,7 @@ class BucketSpec(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     SRC_RANK_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """index is the bucket's position in the update, counting from 0 across
     Prepare and every Update. Buckets must arrive in index order.
@@ -842,6 +892,15 @@ class BucketSpec(_message.Message):
         the individual layout, broadcast). At least one.
         """
 
+    @_builtins.property
+    def digest(self) -> Global___BucketDigest:
+        """digest is the hash of the bytes this bucket puts on the wire (see
+        BucketDigest), when the trainer knows it as it declares the bucket.
+        Every worker checks what it received against it before the bucket is
+        staged or applied (see Complete). Unset: the digest follows with Update
+        (PrepareHeader.digests_follow), or the bucket is received unverified.
+        """
+
     def __init__(
         self,
         *,
@@ -849,14 +908,87 @@ class BucketSpec(_message.Message):
         size_bytes: _builtins.int = ...,
         tensors: _abc.Iterable[Global___TensorSpec] | None = ...,
         src_rank: _builtins.int = ...,
+        digest: Global___BucketDigest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "size_bytes", b"size_bytes", "src_rank", b"src_rank", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "index", b"index", "size_bytes", b"size_bytes", "src_rank", b"src_rank", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BucketSpec: _TypeAlias = BucketSpec  # noqa: Y015
+
+@_typing.final
+class BucketDigest(_message.Message):
+    """BucketDigest is the hash of the bytes one bucket puts on the wire. In the
+    flattened layout, the bucket's size_bytes bytes as broadcast, padding
+    included (a trainer zeroes it); in the individual layout, its tensors'
+    bytes in the order of BucketSpec.tensors, each in its wire dtype and C
+    order, one after the other (size_bytes bytes in all).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALGORITHM_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    algorithm: Global___DigestAlgorithm.ValueType
+    """algorithm is the hash function. DIGEST_ALGORITHM_UNSPECIFIED (with an
+    empty value) means no digest; a number the engine does not know fails
+    with INVALID_ARGUMENT (UNKNOWN_ENUM_VALUE).
+    """
+    value: _builtins.bytes
+    """value is the hash, as many bytes as the algorithm gives (16 for
+    XXH3_128; INVALID_ARGUMENT INVALID_DIGEST otherwise). Empty only with
+    DIGEST_ALGORITHM_UNSPECIFIED.
+    """
+    def __init__(
+        self,
+        *,
+        algorithm: Global___DigestAlgorithm.ValueType = ...,
+        value: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BucketDigest: _TypeAlias = BucketDigest  # noqa: Y015
+
+@_typing.final
+class DeclaredDigest(_message.Message):
+    """DeclaredDigest is the digest of one bucket already declared, sent after it
+    (UpdateRequest.digests).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUCKET_INDEX_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    bucket_index: _builtins.int
+    """bucket_index is the bucket's index (BucketSpec.index); it must be
+    declared already (INVALID_ARGUMENT UNKNOWN_BUCKET otherwise). 0 is the
+    first bucket.
+    """
+    @_builtins.property
+    def digest(self) -> Global___BucketDigest:
+        """digest is the bucket's digest. Required (INVALID_ARGUMENT
+        INVALID_DIGEST when unset or empty).
+        """
+
+    def __init__(
+        self,
+        *,
+        bucket_index: _builtins.int = ...,
+        digest: Global___BucketDigest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_index", b"bucket_index", "digest", b"digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeclaredDigest: _TypeAlias = DeclaredDigest  # noqa: Y015
 
 @_typing.final
 class TensorSpec(_message.Message):
@@ -1015,6 +1147,7 @@ class UpdateRequest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _builtins.int
     BUCKETS_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    DIGESTS_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id must name the update in flight. Required."""
     transport: Global___Transport.ValueType
@@ -1029,7 +1162,15 @@ class UpdateRequest(_message.Message):
     @_builtins.property
     def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___BucketSpec]:
         """buckets continue the update's bucket sequence (their index values follow
-        the last declared one). At least one.
+        the last declared one). At least one bucket or one digest per call;
+        empty when the call only declares digests.
+        """
+
+    @_builtins.property
+    def digests(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeclaredDigest]:
+        """digests are the digests of buckets already declared (by this or an
+        earlier call), for an update prepared with digests_follow = true, in any
+        order. Empty: none.
         """
 
     def __init__(
@@ -1039,10 +1180,11 @@ class UpdateRequest(_message.Message):
         transport: Global___Transport.ValueType = ...,
         buckets: _abc.Iterable[Global___BucketSpec] | None = ...,
         owner: _builtins.str = ...,
+        digests: _abc.Iterable[Global___DeclaredDigest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "owner", b"owner", "transport", b"transport", "update_id", b"update_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "digests", b"digests", "owner", b"owner", "transport", b"transport", "update_id", b"update_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1146,6 +1288,7 @@ class CompleteResponse(_message.Message):
     VERIFIED_ONLY_FIELD_NUMBER: _builtins.int
     PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
     VERIFY_SECONDS_FIELD_NUMBER: _builtins.int
+    BUCKETS_VERIFIED_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id is the update that completed."""
     weight_version: _builtins.str
@@ -1183,6 +1326,13 @@ class CompleteResponse(_message.Message):
     """verify_seconds is the time the verifying Complete (verify_only) waited
     for the last buckets, in seconds; 0 when the update had none.
     """
+    buckets_verified: _builtins.int
+    """buckets_verified is the number of buckets whose bytes matched their
+    digest on every worker; the others (bucket_count minus this) had no
+    digest and were received unverified. 0 when no bucket carried a digest
+    (a trainer that sends none, or a disk update, whose files are read on
+    the engine's host).
+    """
     def __init__(
         self,
         *,
@@ -1198,10 +1348,11 @@ class CompleteResponse(_message.Message):
         verified_only: _builtins.bool = ...,
         prepare_seconds: _builtins.float = ...,
         verify_seconds: _builtins.float = ...,
+        buckets_verified: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_seconds", b"apply_seconds", "bucket_count", b"bucket_count", "bytes_received", b"bytes_received", "cache_flushed", b"cache_flushed", "prepare_seconds", b"prepare_seconds", "receive_seconds", b"receive_seconds", "tensor_count", b"tensor_count", "total_seconds", b"total_seconds", "update_id", b"update_id", "verified_only", b"verified_only", "verify_seconds", b"verify_seconds", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_seconds", b"apply_seconds", "bucket_count", b"bucket_count", "buckets_verified", b"buckets_verified", "bytes_received", b"bytes_received", "cache_flushed", b"cache_flushed", "prepare_seconds", b"prepare_seconds", "receive_seconds", b"receive_seconds", "tensor_count", b"tensor_count", "total_seconds", b"total_seconds", "update_id", b"update_id", "verified_only", b"verified_only", "verify_seconds", b"verify_seconds", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -238,13 +238,22 @@ class WeightSyncServiceServicer:
 
     def Update(self, request, context):
         """Update declares further buckets of an incremental update (one whose
-        header set incremental = true). The buckets are validated like Prepare's
-        and the receivers arm them after the buckets already declared.
+        header set incremental = true), and/or the digests of buckets already
+        declared (an update whose header set digests_follow = true, incremental
+        or not). The buckets are validated like Prepare's and the receivers arm
+        them after the buckets already declared; a digest reaches every worker
+        before Update returns.
 
         Precondition: state RECEIVING or RECEIVED, update_id equal to the update
-        in flight, which was prepared with incremental = true. Transports other
-        than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Only the owner may call
-        it (NOT_OWNER). Not idempotent: every call appends buckets.
+        in flight, which was prepared with incremental = true (for buckets) or
+        digests_follow = true (for digests), and Complete not called yet
+        (FAILED_PRECONDITION NOT_INCREMENTAL, DIGESTS_NOT_FOLLOWING,
+        COMPLETING). Transports other than TRANSPORT_BROADCAST fail with
+        UNIMPLEMENTED. Only the owner may call it (NOT_OWNER). Calling Update
+        for an update that already failed (state FAILED) returns that update's
+        error, as Complete does. Not idempotent for buckets (every call appends
+        them); a digest declared again with the same value is accepted, with
+        another value refused (INVALID_ARGUMENT DIGEST_CONFLICT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -271,6 +280,15 @@ class WeightSyncServiceServicer:
         weights, no bucket may be added any more, and the update can still be
         cancelled. A second Complete (verify_only = false) then applies it.
         Calling verify_only again after a verification succeeds at once.
+
+        Integrity: every worker checks each bucket's bytes against its digest
+        (BucketSpec.digest, or one declared with Update) when it arrives, before
+        the bucket is staged or applied. A mismatch fails the update with
+        DATA_LOSS, reason BUCKET_DIGEST_MISMATCH, the bucket's index in the error
+        metadata ("bucket"): staged, the engine keeps serving the old weights
+        and version and nothing is published; streaming, nothing of that bucket
+        is written, and the buckets applied before it leave the engine dirty and
+        paused, as for any failed streaming update.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

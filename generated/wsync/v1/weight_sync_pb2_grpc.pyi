@@ -34,6 +34,7 @@ detail (domain "wsync.v1", reason in UPPER_SNAKE_CASE):
   RESOURCE_EXHAUSTED  too many calls of one class at once (reason
                       TOO_MANY_CALLS): the excess is refused, not queued;
                       retry later
+  DATA_LOSS           a bucket's bytes do not match its digest
   INTERNAL            anything else (logged by the engine)
 
 Every duration a caller chooses is capped by the engine's operator (timeouts
@@ -167,13 +168,22 @@ class WeightSyncServiceStub:
     """
     Update: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.UpdateRequest, _weight_sync_pb2.UpdateResponse]
     """Update declares further buckets of an incremental update (one whose
-    header set incremental = true). The buckets are validated like Prepare's
-    and the receivers arm them after the buckets already declared.
+    header set incremental = true), and/or the digests of buckets already
+    declared (an update whose header set digests_follow = true, incremental
+    or not). The buckets are validated like Prepare's and the receivers arm
+    them after the buckets already declared; a digest reaches every worker
+    before Update returns.
 
     Precondition: state RECEIVING or RECEIVED, update_id equal to the update
-    in flight, which was prepared with incremental = true. Transports other
-    than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Only the owner may call
-    it (NOT_OWNER). Not idempotent: every call appends buckets.
+    in flight, which was prepared with incremental = true (for buckets) or
+    digests_follow = true (for digests), and Complete not called yet
+    (FAILED_PRECONDITION NOT_INCREMENTAL, DIGESTS_NOT_FOLLOWING,
+    COMPLETING). Transports other than TRANSPORT_BROADCAST fail with
+    UNIMPLEMENTED. Only the owner may call it (NOT_OWNER). Calling Update
+    for an update that already failed (state FAILED) returns that update's
+    error, as Complete does. Not idempotent for buckets (every call appends
+    them); a digest declared again with the same value is accepted, with
+    another value refused (INVALID_ARGUMENT DIGEST_CONFLICT).
     """
     Complete: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.CompleteRequest, _weight_sync_pb2.CompleteResponse]
     """Complete waits (bounded by `timeout`) until every declared bucket has
@@ -196,6 +206,15 @@ class WeightSyncServiceStub:
     weights, no bucket may be added any more, and the update can still be
     cancelled. A second Complete (verify_only = false) then applies it.
     Calling verify_only again after a verification succeeds at once.
+
+    Integrity: every worker checks each bucket's bytes against its digest
+    (BucketSpec.digest, or one declared with Update) when it arrives, before
+    the bucket is staged or applied. A mismatch fails the update with
+    DATA_LOSS, reason BUCKET_DIGEST_MISMATCH, the bucket's index in the error
+    metadata ("bucket"): staged, the engine keeps serving the old weights
+    and version and nothing is published; streaming, nothing of that bucket
+    is written, and the buckets applied before it leave the engine dirty and
+    paused, as for any failed streaming update.
     """
     Pause: _grpc.UnaryUnaryMultiCallable[_weight_sync_pb2.PauseRequest, _weight_sync_pb2.PauseResponse]
     """Pause stops admitting new generation requests; `mode` says what happens
@@ -412,13 +431,22 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     """
     Update: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.UpdateRequest, _weight_sync_pb2.UpdateResponse]  # type: ignore[assignment]
     """Update declares further buckets of an incremental update (one whose
-    header set incremental = true). The buckets are validated like Prepare's
-    and the receivers arm them after the buckets already declared.
+    header set incremental = true), and/or the digests of buckets already
+    declared (an update whose header set digests_follow = true, incremental
+    or not). The buckets are validated like Prepare's and the receivers arm
+    them after the buckets already declared; a digest reaches every worker
+    before Update returns.
 
     Precondition: state RECEIVING or RECEIVED, update_id equal to the update
-    in flight, which was prepared with incremental = true. Transports other
-    than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Only the owner may call
-    it (NOT_OWNER). Not idempotent: every call appends buckets.
+    in flight, which was prepared with incremental = true (for buckets) or
+    digests_follow = true (for digests), and Complete not called yet
+    (FAILED_PRECONDITION NOT_INCREMENTAL, DIGESTS_NOT_FOLLOWING,
+    COMPLETING). Transports other than TRANSPORT_BROADCAST fail with
+    UNIMPLEMENTED. Only the owner may call it (NOT_OWNER). Calling Update
+    for an update that already failed (state FAILED) returns that update's
+    error, as Complete does. Not idempotent for buckets (every call appends
+    them); a digest declared again with the same value is accepted, with
+    another value refused (INVALID_ARGUMENT DIGEST_CONFLICT).
     """
     Complete: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.CompleteRequest, _weight_sync_pb2.CompleteResponse]  # type: ignore[assignment]
     """Complete waits (bounded by `timeout`) until every declared bucket has
@@ -441,6 +469,15 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     weights, no bucket may be added any more, and the update can still be
     cancelled. A second Complete (verify_only = false) then applies it.
     Calling verify_only again after a verification succeeds at once.
+
+    Integrity: every worker checks each bucket's bytes against its digest
+    (BucketSpec.digest, or one declared with Update) when it arrives, before
+    the bucket is staged or applied. A mismatch fails the update with
+    DATA_LOSS, reason BUCKET_DIGEST_MISMATCH, the bucket's index in the error
+    metadata ("bucket"): staged, the engine keeps serving the old weights
+    and version and nothing is published; streaming, nothing of that bucket
+    is written, and the buckets applied before it leave the engine dirty and
+    paused, as for any failed streaming update.
     """
     Pause: _aio.UnaryUnaryMultiCallable[_weight_sync_pb2.PauseRequest, _weight_sync_pb2.PauseResponse]  # type: ignore[assignment]
     """Pause stops admitting new generation requests; `mode` says what happens
@@ -672,13 +709,22 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_weight_sync_pb2.UpdateResponse, _abc.Awaitable[_weight_sync_pb2.UpdateResponse]]:
         """Update declares further buckets of an incremental update (one whose
-        header set incremental = true). The buckets are validated like Prepare's
-        and the receivers arm them after the buckets already declared.
+        header set incremental = true), and/or the digests of buckets already
+        declared (an update whose header set digests_follow = true, incremental
+        or not). The buckets are validated like Prepare's and the receivers arm
+        them after the buckets already declared; a digest reaches every worker
+        before Update returns.
 
         Precondition: state RECEIVING or RECEIVED, update_id equal to the update
-        in flight, which was prepared with incremental = true. Transports other
-        than TRANSPORT_BROADCAST fail with UNIMPLEMENTED. Only the owner may call
-        it (NOT_OWNER). Not idempotent: every call appends buckets.
+        in flight, which was prepared with incremental = true (for buckets) or
+        digests_follow = true (for digests), and Complete not called yet
+        (FAILED_PRECONDITION NOT_INCREMENTAL, DIGESTS_NOT_FOLLOWING,
+        COMPLETING). Transports other than TRANSPORT_BROADCAST fail with
+        UNIMPLEMENTED. Only the owner may call it (NOT_OWNER). Calling Update
+        for an update that already failed (state FAILED) returns that update's
+        error, as Complete does. Not idempotent for buckets (every call appends
+        them); a digest declared again with the same value is accepted, with
+        another value refused (INVALID_ARGUMENT DIGEST_CONFLICT).
         """
 
     @_abc_1.abstractmethod
@@ -707,6 +753,15 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         weights, no bucket may be added any more, and the update can still be
         cancelled. A second Complete (verify_only = false) then applies it.
         Calling verify_only again after a verification succeeds at once.
+
+        Integrity: every worker checks each bucket's bytes against its digest
+        (BucketSpec.digest, or one declared with Update) when it arrives, before
+        the bucket is staged or applied. A mismatch fails the update with
+        DATA_LOSS, reason BUCKET_DIGEST_MISMATCH, the bucket's index in the error
+        metadata ("bucket"): staged, the engine keeps serving the old weights
+        and version and nothing is published; streaming, nothing of that bucket
+        is written, and the buckets applied before it leave the engine dirty and
+        paused, as for any failed streaming update.
         """
 
     @_abc_1.abstractmethod

@@ -26,13 +26,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.dtypes import parse_dtype
 from wsync_grpc.core.engine import ParamSpec, PauseMode, PauseOutcome, ReceiverProgress
 from wsync_grpc.core.errors import GroupError, GroupTimeout
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.lora import AdapterState, LinearShape, LoraSpec
 from wsync_grpc.core.membership import GroupParams
-from wsync_grpc.core.messages import buckets_to_msg, plan_to_msg, progress_from_msg, tensor_from_msg
+from wsync_grpc.core.messages import buckets_to_msg, digests_to_msg, plan_to_msg, progress_from_msg, tensor_from_msg
 from wsync_grpc.core.timeouts import DEFAULT_RPC_TIMEOUT_S, JOIN_OVERRUN_S
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.engines.vllm.checkpoint import checkpoint_specs, fused_groups, tied_aliases
@@ -325,9 +326,11 @@ class VllmEngine:
         first: list[dict[str, Any]] = next((msgs for msgs in per_worker if msgs), [])
         return [(str(m["name"]), tensor_from_msg(m)) for m in first]
 
-    def declare_to_workers(self, buckets: Sequence[Bucket], closed: bool) -> None:
-        """Feed further buckets to every worker."""
-        self._rpc("wsync_declare", buckets_to_msg(buckets), closed)
+    def declare_to_workers(
+        self, buckets: Sequence[Bucket], closed: bool, digests: Mapping[int, Digest] | None = None
+    ) -> None:
+        """Feed further buckets and late digests to every worker (``closed``: the declarations ended)."""
+        self._rpc("wsync_declare", buckets_to_msg(buckets), closed, digests_to_msg(digests or {}))
 
     def worker_progress(self) -> list[ReceiverProgress]:
         """Each worker's receive progress."""

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from wsync_grpc.core.dtypes import dtype_name
-from wsync_grpc.core.messages import buckets_from_msg, plan_from_msg, progress_to_msg, tensor_to_msg
+from wsync_grpc.core.messages import (
+    buckets_from_msg,
+    digests_from_msg,
+    plan_from_msg,
+    progress_to_msg,
+    tensor_to_msg,
+)
 from wsync_grpc.engines.vllm.readback import served_tensors
 from wsync_grpc.engines.vllm.transfer import WsyncInitInfo, WsyncTransferEngine
 from wsync_grpc.group.waits import wait_work
@@ -75,9 +81,11 @@ class WsyncWorkerExtension:
         host = self._wsync().host
         return [tensor_to_msg(n, t) for n, t in host.take(timeout_s, keep=host.global_rank == 0)]
 
-    def wsync_declare(self, buckets: list[dict[str, Any]], closed: bool) -> None:
-        """Feed further buckets of an incremental update."""
-        self._wsync().host.declare(buckets_from_msg(buckets), closed)
+    def wsync_declare(
+        self, buckets: list[dict[str, Any]], closed: bool, digests: list[list[Any]] | None = None
+    ) -> None:
+        """Feed further buckets of an incremental update, and digests declared after their buckets."""
+        self._wsync().host.declare(buckets_from_msg(buckets), closed, digests_from_msg(digests or []))
 
     def wsync_progress(self) -> dict[str, Any]:
         """This worker's receive progress."""

@@ -24,6 +24,15 @@ trainer's ranks send separately are copied into the whole tensor as they arrive
 (:class:`~wsync_grpc.core.pieces.PieceAssembler`), which is loaded, or staged, once whole;
 they are never received in place.
 
+A bucket with a digest (its spec's, or one declared after it: :mod:`wsync_grpc.core.digests`)
+is hashed once it arrived, while the next one is on the wire, and checked before any of it
+is staged, loaded or assembled: a mismatch ends the receive with DATA_LOSS
+(BUCKET_DIGEST_MISMATCH) and nothing of that bucket reaches the engine. Such a bucket is
+therefore never received in place (the served tensor would be written before the check);
+in the individual layout its chunks are held until its last one arrived and the whole
+bucket checked. A bucket whose digest is declared later waits for it, at most the group
+timeout. Buckets without a digest (a trainer that sends none) are used unverified.
+
 Every wait is bounded by the group timeout and interrupted by the cancel
 event; any error is recorded in :attr:`BroadcastReceiver.error` and reported
 through the ``on_event`` callback.
@@ -38,8 +47,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from wsync_grpc.core.digests import BucketHasher, Digest, check_digest
 from wsync_grpc.core.engine import InPlaceReceive, StorageSwap
-from wsync_grpc.core.errors import Cancelled, GroupError, GroupTimeout
+from wsync_grpc.core.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    GroupError,
+    GroupTimeout,
+    InvalidArgument,
+    WsyncError,
+)
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.pieces import PieceAssembler
@@ -115,6 +132,9 @@ class BroadcastReceiver(ReceiverThread):
         """Staged apply on a :class:`StorageSwap` engine: ``(canonical name, tensor)`` to serve as they are."""
         self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
         self._pieces = PieceAssembler(self.device)
+        self._digests_follow = plan.digests_follow
+        self._hasher: BucketHasher | None = None  # individual: the bucket being hashed, chunk by chunk
+        self._held_chunks: list[_Posted] = []  # individual: its chunks, held until it is checked
 
     @property
     def timeout_s(self) -> float:
@@ -125,7 +145,9 @@ class BroadcastReceiver(ReceiverThread):
         try:
             self._receive_all()
         except BaseException as e:
-            if not isinstance(e, (GroupError, GroupTimeout, Cancelled)):  # reported as such, without a traceback
+            if isinstance(e, WsyncError):  # a digest that does not match or never came: the update says why
+                log.warning("broadcast receiver of worker %d: %s %s", self.worker, e.reason, e.message)
+            elif not isinstance(e, (GroupError, GroupTimeout, Cancelled)):  # reported as such, without a traceback
                 log.exception("broadcast receiver of worker %d failed", self.worker)
             self.error = e
         finally:
@@ -226,9 +248,10 @@ class BroadcastReceiver(ReceiverThread):
         """Post the receives of ``bucket`` (flattened: all of it; individual: a chunk from tensor ``start``)."""
         if self.first_post_at is None:
             self.first_post_at = time.monotonic()
+        verified = self._verified(bucket)
         if self.flattened:
             lone = bucket.lone
-            target = self._served_target(lone) if lone is not None else None
+            target = self._served_target(lone) if lone is not None and not verified else None
             if target is not None:
                 self.wrote_served = True  # before posting: bytes may land at once
                 flat = target.view(-1).view(torch.uint8)
@@ -247,7 +270,7 @@ class BroadcastReceiver(ReceiverThread):
         bufs: list[torch.Tensor] = []
         direct: list[bool] = []
         for t in bucket.tensors[start:end]:
-            target = self._served_target(t)
+            target = None if verified else self._served_target(t)
             if target is None:
                 bufs.append(torch.empty(t.shape, dtype=t.dtype, device=self.device))
             else:
@@ -257,7 +280,90 @@ class BroadcastReceiver(ReceiverThread):
         works = [self.group.broadcast(b, bucket.src) for b in bufs]
         return _Posted(bucket, works, bufs, start, end, direct=tuple(direct))
 
+    def _verified(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` is checked against a digest (its spec's, or one declared after it)."""
+        return bucket.digest is not None or self._digests_follow
+
     def _handle(self, posted: _Posted) -> None:
+        """Check what arrived against its bucket's digest (when it has one), then stage or load it.
+
+        Individual layout: a verified bucket's chunks are hashed as they arrive and held until the
+        last one; the bucket is used only once the whole of it matched.
+
+        Raises:
+            DataLoss: BUCKET_DIGEST_MISMATCH; nothing of the bucket was used.
+            DeadlineExceeded, InvalidArgument: DIGEST_TIMEOUT, DIGEST_MISSING (see :meth:`_expected`).
+        """
+        bucket = posted.bucket
+        if not self._verified(bucket):
+            self._use(posted)
+            return
+        if self.flattened:
+            h = BucketHasher()
+            h.update(posted.buffers[0][: bucket.size_bytes])
+            self._check(bucket, h)
+            self._use(posted)
+            return
+        if self._hasher is None:
+            self._hasher = BucketHasher()
+        for buf in posted.buffers:
+            self._hasher.update(buf)
+        self._held_chunks.append(posted)
+        if not posted.last:
+            return
+        hasher, self._hasher = self._hasher, None
+        held, self._held_chunks = self._held_chunks, []
+        self._check(bucket, hasher)
+        for p in held:
+            self._use(p)
+
+    def _check(self, bucket: Bucket, hasher: BucketHasher) -> None:
+        """Compare the bytes ``hasher`` took in with ``bucket``'s digest; count the bucket verified.
+
+        Raises:
+            DataLoss: BUCKET_DIGEST_MISMATCH.
+        """
+        check_digest(bucket.index, self._expected(bucket), hasher.digest())
+        self.buckets_verified += 1
+
+    def _expected(self, bucket: Bucket) -> Digest:
+        """``bucket``'s digest: its spec's, or the one declared after it (waited for, at most the group timeout).
+
+        Raises:
+            DeadlineExceeded: DIGEST_TIMEOUT, none was declared within the group timeout.
+            InvalidArgument: DIGEST_MISSING, the declarations ended (Complete) without it.
+            Cancelled: the update was cancelled meanwhile.
+        """
+        if bucket.digest is not None:
+            return bucket.digest
+        timeout = self.group.timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.cancel.is_set():
+                raise Cancelled("the update was cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(
+                    "DIGEST_TIMEOUT",
+                    f"bucket {bucket.index} arrived, but its digest was not declared within {timeout:g} s "
+                    "(PrepareHeader.digests_follow promised it in an Update)",
+                    bucket=str(bucket.index),
+                )
+            try:
+                digest = self.feed.digest(bucket.index, min(left, 0.1))
+            except GroupTimeout:
+                continue
+            if digest is None:
+                raise InvalidArgument(
+                    "DIGEST_MISSING",
+                    f"bucket {bucket.index} has no digest: the update promised one for every bucket "
+                    "(PrepareHeader.digests_follow), but Complete came before it",
+                    bucket=str(bucket.index),
+                )
+            return digest
+
+    def _use(self, posted: _Posted) -> None:
+        """Stage or load what ``posted`` received (the whole bucket, or a chunk of it)."""
         bucket = posted.bucket
         views = True  # whether what is staged views the flat buffer
         if self.flattened:
