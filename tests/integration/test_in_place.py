@@ -18,19 +18,29 @@ from wsync_grpc.trainer import ApplyMode, TrainerClient
 
 
 @pytest.mark.parametrize(
-    ("apply", "solo_bytes", "path"),
-    [("streaming", 1, "in place"), ("streaming", 0, "copy"), ("staged", 1, "swap"), ("staged", 0, "copy")],
+    ("apply", "solo_bytes", "digests", "path"),
+    [
+        ("streaming", 1, False, "in place"),
+        ("streaming", 1, True, "copy"),  # a verified bucket is checked before a byte of it is served
+        ("streaming", 0, True, "copy"),
+        ("staged", 1, True, "swap"),
+        ("staged", 0, True, "copy"),
+    ],
 )
-def test_lone_tensors_are_received_in_place_or_swapped(apply: ApplyMode, solo_bytes: int, path: str) -> None:
-    """Streaming: lone tensors land in the served memory. Staged: they land in buffers the engine then serves."""
+def test_lone_tensors_are_received_in_place_or_swapped(
+    apply: ApplyMode, solo_bytes: int, digests: bool, path: str
+) -> None:
+    """Streaming without digests: lone tensors land in the served memory. Staged: they land in buffers the engine
+    then serves."""
     with tensor_server("tiny", seed=0) as (srv, engine, stub):
         objects = dict(engine.tensors)
         before = {n: (t.data_ptr(), t.clone()) for n, t in engine.tensors.items()}
         new = synthetic.build("tiny", seed=7)
-        with TrainerClient([srv.address], solo_bytes=solo_bytes, bucket_bytes=1 << 20) as client:
+        with TrainerClient([srv.address], solo_bytes=solo_bytes, bucket_bytes=1 << 20, digests=digests) as client:
             client.init()
             r = client.sync(new.items(), weight_version="v1", apply_mode=apply)
             assert r.engines[srv.address].tensor_count == len(new)
+            assert r.engines[srv.address].buckets_verified == (r.bucket_count if digests else 0)
             if solo_bytes:
                 assert r.bucket_count == len(new), "every tensor alone in its bucket"
             for n, t in new.items():

@@ -48,6 +48,8 @@ def test_each_mode_is_bit_exact_and_answers_change_with_the_trainer(engine: Engi
     for r in ranks:  # every rank returns rank 0's result
         synced = [e for e in r.events if e["event"] == "synced"]
         assert [e["version"] for e in synced] == [f"step-1-{mode}", f"step-2-{mode}"]
+        # Every bucket's digest (hashed by the rank that sent it) matched on the engine.
+        assert all(e["verified"] == e["buckets"] > 1 for e in synced), synced
     checks = [e for e in ranks[0].events if e["event"] == "checked"]
     assert [c["failures"] for c in checks] == [[], []]  # every checksum bit-exact, the answers the trainer's
     assert checks[0]["answer"] != checks[1]["answer"]

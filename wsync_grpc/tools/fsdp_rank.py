@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
                     seconds=round(time.monotonic() - t0, 3),
                     buckets=r.bucket_count,
                     wire_bytes=r.wire_bytes,
+                    verified=min(e.buckets_verified for e in r.engines.values()),
                 )
                 if args.check != "none":
                     failures = _check(c, model, version, wire, local if args.check == "all" else None)

@@ -187,6 +187,15 @@ class TrainerClient:
             ``NOT_OWNER`` from ``init``/``sync``.
         metrics_registry: where the client's Prometheus metrics go (:mod:`wsync_grpc.trainer.metrics`);
             ``None`` = a registry of its own (:attr:`metrics_registry`), for the caller to serve.
+        digests: send each bucket's digest (XXH3-128 of its bytes on the wire), which every engine
+            worker checks before it stages or applies the bucket: a bucket corrupted on the way fails
+            the update (``DATA_LOSS BUCKET_DIGEST_MISMATCH``) and nothing of it is used. Default
+            ``True``. The trainer hashes each bucket while it is on the wire and declares the digest
+            with an ``Update`` right after (a sharded trainer's direct send: before Prepare, every
+            rank hashing its own buckets). Hashing reads every byte once more on each side (on the
+            host: CUDA buckets are copied there first), and an engine receives a verified bucket into
+            a buffer, never straight into the served tensor. ``False``: buckets travel unverified
+            (``EngineSyncResult.buckets_verified`` is 0).
         sender: builds the client's :class:`~wsync_grpc.trainer.sender.Sender` (which trainer ranks
             send which bytes) from its two pack buffers; ``None`` = one process at group rank 0
             (:class:`~wsync_grpc.trainer.sender.BroadcastSender`). A sharded trainer's client
@@ -217,6 +226,7 @@ class TrainerClient:
     alignment = Setting[int]()
     ramp_bytes = Setting[int]()
     solo_bytes = Setting[int]()
+    digests = Setting[bool]()
 
     def __init__(
         self,
@@ -241,6 +251,7 @@ class TrainerClient:
         keep_buffers: bool | None = None,
         owner: str | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        digests: bool = True,
         sender: Callable[[PackBuffers], Sender] | None = None,
         policy: FleetPolicy | None = None,
     ) -> None:
@@ -259,6 +270,7 @@ class TrainerClient:
             alignment=alignment,
             ramp_bytes=ramp_bytes,
             solo_bytes=solo_bytes,
+            digests=digests,
         )
         owner = owner if owner is not None else f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._fleet = Fleet(targets, self._settings, token, credentials, channel_options, owner, keepalive)

@@ -12,15 +12,16 @@ so no tensor's bytes or storage are read here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, cast
 
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.core.planning import PieceMeta, TensorMeta, plan_metadata, plan_pieces
-from wsync_grpc.wire.convert import batch_bucket_specs, bucket_spec
+from wsync_grpc.wire.convert import batch_bucket_specs, bucket_spec, digest_to_proto
 
 
 class PlanSettings(Protocol):
@@ -92,3 +93,19 @@ class Planner:
         messages = batch_bucket_specs([bucket_spec(b, layout) for b in buckets])
         self._cache = (signature, buckets, messages)
         return buckets, messages
+
+
+def set_spec_digests(messages: Sequence[pb.PrepareRequest], digests: Mapping[int, Digest]) -> None:
+    """Write each bucket's digest into the Prepare messages (``BucketSpec.digest``), in place; clear the others.
+
+    The messages are the plan's, kept by :class:`Planner` from one sync to the next: every sync sets
+    (or clears) the digests of all of its buckets, whether it declares them here or not at all.
+    """
+    for m in messages:
+        specs = [m.bucket] if m.HasField("bucket") else list(m.buckets.buckets)
+        for spec in specs:
+            d = digests.get(spec.index)
+            if d is None:
+                spec.ClearField("digest")
+            else:
+                spec.digest.CopyFrom(digest_to_proto(d))

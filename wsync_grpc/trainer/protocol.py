@@ -38,6 +38,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode
 from wsync_grpc.group.process_group import WeightSyncGroup
+from wsync_grpc.trainer.digests import DigestCourier
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.liveness import Holds
 from wsync_grpc.trainer.membership import Membership
@@ -150,6 +151,10 @@ class UpdateProtocol:
         group = self._membership.group
         assert group is not None
         return init_s, group
+
+    def digest_courier(self, request: UpdateRequest) -> DigestCourier:
+        """A courier that declares ``request``'s bucket digests to every engine as they are hashed."""
+        return DigestCourier(self._fleet, request.update_id, self._settings.rpc_timeout_s)
 
     def hold_engines(self) -> None:
         """For an update without a group (disk): clear the cancel signal and hold every engine's lease.
@@ -292,6 +297,19 @@ class UpdateProtocol:
 
     # ------------------------------------------------------------------ the failure protocol
 
+    def _name_ended(self, update_id: str, targets: Sequence[str], failures: dict[str, EngineFailure]) -> None:
+        """Name why the update ended on engines that had ended it on their own (Cancel found nothing to cancel)
+        and are not named yet: their ``GetStatus`` last error, when it is this update's (e.g. a bucket
+        that arrived corrupted, which may break the trainer's send before the engine's held ``Watch`` ends)."""
+        unnamed = [e for e in self._fleet.engines if e.target in targets and e.target not in failures]
+        if not unnamed:
+            return
+        statuses, _ = self._fleet.gather("GetStatus", self._fleet.start_get_status, unnamed)
+        for t, st in statuses.items():
+            err = st.last_error
+            if st.HasField("last_error") and err.update_id == update_id and err.reason:
+                failures[t] = EngineFailure(t, "update", None, err.reason, err.message)
+
     def abandon(
         self,
         request: UpdateRequest,
@@ -330,6 +348,8 @@ class UpdateProtocol:
                 pending,
             )
             cancelled = {t: r.cancelled for t, r in replies.items()}
+            if broadcast_started:
+                self._name_ended(update_id, [t for t, c in cancelled.items() if not c], all_failures)
         self._membership.drop()
         self._sender.release()  # a send abandoned half-way may still read its buffers
         for t, f in cancel_failures.items():

@@ -148,12 +148,13 @@ class UpdateRequest:
             adapter=adapter,
         )
 
-    def header(self, bucket_count: int = 0, total_bytes: int = 0) -> UpdateHeader:
+    def header(self, bucket_count: int = 0, total_bytes: int = 0, digests_follow: bool = False) -> UpdateHeader:
         """The update's domain header (``wsync.v1.PrepareHeader`` once converted at the wire).
 
         Args:
             bucket_count: buckets the Prepare stream declares (0 for a disk update).
             total_bytes: bytes those buckets put on the wire, in bytes (0 for a disk update).
+            digests_follow: the buckets' digests are declared with Updates as they are hashed.
         """
         return UpdateHeader(
             update_id=self.update_id,
@@ -166,6 +167,7 @@ class UpdateRequest:
             transport=self.transport,
             checkpoint_path=self.checkpoint_path,
             adapter=self.adapter,
+            digests_follow=digests_follow,
         )
 
     def report(self, phase: str) -> None:

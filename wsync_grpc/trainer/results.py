@@ -184,6 +184,8 @@ class EngineSyncResult:
         cache_flushed: whether the engine flushed its cache.
         verify_seconds: the engine's wait for the last buckets in the verifying Complete, in seconds
             (0 for a streaming update).
+        buckets_verified: buckets whose bytes matched their digest on every worker of the engine
+            (``bucket_count`` when every bucket was checked; 0 when the trainer sent no digests).
     """
 
     target: str
@@ -198,6 +200,7 @@ class EngineSyncResult:
     total_seconds: float
     cache_flushed: bool
     verify_seconds: float = 0.0
+    buckets_verified: int = 0
 
     @property
     def gb_per_s(self) -> float:
@@ -351,4 +354,5 @@ def engine_result(target: str, r: pb.CompleteResponse, prepared: pb.PrepareRespo
         total_seconds=r.total_seconds,
         cache_flushed=r.cache_flushed,
         verify_seconds=r.verify_seconds,
+        buckets_verified=r.buckets_verified,
     )

@@ -18,13 +18,14 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.source import WeightSource
-from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers
+from wsync_grpc.transports.broadcast.sender import Broadcast, Corruption, PackBuffers
 
 SENDING_RANK = 0
 """The group rank of a single trainer process, which sends every bucket (the contract's rank 0)."""
@@ -51,6 +52,17 @@ class Sender(Protocol):
         """
         ...
 
+    def digests_before_send(
+        self, buckets: Sequence[Bucket], layout: Layout, source: WeightSource
+    ) -> Mapping[int, Digest] | None:
+        """Every bucket's digest, computed before the update is prepared; ``None``: the sender hashes each bucket
+        as it sends it (:meth:`send`'s ``on_digest``), and the digests follow the Prepare.
+
+        Raises:
+            Exception: a trainer rank failed or is gone (the update is abandoned before Prepare).
+        """
+        ...
+
     def send(
         self,
         group: WeightSyncGroup,
@@ -59,6 +71,7 @@ class Sender(Protocol):
         source: WeightSource,
         on_sent: Callable[[Bucket, int], None] | None,
         cancel: threading.Event,
+        on_digest: Callable[[Bucket, Digest], None] | None = None,
     ) -> float:
         """Send every bucket of one update, in index order, in ``layout``.
 
@@ -70,6 +83,8 @@ class Sender(Protocol):
             on_sent: called from this thread once a bucket is on every engine, with the bucket
                 and the bytes on every engine so far (bytes); ``None`` for none.
             cancel: set to stop at the next wait.
+            on_digest: called with each bucket and its digest as soon as it was hashed (while it is on
+                the wire); ``None``: nothing is hashed while sending.
 
         Returns:
             The time spent packing or preparing tensors, in seconds (overlapped with the wire).
@@ -90,6 +105,8 @@ class BroadcastSender:
 
     Args:
         buffers: the two flat pack buffers the flattened layout packs into (kept between updates or not).
+        corrupt: a test hook: flip a byte of one bucket after hashing it
+            (:class:`~wsync_grpc.transports.broadcast.sender.Corruption`); ``None`` (always, outside tests).
     """
 
     trainer_ranks = 1
@@ -97,8 +114,9 @@ class BroadcastSender:
     rank = SENDING_RANK
     """This process joins as rank 0."""
 
-    def __init__(self, buffers: PackBuffers) -> None:
+    def __init__(self, buffers: PackBuffers, *, corrupt: Corruption | None = None) -> None:
         self._buffers = buffers
+        self._corrupt = corrupt
 
     def forming(self, port: int, world_size: int) -> None:
         """See :meth:`Sender.forming`: nothing, this process is the trainer's only rank."""
@@ -111,11 +129,26 @@ class BroadcastSender:
         source: WeightSource,
         on_sent: Callable[[Bucket, int], None] | None,
         cancel: threading.Event,
+        on_digest: Callable[[Bucket, Digest], None] | None = None,
     ) -> float:
         """See :meth:`Sender.send`: a broadcast from rank 0 per bucket (flattened) or per tensor (individual)."""
-        return Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=SENDING_RANK).run(
-            layout, self._buffers
+        job = Broadcast(
+            group,
+            buckets,
+            source.bucket_tensors,
+            on_sent,
+            cancel,
+            src=SENDING_RANK,
+            on_digest=on_digest,
+            corrupt=self._corrupt,
         )
+        return job.run(layout, self._buffers)
+
+    def digests_before_send(
+        self, buckets: Sequence[Bucket], layout: Layout, source: WeightSource
+    ) -> Mapping[int, Digest] | None:
+        """See :meth:`Sender.digests_before_send`: none, this process hashes each bucket as it sends it."""
+        return None
 
     def release(self) -> None:
         """See :meth:`Sender.release`."""

@@ -46,6 +46,7 @@ class ClientSettings:
         alignment: byte alignment of tensors inside flat buckets.
         ramp_bytes: size of the first and last buckets, in bytes.
         solo_bytes: flattened layout: tensors of at least this many bytes travel alone, in bytes.
+        digests: send each bucket's digest (:mod:`wsync_grpc.core.digests`), which every engine checks.
     """
 
     master_address: str
@@ -60,6 +61,7 @@ class ClientSettings:
     alignment: int
     ramp_bytes: int
     solo_bytes: int
+    digests: bool = True
 
     @property
     def timeouts(self) -> Timeouts:
@@ -82,6 +84,7 @@ def client_settings(
     alignment: int,
     ramp_bytes: int,
     solo_bytes: int,
+    digests: bool = True,
 ) -> ClientSettings:
     """Check :class:`~wsync_grpc.trainer.client.TrainerClient`'s arguments and resolve them.
 
@@ -126,4 +129,5 @@ def client_settings(
         alignment=alignment,
         ramp_bytes=ramp_bytes,
         solo_bytes=solo_bytes,
+        digests=digests,
     )

@@ -10,6 +10,12 @@ are armed; the send of every bucket by the trainer's
 tensors at a time; Complete everywhere; per-engine results and timings. The
 calls and the failure protocol are :class:`~wsync_grpc.trainer.protocol.UpdateProtocol`'s.
 
+Digests (``ClientSettings.digests``): the sender hashes each bucket while it is on the wire and a
+:class:`~wsync_grpc.trainer.digests.DigestCourier` declares the digest to every engine right away
+(the header says ``digests_follow``); every digest is declared before Complete. A sender whose
+ranks hash their own buckets before Prepare (a sharded trainer's direct send) puts them in the
+bucket specs instead.
+
 Units: sizes in bytes, times in seconds.
 """
 
@@ -17,12 +23,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, total_wire_bytes
 from wsync_grpc.group.process_group import WeightSyncGroup
+from wsync_grpc.trainer.digests import DigestCourier
 from wsync_grpc.trainer.options import apply_mode_name, layout_name
-from wsync_grpc.trainer.planning import Planner
+from wsync_grpc.trainer.planning import Planner, set_spec_digests
 from wsync_grpc.trainer.protocol import UpdateProtocol
 from wsync_grpc.trainer.request import UpdateRequest
 from wsync_grpc.trainer.results import TRAINER, EngineFailure, SyncProgress, SyncResult
@@ -45,6 +53,7 @@ class SyncRunner:
         self, calls: UpdateProtocol, settings: ClientSettings, sender: Sender, cancel_event: threading.Event
     ) -> None:
         self._calls = calls
+        self._settings = settings
         self._sender = sender
         self._cancel_event = cancel_event
         self._planner = Planner(settings)
@@ -70,9 +79,13 @@ class SyncRunner:
         plan_s = time.monotonic() - t_plan
         request.report("planned")
         init_s, group = calls.ensure_group(request)
-        prepared = calls.prepare(request, request.header(len(buckets), wire_bytes), messages)
+        up_front = self._digests_before_send(request, buckets, source) if self._settings.digests else {}
+        set_spec_digests(messages, up_front or {})
+        courier = calls.digest_courier(request) if up_front is None else None
+        header = request.header(len(buckets), wire_bytes, digests_follow=courier is not None)
+        prepared = calls.prepare(request, header, messages)
         c = calls.transfer_and_commit(
-            request, prepared, lambda: self._send(request, group, buckets, source, wire_bytes)
+            request, prepared, lambda: self._send(request, group, buckets, source, wire_bytes, courier)
         )
         result = SyncResult(
             update_id=request.update_id,
@@ -95,6 +108,20 @@ class SyncRunner:
         )
         return calls.applied(request, result)
 
+    def _digests_before_send(
+        self, request: UpdateRequest, buckets: Sequence[Bucket], source: WeightSource
+    ) -> Mapping[int, Digest] | None:
+        """The digests the sender computed before Prepare (:meth:`Sender.digests_before_send`); ``None``: they follow.
+
+        Raises:
+            SyncError: a trainer rank failed while hashing (stage ``"prepare"``; no byte was sent).
+        """
+        try:
+            return self._sender.digests_before_send(buckets, request.layout, source)
+        except Exception as exc:
+            trainer = EngineFailure.from_exception(TRAINER, "digests", exc)
+            raise self._calls.abandon(request, "prepare", {TRAINER: trainer}) from exc
+
     def _send(
         self,
         request: UpdateRequest,
@@ -102,11 +129,14 @@ class SyncRunner:
         buckets: Sequence[Bucket],
         source: WeightSource,
         wire_bytes: int,
+        courier: DigestCourier | None,
     ) -> float:
-        """Send every bucket in the request's layout; returns the time spent packing, in seconds.
+        """Send every bucket in the request's layout (``courier``: declaring each digest as it is hashed);
+        returns the time spent packing, in seconds.
 
         Raises:
-            SyncError: the trainer's send failed or was cancelled (stage ``"broadcast"``).
+            SyncError: the trainer's send failed or was cancelled, or an engine refused a digest (stage
+                ``"broadcast"``).
         """
         on_sent = None
         if request.progress is not None:
@@ -116,11 +146,17 @@ class SyncRunner:
                 elapsed = time.monotonic() - start
                 progress(SyncProgress(request.update_id, b.index + 1, len(buckets), sent, wire_bytes, elapsed))
 
+        on_digest = courier.add if courier is not None else None
         try:
-            return self._sender.send(group, buckets, request.layout, source, on_sent, self._cancel_event)
+            pack_s = self._sender.send(group, buckets, request.layout, source, on_sent, self._cancel_event, on_digest)
         except Exception as exc:
             trainer = EngineFailure.from_exception(TRAINER, "broadcast", exc)
             raise self._calls.abandon(request, "broadcast", {TRAINER: trainer}, broadcast_started=True) from exc
         except BaseException:  # KeyboardInterrupt and the like: clean up, then let it go
             self._calls.abandon(request, "broadcast", {}, broadcast_started=True)
             raise
+        if courier is not None:  # every digest declared before Complete
+            failures = courier.finish(self._settings.rpc_timeout_s)
+            if failures:
+                raise self._calls.abandon(request, "broadcast", failures, broadcast_started=True)
+        return pack_s

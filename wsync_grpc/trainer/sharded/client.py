@@ -43,7 +43,15 @@ from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS
 from wsync_grpc.trainer.sharded.outcome import decode_outcome, encode_error, encode_result
 from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
-from wsync_grpc.trainer.sharded.sender import SEND_MODES, FollowerGroup, SendMode, ShardedSender, send_own
+from wsync_grpc.trainer.sharded.sender import (
+    SEND_MODES,
+    FollowerGroup,
+    SendMode,
+    ShardedSender,
+    encode_digests,
+    own_digests,
+    send_own,
+)
 from wsync_grpc.trainer.sharded.source import DirectSource, LockstepSource, ShardedTensors
 from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.transports.broadcast.sender import PackBuffers
@@ -262,6 +270,14 @@ class ShardedTrainerClient:
                     self._ranks.report_failure()
             elif command is Command.SENT:
                 continue  # this rank's status went with the round
+            elif command is Command.DIGESTS:
+                mine = b""
+                try:
+                    mine = encode_digests(own_digests(buckets, request.layout, sending, self._ranks.rank))
+                except Exception as e:  # rank 0 names this rank as the one whose digests are missing
+                    log.exception("trainer rank %d: hashing its buckets failed", self._ranks.rank)
+                    error = error or e
+                self._ranks.exchange(mine, "exchanging the buckets' digests")
             elif command is Command.GATHER:
                 try:
                     source.bucket_tensors(buckets[arg])  # collective with every rank; dropped at once

@@ -64,6 +64,8 @@ class Command(enum.IntEnum):
     """Direct mode: send your own buckets of the update now."""
     SENT = 5
     """Direct mode: every rank has sent its buckets (each reports whether its sends failed)."""
+    DIGESTS = 6
+    """Direct mode, before Prepare: hash your own buckets and exchange their digests."""
 
 
 class TrainerRankLost(ClientError):

@@ -9,9 +9,13 @@ then :class:`FollowerGroup` on each of them) while the engines' Init calls are i
 Per sync the sender works in one of two modes:
 
 - ``"gather"``: rank 0 broadcasts every bucket whole; the ranks gather each bucket together first
-  (:class:`~wsync_grpc.trainer.sharded.source.LockstepSource`).
+  (:class:`~wsync_grpc.trainer.sharded.source.LockstepSource`). Rank 0 hashes each bucket as it sends
+  it, as a single trainer does.
 - ``"direct"``: every rank broadcasts the buckets of its own pieces
-  (:class:`~wsync_grpc.trainer.sharded.source.DirectSource`). Rank 0 leads a
+  (:class:`~wsync_grpc.trainer.sharded.source.DirectSource`). Before Prepare, rank 0 leads a
+  :data:`~wsync_grpc.trainer.sharded.ranks.Command.DIGESTS` round: every rank hashes its own
+  buckets (:func:`own_digests`, reading its shards once; nothing is gathered) and the ranks
+  exchange the digests, which rank 0 declares in the bucket specs. Then rank 0 leads a
   :data:`~wsync_grpc.trainer.sharded.ranks.Command.SEND` round, sends its own buckets while the
   others send theirs (:func:`send_own`), and meanwhile waits in a
   :data:`~wsync_grpc.trainer.sharded.ranks.Command.SENT` round, in a helper thread, for every rank
@@ -26,18 +30,29 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import logging
+import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
+from wsync_grpc.core.digests import Digest, DigestAlgorithm
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.group.process_group import WeightSyncGroup, join_group
 from wsync_grpc.trainer.client import TrainerClient
-from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
+from wsync_grpc.trainer.sharded.ranks import Command, TrainerRankFailed, TrainerRanks
 from wsync_grpc.trainer.source import WeightSource
-from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers
+from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers, bucket_digest
 
-__all__ = ["SEND_MODES", "FollowerGroup", "SendMode", "ShardedSender", "send_own"]
+__all__ = [
+    "SEND_MODES",
+    "FollowerGroup",
+    "SendMode",
+    "ShardedSender",
+    "decode_digests",
+    "encode_digests",
+    "own_digests",
+    "send_own",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +93,29 @@ def send_own(
     """
     own = [b for b in buckets if b.src == group.rank]
     return Broadcast(group, own, source.bucket_tensors, on_sent, cancel, src=group.rank).run(layout, buffers)
+
+
+_DIGEST_ENTRY = struct.Struct(">I16s")
+"""One digest in a rank's share of the :data:`Command.DIGESTS` exchange: bucket index, XXH3-128 value."""
+
+
+def own_digests(buckets: Sequence[Bucket], layout: Layout, source: WeightSource, rank: int) -> dict[int, Digest]:
+    """The digests of the buckets of ``buckets`` that group rank ``rank`` sends, hashed from its own pieces.
+
+    Raises:
+        Exception: reading a piece failed.
+    """
+    return {b.index: bucket_digest(b, source.bucket_tensors(b), layout) for b in buckets if b.src == rank}
+
+
+def encode_digests(digests: Mapping[int, Digest]) -> bytes:
+    """A rank's digests as its share of the exchange (:data:`_DIGEST_ENTRY` per bucket; XXH3-128 only)."""
+    return b"".join(_DIGEST_ENTRY.pack(i, d.value) for i, d in digests.items())
+
+
+def decode_digests(payload: bytes) -> dict[int, Digest]:
+    """The digests :func:`encode_digests` wrote."""
+    return {i: Digest(DigestAlgorithm.XXH3_128, value) for i, value in _DIGEST_ENTRY.iter_unpack(payload)}
 
 
 class _SentRound:
@@ -141,6 +179,38 @@ class ShardedSender:
         """
         self._ranks.lead(Command.JOIN, port, world_size)
 
+    def digests_before_send(
+        self, buckets: Sequence[Bucket], layout: Layout, source: WeightSource
+    ) -> Mapping[int, Digest] | None:
+        """See :meth:`Sender.digests_before_send`. Gather mode: none (rank 0 hashes what it sends). Direct mode:
+        a :data:`Command.DIGESTS` round, every rank hashing its own buckets.
+
+        Raises:
+            TrainerRankLost: the round or the exchange failed.
+            TrainerRankFailed: a rank could not hash its buckets (it reported failure), or a rank failed
+                its part of the previous command.
+        """
+        if self.mode == "gather":
+            return None
+        self._ranks.lead(Command.DIGESTS)
+        error: Exception | None = None
+        try:
+            mine = encode_digests(own_digests(buckets, layout, source, self.rank))
+        except Exception as e:  # the exchange is collective: take part, then fail
+            error, mine = e, b""
+        shares = self._ranks.exchange(mine, "exchanging the buckets' digests")
+        if error is not None:
+            raise error
+        digests: dict[int, Digest] = {}
+        for share in shares:
+            digests.update(decode_digests(share))
+        missing = sorted({b.src for b in buckets if b.index not in digests})
+        if missing:
+            raise TrainerRankFailed(
+                f"trainer rank {', '.join(map(str, missing))} could not hash its buckets (see its own error)", missing
+            )
+        return digests
+
     def send(
         self,
         group: WeightSyncGroup,
@@ -149,8 +219,10 @@ class ShardedSender:
         source: WeightSource,
         on_sent: Callable[[Bucket, int], None] | None,
         cancel: threading.Event,
+        on_digest: Callable[[Bucket, Digest], None] | None = None,
     ) -> float:
-        """See :meth:`Sender.send`. Direct mode: this rank's buckets, while the others send theirs.
+        """See :meth:`Sender.send`. Direct mode: this rank's buckets, while the others send theirs (their digests
+        went with Prepare: ``on_digest`` is not called).
 
         Raises:
             TrainerRankLost, TrainerRankFailed: another rank died or its sends failed (rank 0's own
@@ -158,7 +230,16 @@ class ShardedSender:
             Exception: as for :meth:`Sender.send`.
         """
         if self.mode == "gather":
-            job = Broadcast(group, buckets, source.bucket_tensors, on_sent, cancel, src=self.rank, materialises=True)
+            job = Broadcast(
+                group,
+                buckets,
+                source.bucket_tensors,
+                on_sent,
+                cancel,
+                src=self.rank,
+                materialises=True,
+                on_digest=on_digest,
+            )
             return job.run(layout, self._buffers)
         stop = _Either(cancel)
         self._ranks.lead(Command.SEND)

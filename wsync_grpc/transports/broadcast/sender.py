@@ -12,6 +12,13 @@ flight). Both wait with the group's timeout and stop at the next wait when
 the client's cancel signal is set; both call the ``progress`` callback once
 a bucket is on every engine.
 
+Digests (:mod:`wsync_grpc.core.digests`): given an ``on_digest`` callback, each bucket's bytes
+are hashed once its broadcast is posted, while it is on the wire (the buffer is only read), and
+the digest is handed over at once (the trainer declares it to the engines, which hold the
+bucket until it came). :func:`bucket_digest` hashes a bucket without sending it, for a sender
+that declares its digests before Prepare. :class:`Corruption` is a test hook that flips one
+byte of one bucket after it was hashed, as a faulty wire would.
+
 Units: sizes in bytes, times in seconds.
 """
 
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wsync_grpc.core.digests import BucketHasher, Digest, digest_of
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import bucket_bytes_view, pack_bucket, wire_tensor
 from wsync_grpc.group.process_group import WeightSyncGroup
@@ -61,6 +69,55 @@ class PackBuffers:
         self._slots = [None, None]
 
 
+@dataclass(frozen=True)
+class Corruption:
+    """A test hook: flip byte ``byte`` of bucket ``bucket`` after its digest was computed (a faulty wire).
+
+    The bytes sent are a corrupted copy; the trainer's tensors are untouched. In the individual
+    layout the byte is counted in the bucket's first tensor that has bytes.
+
+    Attributes:
+        bucket: the bucket's index.
+        byte: the byte's offset in the bucket's first buffer sent.
+    """
+
+    bucket: int
+    byte: int = 0
+
+    def corrupted(self, sent: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``sent`` (a bucket's flat buffer, or its wire tensors) with the byte flipped in a copy."""
+        out = list(sent)
+        i = next(k for k, t in enumerate(out) if t.numel())
+        copy = out[i].detach().clone()
+        raw = copy.reshape(-1).view(torch.uint8)
+        raw[self.byte] ^= 0xFF
+        out[i] = copy
+        return out
+
+
+def bucket_digest(b: Bucket, by_name: Mapping[str, torch.Tensor], layout: Layout) -> Digest:
+    """The digest of the bytes ``b`` would put on the wire in ``layout``, hashed without packing it.
+
+    Each tensor is hashed in its wire dtype (a converted copy when the trainer's differs); in the
+    flattened layout the zero padding between them too, as :func:`~wsync_grpc.core.packing.pack_bucket`
+    (``zero_padding=True``) lays it out.
+
+    Raises:
+        KeyError: a tensor of ``b`` is missing from ``by_name``.
+        ValueError: a tensor's shape differs from the plan.
+    """
+    h = BucketHasher()
+    end = 0
+    for t in b.tensors:
+        if layout is Layout.FLATTENED:
+            h.zeros(t.offset - end)
+            end = t.end
+        h.update(wire_tensor(t, by_name[t.name]))
+    if layout is Layout.FLATTENED:
+        h.zeros(b.size_bytes - end)
+    return h.digest()
+
+
 @dataclass
 class Broadcast:
     """One update's broadcasts from the sending rank (group rank ``src``), and the progress they report.
@@ -75,6 +132,9 @@ class Broadcast:
             bytes on every engine so far (bytes); ``None`` for none.
         cancel: set to stop at the next wait (the waits then raise
             :class:`~wsync_grpc.core.errors.Cancelled`).
+        on_digest: called from this thread with each bucket and the digest of its bytes, hashed while
+            it is on the wire; ``None``: nothing is hashed.
+        corrupt: a test hook (:class:`Corruption`); ``None`` in production.
     """
 
     group: WeightSyncGroup
@@ -90,6 +150,8 @@ class Broadcast:
     or in flight (a lone one is broadcast from itself), besides the two pack buffers."""
     sent: int = 0
     """Bytes on every engine so far, in bytes."""
+    on_digest: Callable[[Bucket, Digest], None] | None = None
+    corrupt: Corruption | None = None
 
     def run(self, layout: Layout, buffers: PackBuffers) -> float:
         """Every bucket in ``layout``: :meth:`flattened` (packing into ``buffers``) or :meth:`individual`.
@@ -162,9 +224,15 @@ class Broadcast:
                 pack_bucket(b, by_name, buf, zero_padding=True)
             by_name = None  # packed (or viewed by buf): the tensors need not live on
             pack_s += time.monotonic() - t
+            digest = None
+            if self.corrupt is not None and self.corrupt.bucket == b.index:
+                digest = digest_of([buf])
+                (buf,) = self.corrupt.corrupted([buf])
             while len(window) >= FLAT_WINDOW:
                 finish()
             window.append((group.broadcast(buf, self.src), b, slot_index))
+            if self.on_digest is not None:  # hashed while the bucket is on the wire (both only read it)
+                self.on_digest(b, digest or digest_of([buf]))
             buf = None  # the posted work holds it until it completes, and no longer
         while window:
             finish()
@@ -205,10 +273,16 @@ class Broadcast:
             wires = [wire_tensor(pt, by_name[pt.name], group.device) for pt in b.tensors]
             del by_name  # the wire tensors (views or converted copies) are all that stays in flight
             pack_s += time.monotonic() - t
+            digest = None
+            if self.corrupt is not None and self.corrupt.bucket == b.index:
+                digest = digest_of(wires)
+                wires = self.corrupt.corrupted(wires)
             for pt, wire in zip(b.tensors, wires, strict=True):
                 if len(window) >= INDIVIDUAL_WINDOW:
                     finish(INDIVIDUAL_WINDOW // 2)
                 window.append((group.broadcast(wire, self.src), wire, b, pt))
+            if self.on_digest is not None:  # hashed while the bucket's tensors are on the wire
+                self.on_digest(b, digest or digest_of(wires))
         finish(len(window))
         group.forget_completed()
         return pack_s
