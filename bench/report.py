@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import report_disk, report_fleet, report_sharded, report_vllm
+from bench import digest_case, report_disk, report_fleet, report_sharded, report_vllm
 from bench import report_prose as prose
 from bench.report_analysis import missed
 from bench.report_checks import Check, checks
@@ -44,6 +44,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(report_fleet.section(results["fleet"], cores(results)))
     if results.get("disk"):
         parts.append(report_disk.section(results["disk"]))
+    if results.get("digests"):
+        parts.append(digest_case.section(results["digests"]))
     if results.get("sharded"):
         parts.append(report_sharded.section(results["sharded"]))
     if results.get("profile"):

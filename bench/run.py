@@ -16,7 +16,8 @@ memory and a bucket-size sweep. The cases (``--cases``): ``models``, ``moe``,
 ``fanout``, ``control``, ``fleet`` (:mod:`bench.fleet_case`: 1 to 32 engines
 serving a tiny model; how group formation, Prepare, Complete, the trainer's
 threads and CPU grow with the fleet, and what a dead engine left out costs),
-``disk`` (:mod:`bench.disk_case`), ``sharded`` (:mod:`bench.sharded_case`),
+``disk`` (:mod:`bench.disk_case`), ``digests`` (:mod:`bench.digest_case`: the
+cost of bucket digests), ``sharded`` (:mod:`bench.sharded_case`),
 ``profile`` and ``vllm`` (:mod:`bench.vllm_case`). It writes ``BENCHMARKS.md``,
 ``bench/throughput.png``, ``bench/buckets.png``, ``bench/fleet.png`` and
 ``bench/results.json``; with ``--merge`` the cases run replace theirs in the
@@ -679,9 +680,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-models", default="smollm2-shapes,1gb", help="models the CPU profile runs on")
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
     p.add_argument(
-        "--cases", default="models,moe,fanout,control,fleet,disk,sharded,profile,vllm", help="which cases to run"
+        "--cases", default="models,moe,fanout,control,fleet,disk,digests,sharded,profile,vllm", help="which cases to run"
     )
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
+    p.add_argument("--digest-model", default="1gb", help="synthetic preset of the digest case")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
@@ -741,6 +743,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from bench.disk_case import case_disk
 
                 results["disk"] = case_disk(h, args.disk_model, args.reps)
+            elif case == "digests":
+                from bench.digest_case import case_digests
+
+                results["digests"] = case_digests(h, args.digest_model, args.reps)
             elif case == "sharded":
                 from bench.sharded_case import case_sharded
 
