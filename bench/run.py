@@ -680,7 +680,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-models", default="smollm2-shapes,1gb", help="models the CPU profile runs on")
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
     p.add_argument(
-        "--cases", default="models,moe,fanout,control,fleet,disk,digests,sharded,profile,vllm", help="which cases to run"
+        "--cases",
+        default="models,moe,fanout,control,fleet,disk,digests,sharded,profile,vllm",
+        help="which cases to run",
     )
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
     p.add_argument("--digest-model", default="1gb", help="synthetic preset of the digest case")
