@@ -1,23 +1,38 @@
 """MkDocs hooks of the docs site (``mkdocs.yml``: ``hooks``).
 
-The benchmark report (``BENCHMARKS.md``) and its plots (``bench/*.png``) live where ``make bench``
-writes them, outside ``docs/``; this hook serves them in the site as ``benchmarks.md`` and
-``bench/*.png``, so the site shows the last run's figures without a copy to keep in step.
+- The benchmark report (``BENCHMARKS.md``) and its plots (``bench/*.png``) live where ``make bench``
+  writes them, outside ``docs/``; the site serves them as ``benchmarks.md`` and ``bench/*.png``, so it
+  shows the last run's figures without a copy to keep in step.
+- Diagrams are Mermaid text; the Material theme renders them in the reader's browser with the Mermaid
+  script it fetches there. For a reader with no network, ``WSYNC_DOCS_MERMAID_JS=/path/mermaid.min.js``
+  at build time puts that file in the site (``assets/mermaid.min.js``), and the theme uses it instead.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
 
+from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[2]
+MERMAID_ENV = "WSYNC_DOCS_MERMAID_JS"
+MERMAID_URI = "assets/mermaid.min.js"
 
 
-def on_files(files: Files, config: Any) -> Files:
-    """Add ``BENCHMARKS.md`` (as ``benchmarks.md``) and ``bench/*.png`` to the site's files."""
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    """Load a local Mermaid script before the theme's own, when ``WSYNC_DOCS_MERMAID_JS`` names one."""
+    if os.environ.get(MERMAID_ENV):
+        config.extra_javascript.append(MERMAID_URI)
+    return config
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    """Add ``BENCHMARKS.md`` (as ``benchmarks.md``), ``bench/*.png`` and the local Mermaid script, if any."""
     files.append(File.generated(config, "benchmarks.md", abs_src_path=str(ROOT / "BENCHMARKS.md")))
     for png in sorted((ROOT / "bench").glob("*.png")):
         files.append(File.generated(config, f"bench/{png.name}", abs_src_path=str(png)))
+    if mermaid := os.environ.get(MERMAID_ENV):
+        files.append(File.generated(config, MERMAID_URI, abs_src_path=mermaid))
     return files
