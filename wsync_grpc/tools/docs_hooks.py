@@ -3,6 +3,8 @@
 - The benchmark report (``BENCHMARKS.md``) and its plots (``bench/*.png``) live where ``make bench``
   writes them, outside ``docs/``; the site serves them as ``benchmarks.md`` and ``bench/*.png``, so it
   shows the last run's figures without a copy to keep in step.
+- Docstrings cross-reference with Sphinx roles (``:class:`~a.b.C```); the API pages show the name as
+  code, the role dropped and a leading ``~`` shortened to the last component, as Sphinx shows it.
 - Diagrams are Mermaid text; the Material theme renders them in the reader's browser with the Mermaid
   script it fetches there. For a reader with no network, ``WSYNC_DOCS_MERMAID_JS=/path/mermaid.min.js``
   at build time puts that file in the site (``assets/mermaid.min.js``), and the theme uses it instead.
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from mkdocs.config.defaults import MkDocsConfig
@@ -19,6 +22,19 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parents[2]
 MERMAID_ENV = "WSYNC_DOCS_MERMAID_JS"
 MERMAID_URI = "assets/mermaid.min.js"
+
+
+_ROLE = re.compile(r":(?:meth|class|func|data|attr|mod|exc|obj):<code>(~?)([\w.]+)(\(\))?</code>")
+
+
+def _shown(m: re.Match[str]) -> str:
+    name = m[2].rsplit(".", 1)[-1] if m[1] else m[2]
+    return f"<code>{name}{m[3] or ''}</code>"
+
+
+def on_page_content(html: str, **_: object) -> str:
+    """Docstrings' Sphinx roles as plain code names (``:meth:`sync``` -> ``sync``)."""
+    return _ROLE.sub(_shown, html)
 
 
 def on_config(config: MkDocsConfig) -> MkDocsConfig:
