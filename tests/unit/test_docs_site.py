@@ -311,3 +311,20 @@ def test_the_readme_is_short_and_its_links_resolve() -> None:
     for link in re.findall(r"\]\(([^)#]+)\)", readme):
         if not link.startswith("http"):
             assert (ROOT / link).exists(), link
+
+
+def test_every_metric_the_pages_name_is_one_the_code_exports() -> None:
+    """A backticked ``wsync_...`` metric name (labels aside) is declared by the engine's or the trainer's metrics."""
+    declared: set[str] = set()
+    for module in ("service/metrics.py", "trainer/metrics.py"):
+        for node in ast.walk(ast.parse((ROOT / "wsync_grpc" / module).read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("wsync_"):
+                declared |= {node.value, f"{node.value}_total", f"{node.value}_info"}
+    named = {
+        m[1]
+        for page in WRITTEN
+        for m in re.finditer(r"`(wsync_[a-z_]+)(?:\{[^}]*\})?`", page.read_text())
+        if m[1] not in {"wsync_grpc", "wsync_targets"}
+    }
+    assert len(named) >= 10
+    assert named <= declared, sorted(named - declared)
