@@ -328,3 +328,11 @@ def test_every_metric_the_pages_name_is_one_the_code_exports() -> None:
     }
     assert len(named) >= 10
     assert named <= declared, sorted(named - declared)
+
+
+def test_the_readme_and_the_home_page_show_the_same_comparison() -> None:
+    def rows(text: str) -> list[str]:
+        return [line for line in text.split("## Why", 1)[1].split("\n## ", 1)[0].splitlines() if line.startswith("| ")]
+
+    readme, home = (ROOT / "README.md").read_text(), (ROOT / "docs" / "index.md").read_text()
+    assert len(rows(readme)) >= 8 and rows(readme) == rows(home)
