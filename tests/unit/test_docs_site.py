@@ -171,8 +171,24 @@ def test_every_command_of_the_shell_blocks_is_real(item: tuple[Path, int, str]) 
             method = next((w for w in words if re.match(r"^[a-z0-9.]+\.[A-Z]\w+/\w+$", w)), None)
             if method:
                 assert method.replace("/", ".") in methods, method
+                if "-d" in words:  # the request body parses as the method's request message
+                    _parse_request(method, words[words.index("-d") + 1])
             if "describe" in words:
                 assert words[-1] in {n.rsplit(".", 1)[0] for n in methods}, words
+
+
+def _parse_request(method: str, body: str) -> None:
+    from google.protobuf import json_format
+    from wsync.v1 import generation_pb2, weight_sync_pb2
+
+    service, rpc = method.rsplit("/", 1)
+    for module in (weight_sync_pb2, generation_pb2):
+        desc = module.DESCRIPTOR.services_by_name.get(service.rsplit(".", 1)[-1])
+        if desc is not None:
+            request = getattr(module, desc.methods_by_name[rpc].input_type.name)()
+            json_format.Parse(body, request)  # raises on an unknown field or a bad value
+            return
+    raise AssertionError(f"no service {service}")
 
 
 def test_the_vllm_guide_passes_a_dash_value_through_to_vllm() -> None:
