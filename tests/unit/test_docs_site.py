@@ -399,3 +399,11 @@ def test_every_python_block_type_checks(tmp_path: Path) -> None:
         files.append(str(path))
     out, err, status = mypy_api.run(["--no-error-summary", *files])
     assert status == 0, out + err
+
+
+def test_the_trainer_examples_of_the_pages_are_the_example_file_that_runs() -> None:
+    """The README's and the trainer guide's loop is ``examples/minimal_trainer.py`` (run by tests/e2e), verbatim."""
+    example = (ROOT / "examples" / "minimal_trainer.py").read_text()
+    for page in ("README.md", "docs/guides/trainer.md"):
+        block = next(b for p, _, b in PYTHON if p == ROOT / page and "load_causal_lm" in b)
+        assert block.strip() in example, page
