@@ -194,8 +194,8 @@ class SyntheticAgain(OnesPlugin):
 
 
 def _readme_vllm_command() -> list[str]:
-    """The README's ``wsync serve --engine vllm`` command, as a shell would split it (after ``wsync``)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    """The vLLM guide's ``wsync serve --engine vllm`` command, as a shell would split it (after ``wsync``)."""
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "vllm.md").read_text()
     lines = readme.splitlines()
     start = next(i for i, line in enumerate(lines) if "wsync serve --engine vllm" in line and "\\" in line)
     text = ""
