@@ -53,11 +53,14 @@ class WsyncWorkerExtension:
             "packed": {str(k): [str(p) for p in v] for k, v in packed.items()},
         }
 
-    def wsync_join(self, params: dict[str, Any]) -> int:
-        """Join the weight-sync group (:class:`~wsync_grpc.engines.vllm.transfer.WsyncInitInfo` fields); its rank."""
-        e = self._wsync()
-        e.init_transfer_engine(WsyncInitInfo(**params))
-        return e.host.rank
+    def wsync_join_begin(self, params: dict[str, Any]) -> None:
+        """Start joining the weight-sync group (:class:`~wsync_grpc.engines.vllm.transfer.WsyncInitInfo` fields)
+        on a thread of its own; steps keep running. Poll :meth:`wsync_join_outcome`."""
+        self._wsync().begin_join(WsyncInitInfo(**params))
+
+    def wsync_join_outcome(self) -> dict[str, Any] | None:
+        """``None`` while the join runs, then ``{"rank": int, "error": str}`` (``error`` empty: joined)."""
+        return self._wsync().join_outcome()
 
     def wsync_leave(self) -> None:
         """Abandon any update in flight and leave the group."""
