@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hashlib
 import threading
+import time
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,6 +43,9 @@ T = TypeVar("T")
 
 RPC_MARGIN_S = 10.0
 """Added to a worker call's own bound before the front gives up on it, in seconds."""
+
+JOIN_POLL_S = 0.05
+"""How often the front asks the workers whether their join ended, in seconds."""
 
 
 class VllmEngine:
@@ -282,7 +286,11 @@ class VllmEngine:
     # ------------------------------------------------------------- workers
 
     def join_workers(self, params: GroupParams) -> None:
-        """Every worker joins at ``rank_offset`` + its global rank (one ``collective_rpc``; steps wait for it).
+        """Every worker joins at ``rank_offset`` + its global rank, on a thread of its own: vLLM's steps run on.
+
+        The front starts the joins (one ``collective_rpc``) and asks how they stand every
+        :data:`JOIN_POLL_S` seconds (each a short ``collective_rpc`` between two steps), for at most
+        ``params.timeout_s`` + :data:`~wsync_grpc.core.timeouts.JOIN_OVERRUN_S` seconds.
 
         Raises:
             GroupTimeout, GroupError: the group did not form; every worker left.
@@ -297,8 +305,19 @@ class VllmEngine:
             "timeout_s": params.timeout_s,
             "trainer_ranks": params.trainer_ranks,
         }
+        deadline = time.monotonic() + params.timeout_s + JOIN_OVERRUN_S
         try:
-            self._rpc("wsync_join", info, timeout_s=params.timeout_s + JOIN_OVERRUN_S)
+            self._rpc("wsync_join_begin", info)
+            while True:
+                outcomes = self._rpc("wsync_join_outcome")
+                errors = [str(o["error"]) for o in outcomes if o is not None and o["error"]]
+                if errors:
+                    raise GroupError(errors[0])
+                if all(o is not None for o in outcomes):
+                    return
+                if time.monotonic() > deadline:
+                    raise GroupTimeout(f"the group did not form within {params.timeout_s:g} s")
+                time.sleep(JOIN_POLL_S)
         except Exception as e:
             with contextlib.suppress(Exception):
                 self._rpc("wsync_leave")
