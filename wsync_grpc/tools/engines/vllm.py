@@ -18,7 +18,7 @@ from wsync_grpc.tools.common import UsageError
 from wsync_grpc.tools.engines.registry import EngineOptions, EngineServer, ServerOptions
 from wsync_grpc.wire.targets import is_loopback
 
-_INSTALL = "pip install 'wsync-grpc[vllm]'; on CPU hosts see the README"
+_INSTALL = "pip install 'wsync-grpc[vllm]'; on CPU hosts see docs/guides/vllm.md"
 
 log = logging.getLogger("wsync")
 
