@@ -193,12 +193,18 @@ class VllmEngine:
         return out
 
     def _digest(self, name: str, per_worker: list[list[dict[str, Any]]]) -> tuple[torch.dtype, str]:
-        """``(dtype, SHA-256)`` of served tensor ``name`` from ``per_worker``'s ``wsync_served`` answers."""
+        """``(dtype, SHA-256)`` of served tensor ``name`` from ``per_worker``'s ``wsync_served`` answers.
+
+        The workers hash every tensor whole (a sharded one on the first tensor-parallel rank), so one
+        answer carries its digest.
+
+        Raises:
+            RuntimeError: no worker reported a digest of ``name``.
+        """
         whole = next((e for w in per_worker for e in w if e["name"] == name and e.get("shard") is None), None)
-        if whole is not None:
-            return parse_dtype(whole["dtype"]), str(whole["sha256"])
-        t = self._gather(name, per_worker)
-        return t.dtype, hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
+        if whole is None:
+            raise RuntimeError(f"no vLLM worker reported a digest of {name}")
+        return parse_dtype(whole["dtype"]), str(whole["sha256"])
 
     def _gather(self, name: str, per_worker: list[list[dict[str, Any]]]) -> torch.Tensor:
         """Tensor ``name`` from its slices (or its whole copy) in ``per_worker``'s ``wsync_served`` answers."""
