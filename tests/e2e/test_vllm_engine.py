@@ -17,6 +17,7 @@ port and by HTTP clients on vLLM's own OpenAI-compatible API. What is checked:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import signal
@@ -32,6 +33,7 @@ import grpc
 import pytest
 import torch
 from fsdp_ranks import start_ranks
+from google.protobuf import duration_pb2
 from support import ENV, ROOT
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
@@ -247,6 +249,39 @@ def test_generation_keeps_flowing_during_a_staged_sync(
     versions = [span["version"] for span in stream.versions]
     assert versions[0] == "flow-0" and versions[-1] == "flow-1", stream.versions
     assert result.engines[engine.target].apply_seconds < end - start
+
+
+def test_an_init_waiting_for_its_group_never_holds_the_step_loop(engine: Vllm, smollm2_tokenizer: Any) -> None:
+    """A join waits for every rank of the group (here a store nobody serves, for its 6 s timeout and the store
+    client's retry): vLLM's steps run on meanwhile, a request keeps streaming, and the Init fails (the group did
+    not form: UNAVAILABLE when no store answered, DEADLINE_EXCEEDED when the join ran out of time), claiming
+    nothing."""
+    with grpc.insecure_channel(engine.target) as ch:
+        stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
+        stub.Leave(pb.LeaveRequest(force=True), timeout=120)  # whatever group an earlier test left the engine in
+        ids = list(smollm2_tokenizer(PROMPT)["input_ids"])
+        stream = GenerateStream(engine.http, engine.model, ids, 400)
+        stream.start()
+        stream.wait_tokens(10)
+        request = pb.InitRequest(
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            rank_offset=1,
+            world_size=2,
+            backend=pb.BACKEND_GLOO,
+            timeout=duration_pb2.Duration(seconds=6),
+        )
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Init(request, timeout=120)
+        end = time.monotonic()
+    stream.join(300)
+    assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), refused.value
+    during = [a for a in stream.arrivals if start <= a <= end]
+    gaps = [b - a for a, b in itertools.pairwise(during)]
+    assert end - start >= 5.5 and len(during) >= 10, (end - start, len(during))
+    assert max(gaps) < 1.0, f"the longest gap between tokens during the join was {max(gaps):.2f} s"
+    assert not engine.status().HasField("owner")
 
 
 def _prepare(

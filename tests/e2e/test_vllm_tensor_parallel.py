@@ -17,7 +17,7 @@ import pytest
 import torch
 from fsdp_ranks import start_ranks
 from support import smollm2_lora
-from test_vllm_engine import Vllm, assert_serves, perturbed
+from test_vllm_engine import SERVED, Vllm, assert_serves, perturbed
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.testing import free_port
@@ -71,6 +71,35 @@ def test_every_rank_receives_and_serves_its_slices(engine_tp3: Vllm, smollm2_dir
             assert engine_tp3.complete() == before
         st = engine_tp3.status()
         assert st.state == pb.LIFECYCLE_STATE_READY and st.engine.workers == 3
+
+
+def _peak_rss(pid: int) -> int:
+    """``VmHWM`` of process ``pid``: its peak resident set size, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+@pytest.mark.parametrize("engine_tp3", ["plain"], indirect=True)
+def test_checksums_are_hashed_where_the_slices_live(engine_tp3: Vllm, smollm2_dir: Path) -> None:
+    """GetWeightChecksums of every tensor after a sync: the slices of each sharded tensor are joined and hashed
+    in the workers (on the tensor-parallel group's first rank), so the front's peak resident memory grows by
+    far less than the model's bytes, and every digest still equals the trainer's tensor."""
+    originals: dict[str, torch.Tensor] = dict(safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")))
+    new = perturbed(originals, seed=11)
+    model_bytes = sum(t.numel() * SERVED.itemsize for t in new.values())
+    front = engine_tp3.proc.pid
+    with TrainerClient([engine_tp3.target], group_timeout_s=120) as c:
+        c.sync(new.items(), "tp3-digests")  # a new version: nothing cached
+        Path(f"/proc/{front}/clear_refs").write_text("5")  # the peak starts again from the current size
+        start = _peak_rss(front)
+        assert_serves(c, engine_tp3.target, new, "tp3-digests")
+        grown = _peak_rss(front) - start
+        c.sync(originals.items(), "tp3-0")
+    assert grown < model_bytes / 8, (
+        f"the front's peak grew by {grown / 2**20:.0f} MiB ({model_bytes / 2**20:.0f} MiB model)"
+    )
 
 
 @pytest.mark.parametrize("engine_tp3", ["lora"], indirect=True)

@@ -242,6 +242,21 @@ def test_unload_aborts_requests_naming_it_and_generation_says_not_found(tiny: Ti
         assert list(base.token_ids) == greedy(make_tiny_llama(seed=0), tiny.engine.encode_prompt(PROMPT), 8)[:8]
 
 
+def test_an_adapter_of_a_rank_beyond_every_module_is_refused_before_anything_is_allocated(tiny: Tiny) -> None:
+    """The reference engine serves ranks up to the largest ``min(in, out)`` of its linear modules: a rank of a
+    billion (a claim of terabytes) is refused with its reason, and the engine serves on, ready."""
+    bound = max(min(s.in_features, s.out_features) for s in tiny.engine.lora_linears().values())
+    assert tiny.engine.lora_max_rank() == bound
+    for rank in (bound + 1, 10**9):
+        spec = pb.AdapterSpec(name="huge", rank=rank, alpha=8, target_modules=["q_proj"])
+        header = pb.PrepareHeader(weight_version="v", adapter=spec, bucket_count=1, total_bytes=4)
+        with pytest.raises(grpc.RpcError) as e:
+            tiny.stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=10)
+        assert code_of(e.value) == grpc.StatusCode.INVALID_ARGUMENT
+        assert error_reason(e.value) == "ADAPTER_RANK_TOO_LARGE" and str(bound) in (e.value.details() or "")
+    assert status(tiny.stub).state == pb.LIFECYCLE_STATE_UNINITIALIZED and tiny.listed() == []
+
+
 def test_an_engine_without_adapters_says_so() -> None:
     with in_process_server(TensorEngine(synthetic.build("tiny"))) as (_, stub):
         assert not stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10).supported

@@ -137,6 +137,7 @@ def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server:
     [
         (["--tls-cert", "{cert}"], "both --tls-cert and --tls-key"),
         (["--tls-cert", "{dir}/missing.pem", "--tls-key", "{key}"], "missing.pem: no such file"),
+        (["--tls-client-ca", "{cert}"], "--tls-client-ca needs TLS"),
         (["--host", "0.0.0.0"], "--insecure"),
         (["--host", "0.0.0.0", "--token", "t"], "--insecure"),
         (["--host", "0.0.0.0", "--tls-cert", "{cert}", "--tls-key", "{key}"], "--insecure"),
@@ -149,6 +150,7 @@ def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server:
     ids=[
         "half-tls",
         "missing-file",
+        "client-ca-without-tls",
         "exposed-plain",
         "exposed-token-only",
         "exposed-tls-only",
@@ -212,3 +214,66 @@ def test_a_trainer_over_tls_with_the_token_holds_its_lease_and_its_watch(tls: di
             assert st.owner.owner == c.owner and st.owner.keepalive_calls == 1
     finally:
         srv.stop(0.5)
+
+
+@pytest.mark.timeout(180)
+def test_mutual_tls_admits_only_clients_certified_by_the_client_ca(tls: dict[str, Path], tmp_path: Path) -> None:
+    """``--tls-client-ca``: an exposed engine authenticates its callers by certificate, before any call runs.
+
+    A caller without a client certificate, or with one of another authority, cannot complete the TLS
+    handshake (UNAVAILABLE); a caller with one of the client CA reads the status, with the CLI too, and a
+    trainer syncs. Client certificates stand in for a token, so the engine starts on 0.0.0.0 without one.
+    """
+    import trustme
+
+    client_ca, stranger_ca = trustme.CA(), trustme.CA()
+    client_ca.cert_pem.write_to_path(str(tmp_path / "client-ca.pem"))
+    paths: dict[str, tuple[bytes, bytes]] = {}
+    for who, ca in (("trainer", client_ca), ("stranger", stranger_ca)):
+        cert = ca.issue_cert(f"{who}.wsync.test")
+        key, chain = cert.private_key_pem.bytes(), b"".join(b.bytes() for b in cert.cert_chain_pems)
+        (tmp_path / f"{who}.key").write_bytes(key)
+        (tmp_path / f"{who}.pem").write_bytes(chain)
+        paths[who] = (key, chain)
+    engine = spawn_engine(
+        [
+            *("--synthetic", "tiny", "--host", "0.0.0.0", "--grace", "1"),
+            *("--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"])),
+            *("--tls-client-ca", str(tmp_path / "client-ca.pem")),
+        ],
+        port_file=tmp_path / "port",
+        log=tmp_path / "engine.log",
+        env=ENV,
+        cwd=ROOT,
+    )
+    target = engine.target
+    root = tls["ca"].read_bytes()
+
+    def status(creds: grpc.ChannelCredentials) -> pb.GetStatusResponse:
+        with grpc.secure_channel(target, creds) as ch:
+            return weight_sync_pb2_grpc.WeightSyncServiceStub(ch).GetStatus(pb.GetStatusRequest(), timeout=10)
+
+    try:
+        for creds in (
+            grpc.ssl_channel_credentials(root_certificates=root),
+            grpc.ssl_channel_credentials(root, *paths["stranger"]),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                status(creds)
+            assert code_of(refused.value) is grpc.StatusCode.UNAVAILABLE
+        mine = grpc.ssl_channel_credentials(root, *paths["trainer"])
+        assert status(mine).engine.tensor_count == len(synthetic.build("tiny"))
+        cli = wsync(
+            *("status", "--target", target, "--tls-ca", str(tls["ca"])),
+            *("--tls-client-cert", str(tmp_path / "trainer.pem"), "--tls-client-key", str(tmp_path / "trainer.key")),
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["engine"]["tensor_count"] == len(synthetic.build("tiny"))
+        no_cert = wsync("status", "--target", target, "--tls-ca", str(tls["ca"]), "--timeout", "5")
+        assert no_cert.returncode == 1 and "UNAVAILABLE" in no_cert.stderr, no_cert.stderr
+        new = {k: v + 1 for k, v in synthetic.build("tiny", dtype=torch.bfloat16).items()}
+        with TrainerClient([target], credentials=mine, rpc_timeout_s=30) as c:
+            c.sync(new.items(), "over-mtls")
+            assert status(mine).weight_version == "over-mtls"
+    finally:
+        engine.stop()

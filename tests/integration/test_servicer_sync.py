@@ -198,6 +198,7 @@ def test_prepare_then_no_broadcast_times_out_at_group_timeout() -> None:
         st = status(stub)
         assert st.state == State.FAILED.value and st.last_error.reason == "RECEIVE_TIMEOUT"
         trainer.destroy()
+        stub.Leave(pb.LeaveRequest(), timeout=10)  # the owner (this caller, by its lease credential) lets go
         out = run_stub_trainer(srv.address, free_port(), "--seed", "1", "--version", "after-timeout")
         assert out["ok"] is True
 

@@ -21,6 +21,7 @@ from wsync_grpc.core.messages import (
 )
 from wsync_grpc.core.packing import pack_bucket
 from wsync_grpc.core.planning import plan_buckets
+from wsync_grpc.trainer.settings import client_settings
 from wsync_grpc.transports.broadcast.sender import Corruption, bucket_digest
 
 TENSORS = {
@@ -79,3 +80,31 @@ def test_digests_and_their_errors_cross_to_worker_processes_intact() -> None:
         err.message,
         err.metadata,
     )
+
+
+@pytest.mark.parametrize(
+    ("device", "asked", "sent"),
+    [("cpu", None, True), ("cuda:0", None, False), ("cpu", False, False), ("cuda:0", True, True)],
+)
+def test_digests_default_to_on_for_cpu_buckets_and_off_for_cuda_ones(
+    device: str, asked: bool | None, sent: bool
+) -> None:
+    """A CUDA bucket would be copied to the host to be hashed on both sides: off unless asked; CPU: on."""
+    settings = client_settings(
+        ["127.0.0.1:1"],
+        master_address="127.0.0.1",
+        master_port=None,
+        group_name="",
+        backend="",
+        device=device,
+        workers=None,
+        rpc_timeout_s=1.0,
+        group_timeout_s=1.0,
+        bucket_bytes=1 << 20,
+        alignment=256,
+        ramp_bytes=0,
+        solo_bytes=0,
+        digests=asked,
+    )
+    assert settings.digests is sent
+    assert settings.backend == ("gloo" if device == "cpu" else "nccl")

@@ -194,8 +194,8 @@ class SyntheticAgain(OnesPlugin):
 
 
 def _readme_vllm_command() -> list[str]:
-    """The README's ``wsync serve --engine vllm`` command, as a shell would split it (after ``wsync``)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    """The vLLM guide's ``wsync serve --engine vllm`` command, as a shell would split it (after ``wsync``)."""
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "vllm.md").read_text()
     lines = readme.splitlines()
     start = next(i for i, line in enumerate(lines) if "wsync serve --engine vllm" in line and "\\" in line)
     text = ""
@@ -242,3 +242,45 @@ def test_vllm_args_take_a_value_that_begins_with_a_dash(given: list[str], expect
     assert args.vllm_args == expected
     assert args.http_port == (8001 if "--http-port" in given else 8000)
     assert cli.attach_pass_through(["serve", "--port", "1"]) == ["serve", "--port", "1"]  # nothing else changes
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ([], "without an API key (--api-key or VLLM_API_KEY) and TLS (--ssl-certfile/--ssl-keyfile)"),
+        (["--vllm-args", "--api-key=k0123456789"], "without TLS (--ssl-certfile/--ssl-keyfile): pass them"),
+        (
+            ["--vllm-args", "--ssl-certfile c.pem --ssl-keyfile k.pem"],
+            "without an API key (--api-key or VLLM_API_KEY):",
+        ),
+    ],
+    ids=["bare", "key-only", "tls-only"],
+)
+def test_vllms_http_api_is_not_exposed_unprotected(tmp_path: Path, extra: list[str], says: str) -> None:
+    """``--http-host`` beyond loopback is checked like ``--host``: vLLM's own API key and TLS, or ``--insecure``."""
+    argv = ["--engine", "vllm", "--model", str(tmp_path), "--http-host", "0.0.0.0", *extra]
+    with pytest.raises(UsageError) as e:
+        chosen_engine(_serve_argv(*argv))
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_vllms_http_api_exposed_with_its_key_and_tls_or_insecure_is_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exposed = ["--engine", "vllm", "--model", str(tmp_path), "--http-host", "0.0.0.0"]
+    protected = "--api-key k0123456789 --ssl-certfile c.pem --ssl-keyfile k.pem"
+    assert chosen_engine(_serve_argv(*exposed, "--vllm-args", protected)).name == "vllm"
+    monkeypatch.setenv("VLLM_API_KEY", "k0123456789")
+    assert (
+        chosen_engine(_serve_argv(*exposed, "--vllm-args", "--ssl-certfile=c.pem --ssl-keyfile=k.pem")).name == "vllm"
+    )
+    monkeypatch.delenv("VLLM_API_KEY")
+    with caplog.at_level(logging.WARNING, logger="wsync"):
+        assert chosen_engine(_serve_argv(*exposed, "--insecure")).name == "vllm"
+    assert "vLLM's HTTP API served on 0.0.0.0 without an API key" in caplog.text
+    assert chosen_engine(_serve_argv("--engine", "vllm", "--model", str(tmp_path))).name == "vllm"  # loopback
+
+
+def _serve_argv(*argv: str) -> argparse.Namespace:
+    """``wsync serve ARGV`` as the CLI parses it (``--vllm-args VALUE`` whatever VALUE begins with)."""
+    return cli.parse_args(["serve", *argv])

@@ -5,7 +5,7 @@ where an RPC ends (:class:`RpcMetrics`, a server interceptor); the gauges are
 read from the engine's status at scrape time (:class:`_StateCollector`), so
 they never drift from what ``GetStatus`` says. Names follow Prometheus'
 conventions (``wsync_`` prefix, base units in the name, ``_total`` for
-counters); the README's "Observability" section maps them to vLLM's
+counters); the observability guide (docs/guides/observability.md) maps them to vLLM's
 ``vllm:rl_weight_update_*`` metrics where there is one.
 
 Metrics:

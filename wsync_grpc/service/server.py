@@ -94,6 +94,7 @@ def build_server(
     principals: Mapping[str, Principal] | None = None,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
+    tls_client_ca: Path | None = None,
     extra: Callable[[grpc.Server], list[str]] | None = None,
     metrics_host: str = "127.0.0.1",
     metrics_port: int | None = None,
@@ -114,6 +115,9 @@ def build_server(
         principals: token -> principal (a name and a role: :mod:`wsync_grpc.service.auth`), accepted beside
             ``token``; a principal may make only the calls its role allows (PERMISSION_DENIED otherwise).
         tls_cert, tls_key: PEM files of the server's certificate chain and key; both set = TLS.
+        tls_client_ca: PEM file of the certificate authorities a client's certificate must be signed by
+            (``--tls-client-ca``; mutual TLS): a caller without such a certificate cannot complete the TLS
+            handshake, before any call or token is looked at. ``None``: no client certificate is asked for.
         extra: registers further services on the server; returns their full names
             (for reflection and health).
         metrics_host: bind address of the Prometheus ``/metrics`` endpoint (default loopback).
@@ -131,17 +135,23 @@ def build_server(
             :class:`~wsync_grpc.service.membership.MasterAllowList`); empty: any.
 
     Raises:
-        ValueError: only one of ``tls_cert`` and ``tls_key`` given; a checkpoint root that is not a directory;
-            an allowed master network that is not a CIDR network.
+        ValueError: only one of ``tls_cert`` and ``tls_key`` given, or ``tls_client_ca`` without them; a
+            checkpoint root that is not a directory; an allowed master network that is not a CIDR network.
         OSError: a TLS file cannot be read.
         RuntimeError: the port could not be bound.
         OSError: the metrics port could not be bound.
     """
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("TLS needs both a certificate and its key (tls_cert and tls_key)")
-    creds = (
-        grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())]) if tls_cert and tls_key else None
-    )
+    if tls_client_ca is not None and tls_cert is None:
+        raise ValueError("client certificates (tls_client_ca) need TLS (tls_cert and tls_key)")
+    creds = None
+    if tls_cert and tls_key:
+        creds = grpc.ssl_server_credentials(
+            [(tls_key.read_bytes(), tls_cert.read_bytes())],
+            root_certificates=tls_client_ca.read_bytes() if tls_client_ca else None,
+            require_client_auth=tls_client_ca is not None,
+        )
     limits = limits if limits is not None else CallLimits()
     keepalive = keepalive if keepalive is not None else Keepalive()
     servicer = WeightSyncServicer(

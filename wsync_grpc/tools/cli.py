@@ -6,7 +6,7 @@ synthetic tensor-only engine, with the weight-sync servicer on loopback.
 ``wsync reload`` has engines load a checkpoint from disk.
 ``wsync status|pause|resume|cancel|leave|checksums|generate`` call one RPC
 against ``--target`` and print the reply as JSON (the same calls work with
-``grpcurl``; see the README).
+``grpcurl``; see docs/guides/fleet.md and docs/reference/cli.md).
 """
 
 from __future__ import annotations

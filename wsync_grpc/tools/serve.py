@@ -58,14 +58,17 @@ SERVED_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
-    """Refuse half a TLS configuration, missing files, a bad ``--allow-master``, an exposed port without TLS and token.
+    """Refuse half a TLS configuration, missing files, a bad ``--allow-master``, an exposed port without TLS and a
+    way to authenticate callers (a token, a token file or client certificates).
 
     Raises:
         UsageError: what is wrong and how to fix it, in one line.
     """
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("TLS needs both --tls-cert and --tls-key")
-    for path in (args.tls_cert, args.tls_key):
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise UsageError("--tls-client-ca needs TLS: --tls-cert and --tls-key")
+    for path in (args.tls_cert, args.tls_key, args.tls_client_ca):
         if path is not None and not path.is_file():
             raise UsageError(f"cannot read {path}: no such file")
     try:
@@ -82,16 +85,18 @@ def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
         )
     if is_loopback(args.host):
         return
-    if not (tls and token) and not args.insecure:
+    authenticated = token is not None or args.tls_client_ca is not None
+    if not (tls and authenticated) and not args.insecure:
         raise UsageError(
             f"--host {args.host} exposes the engine: serve it with --tls-cert/--tls-key and --token "
-            "(or WSYNC_TOKEN), or pass --insecure to accept that anyone who reaches the port can change the weights"
+            "(or WSYNC_TOKEN, --token-file, --tls-client-ca), or pass --insecure to accept that anyone who reaches "
+            "the port can change the weights"
         )
     if not args.allow_master:
         log.warning(
             "serving on %s with no --allow-master: Init may make this engine connect to any host and port", args.host
         )
-    if not token:
+    if not authenticated:
         log.warning("serving on %s without a token: anyone who reaches the port can change the weights", args.host)
     elif not tls:
         log.warning("serving on %s without TLS: the token travels in plaintext", args.host)
@@ -161,6 +166,7 @@ def _server_options(
         principals=principals or None,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         port_file=args.port_file,
         grace=args.grace,
         metrics_host=args.metrics_host,
@@ -276,6 +282,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     s.add_argument("--tls-cert", type=Path, help="PEM certificate (with --tls-key: serve TLS)")
     s.add_argument("--tls-key", type=Path, help="PEM private key")
+    s.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="mutual TLS: accept only clients presenting a certificate signed by these PEM authorities",
+    )
     s.add_argument(
         "--insecure",
         action="store_true",

@@ -188,14 +188,15 @@ class TrainerClient:
         metrics_registry: where the client's Prometheus metrics go (:mod:`wsync_grpc.trainer.metrics`);
             ``None`` = a registry of its own (:attr:`metrics_registry`), for the caller to serve.
         digests: send each bucket's digest (XXH3-128 of its bytes on the wire), which every engine
-            worker checks before it stages or applies the bucket: a bucket corrupted on the way fails
-            the update (``DATA_LOSS BUCKET_DIGEST_MISMATCH``) and nothing of it is used. Default
-            ``True``. The trainer hashes each bucket while it is on the wire and declares the digest
+            worker checks before it stages or applies the bucket: a bucket corrupted or replaced on
+            the way fails the update (``DATA_LOSS BUCKET_DIGEST_MISMATCH``) and nothing of it is
+            used. The trainer hashes each bucket while it is on the wire and declares the digest
             with an ``Update`` right after (a sharded trainer's direct send: before Prepare, every
-            rank hashing its own buckets). Hashing reads every byte once more on each side (on the
-            host: CUDA buckets are copied there first), and an engine receives a verified bucket into
-            a buffer, never straight into the served tensor. ``False``: buckets travel unverified
-            (``EngineSyncResult.buckets_verified`` is 0).
+            rank hashing its own buckets). Hashing reads every byte once more on each side, on the
+            host, and an engine receives a verified bucket into a buffer, never straight into the
+            served tensor. ``None`` (default): on when ``device`` is the CPU (gloo), off for CUDA
+            buckets (NCCL), which would first be copied to the host on both sides. ``True``/``False``:
+            always/never. Unverified buckets give ``EngineSyncResult.buckets_verified == 0``.
         sender: builds the client's :class:`~wsync_grpc.trainer.sender.Sender` (which trainer ranks
             send which bytes) from its two pack buffers; ``None`` = one process at group rank 0
             (:class:`~wsync_grpc.trainer.sender.BroadcastSender`). A sharded trainer's client
@@ -251,7 +252,7 @@ class TrainerClient:
         keep_buffers: bool | None = None,
         owner: str | None = None,
         metrics_registry: CollectorRegistry | None = None,
-        digests: bool = True,
+        digests: bool | None = None,
         sender: Callable[[PackBuffers], Sender] | None = None,
         policy: FleetPolicy | None = None,
     ) -> None:

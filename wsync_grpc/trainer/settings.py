@@ -46,7 +46,8 @@ class ClientSettings:
         alignment: byte alignment of tensors inside flat buckets.
         ramp_bytes: size of the first and last buckets, in bytes.
         solo_bytes: flattened layout: tensors of at least this many bytes travel alone, in bytes.
-        digests: send each bucket's digest (:mod:`wsync_grpc.core.digests`), which every engine checks.
+        digests: send each bucket's digest (:mod:`wsync_grpc.core.digests`), which every engine checks;
+            :func:`client_settings` resolves ``None`` to whether ``device`` is the CPU.
     """
 
     master_address: str
@@ -84,13 +85,13 @@ def client_settings(
     alignment: int,
     ramp_bytes: int,
     solo_bytes: int,
-    digests: bool = True,
+    digests: bool | None = None,
 ) -> ClientSettings:
     """Check :class:`~wsync_grpc.trainer.client.TrainerClient`'s arguments and resolve them.
 
     ``group_name`` defaults to ``"weight_sync_group"``; ``device`` to the
     current CUDA device for ``backend="nccl"``, CPU otherwise; ``backend`` is
-    resolved from the device.
+    resolved from the device; ``digests`` (``None``) to whether the device is the CPU.
 
     Raises:
         ValueError: no targets, duplicate targets, a ``workers`` list of the
@@ -116,6 +117,8 @@ def client_settings(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     resolved = torch.device(device)
+    if digests is None:  # hashing a CUDA bucket would first copy it to the host, on both sides of the wire
+        digests = resolved.type == "cpu"
     return ClientSettings(
         master_address=master_address,
         master_port=master_port,

@@ -199,8 +199,10 @@ class ReferenceEngine:
         return self._lora.linears
 
     def lora_max_rank(self) -> int:
-        """0: PEFT serves any rank."""
-        return 0
+        """The largest ``min(in_features, out_features)`` of the model's linear modules: an adapter of a higher
+        rank is no more expressive than a full-rank update of every module it targets, only larger (PEFT itself
+        would serve any rank, at the memory it claims)."""
+        return max((min(s.in_features, s.out_features) for s in self._lora.linears.values()), default=0)
 
     def load_adapter(self, spec: LoraSpec, version: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Serve ``tensors`` as LoRA adapter ``spec`` with PEFT (:class:`LoraSlots`), replacing one of that name.

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hashlib
 import threading
+import time
 from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +44,9 @@ T = TypeVar("T")
 
 RPC_MARGIN_S = 10.0
 """Added to a worker call's own bound before the front gives up on it, in seconds."""
+
+JOIN_POLL_S = 0.05
+"""How often the front asks the workers whether their join ended, in seconds."""
 
 
 class VllmEngine:
@@ -190,12 +194,18 @@ class VllmEngine:
         return out
 
     def _digest(self, name: str, per_worker: list[list[dict[str, Any]]]) -> tuple[torch.dtype, str]:
-        """``(dtype, SHA-256)`` of served tensor ``name`` from ``per_worker``'s ``wsync_served`` answers."""
+        """``(dtype, SHA-256)`` of served tensor ``name`` from ``per_worker``'s ``wsync_served`` answers.
+
+        The workers hash every tensor whole (a sharded one on the first tensor-parallel rank), so one
+        answer carries its digest.
+
+        Raises:
+            RuntimeError: no worker reported a digest of ``name``.
+        """
         whole = next((e for w in per_worker for e in w if e["name"] == name and e.get("shard") is None), None)
-        if whole is not None:
-            return parse_dtype(whole["dtype"]), str(whole["sha256"])
-        t = self._gather(name, per_worker)
-        return t.dtype, hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
+        if whole is None:
+            raise RuntimeError(f"no vLLM worker reported a digest of {name}")
+        return parse_dtype(whole["dtype"]), str(whole["sha256"])
 
     def _gather(self, name: str, per_worker: list[list[dict[str, Any]]]) -> torch.Tensor:
         """Tensor ``name`` from its slices (or its whole copy) in ``per_worker``'s ``wsync_served`` answers."""
@@ -283,7 +293,11 @@ class VllmEngine:
     # ------------------------------------------------------------- workers
 
     def join_workers(self, params: GroupParams) -> None:
-        """Every worker joins at ``rank_offset`` + its global rank (one ``collective_rpc``; steps wait for it).
+        """Every worker joins at ``rank_offset`` + its global rank, on a thread of its own: vLLM's steps run on.
+
+        The front starts the joins (one ``collective_rpc``) and asks how they stand every
+        :data:`JOIN_POLL_S` seconds (each a short ``collective_rpc`` between two steps), for at most
+        ``params.timeout_s`` + :data:`~wsync_grpc.core.timeouts.JOIN_OVERRUN_S` seconds.
 
         Raises:
             GroupTimeout, GroupError: the group did not form; every worker left.
@@ -298,8 +312,19 @@ class VllmEngine:
             "timeout_s": params.timeout_s,
             "trainer_ranks": params.trainer_ranks,
         }
+        deadline = time.monotonic() + params.timeout_s + JOIN_OVERRUN_S
         try:
-            self._rpc("wsync_join", info, timeout_s=params.timeout_s + JOIN_OVERRUN_S)
+            self._rpc("wsync_join_begin", info)
+            while True:
+                outcomes = self._rpc("wsync_join_outcome")
+                errors = [str(o["error"]) for o in outcomes if o is not None and o["error"]]
+                if errors:
+                    raise GroupError(errors[0])
+                if all(o is not None for o in outcomes):
+                    return
+                if time.monotonic() > deadline:
+                    raise GroupTimeout(f"the group did not form within {params.timeout_s:g} s")
+                time.sleep(JOIN_POLL_S)
         except Exception as e:
             with contextlib.suppress(Exception):
                 self._rpc("wsync_leave")

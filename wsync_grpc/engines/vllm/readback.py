@@ -11,8 +11,10 @@ for one worker: it reads each served weight back (one with a kernel by
 multiplying the identity matrix through it, which returns ``W^T`` exactly:
 every output element is one product by 1.0 plus products by 0.0), splits
 fused layers along the sizes the layer declares, and reports which slice of
-the checkpoint tensor this rank holds. The front process concatenates the
-slices of all ranks.
+the checkpoint tensor this rank holds. For checksums the slices of all ranks
+are gathered onto the first rank of the tensor-parallel group
+(:func:`gather_shards`, over vLLM's own CPU process group), which hashes the
+whole tensor; the front process joins slices only when it asks for bytes.
 
 Runs inside a worker process, between two inference steps (the probe uses
 the layer's kernel, which is not thread-safe against a running step).
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 PROBE_ROWS = 512
 """Rows of the identity multiplied through a prepacked layer at a time (bounds the probe's memory)."""
@@ -146,3 +149,53 @@ def served_tensors(model: torch.nn.Module) -> Iterator[ServedTensor]:
         else:
             for pname, p in module.named_parameters(recurse=False):
                 yield ServedTensor(f"{name}.{pname}" if name else pname, p.detach(), None)
+
+
+def tensor_parallel_group() -> Any | None:
+    """vLLM's tensor-parallel ``GroupCoordinator`` of this worker; ``None`` with tensor parallel size 1."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    return tp if int(tp.world_size) > 1 else None
+
+
+def gather_shards(tp: Any, part: torch.Tensor, shard: Shard) -> torch.Tensor | None:
+    """The whole tensor from every tensor-parallel rank's ``part``, on the group's first rank; ``None`` elsewhere.
+
+    A collective over ``tp.cpu_group`` (vLLM's gloo group of the tensor-parallel ranks): every rank calls
+    it for the same tensor. Slices may differ in length along ``shard.dim`` (a vocabulary's last rows):
+    each is padded to the longest, sent as bytes, and cut back. Ranks holding the same slice (replicated
+    key/value heads) send it once each; the first copy is kept.
+
+    Args:
+        tp: the ``GroupCoordinator`` (``world_size``, ``rank_in_group``, ``ranks``, ``cpu_group``).
+        part: this rank's slice, on the CPU, contiguous.
+        shard: which slice it is (``dim``, ``rank`` of ``count``).
+
+    Returns:
+        The checkpoint tensor (``count`` slices joined along ``dim``, C order) on the first rank.
+
+    Raises:
+        RuntimeError: the ranks' slices do not make up ``shard.count`` distinct parts.
+    """
+    meta = torch.tensor([part.shape[shard.dim], shard.rank], dtype=torch.int64)
+    metas = [torch.zeros_like(meta) for _ in range(int(tp.world_size))]
+    dist.all_gather(metas, meta, group=tp.cpu_group)
+    longest = max(int(m[0]) for m in metas)
+    shape = list(part.shape)
+    shape[shard.dim] = longest
+    padded = torch.zeros(shape, dtype=part.dtype)
+    padded.narrow(shard.dim, 0, part.shape[shard.dim]).copy_(part)
+    flat = padded.reshape(-1).view(torch.uint8)
+    first = int(tp.rank_in_group) == 0
+    received = [torch.empty_like(flat) for _ in metas] if first else None
+    dist.gather(flat, received, dst=int(tp.ranks[0]), group=tp.cpu_group)
+    if received is None:
+        return None
+    slices: dict[int, torch.Tensor] = {}
+    for m, raw in zip(metas, received, strict=True):
+        rows, index = int(m[0]), int(m[1])
+        slices.setdefault(index, raw.view(part.dtype).reshape(shape).narrow(shard.dim, 0, rows))
+    if sorted(slices) != list(range(shard.count)):
+        raise RuntimeError(f"the tensor-parallel ranks hold slices {sorted(slices)} of {shard.count}")
+    return torch.cat([slices[i] for i in range(shard.count)], dim=shard.dim).contiguous()

@@ -25,6 +25,7 @@ main thread, between two inference steps, except the receiver.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -187,6 +188,10 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
         """The update in flight and the group membership (driven by :mod:`~wsync_grpc.engines.vllm.worker`)."""
         self.raw_buffers: list[torch.Tensor] = []
         """The buffers of ``wsync_receive_raw`` (the transport's ceiling), kept between calls."""
+        self._join_lock = threading.Lock()
+        self._joining: threading.Thread | None = None
+        self._join_outcome: dict[str, Any] | None = None
+        self._leave_when_joined = False
 
     @property
     def global_rank(self) -> int:
@@ -219,8 +224,48 @@ class WsyncTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateInfo]):
             )
         )
 
+    def begin_join(self, init_info: WsyncInitInfo) -> None:
+        """Start joining the group on a thread of its own and return at once; see :meth:`join_outcome`.
+
+        A join waits for every rank (the trainer's store, the other engines): for as long as the caller's
+        timeout. Run in the ``collective_rpc`` itself, it would hold vLLM's step loop, and every request
+        with it, for that long; on its own thread, steps run on.
+
+        Raises:
+            RuntimeError: an earlier join of this worker has not ended yet (it overran its timeout).
+        """
+        with self._join_lock:
+            if self._joining is not None and self._joining.is_alive():
+                raise RuntimeError("an earlier join of this worker has not ended yet; try again")
+            self._join_outcome = None
+            self._leave_when_joined = False
+            self._joining = threading.Thread(
+                target=self._join_in_background, args=(init_info,), name="wsync-join", daemon=True
+            )
+            self._joining.start()
+
+    def _join_in_background(self, init_info: WsyncInitInfo) -> None:
+        try:
+            self.init_transfer_engine(init_info)
+            outcome: dict[str, Any] = {"rank": self.host.rank, "error": ""}
+        except BaseException as e:
+            outcome = {"rank": -1, "error": str(e) or type(e).__name__}
+        with self._join_lock:
+            self._join_outcome = outcome
+            if self._leave_when_joined:  # left while joining: the group it formed goes too
+                self.host.leave()
+
+    def join_outcome(self) -> dict[str, Any] | None:
+        """The last join's end, ``None`` while it runs: ``{"rank": int, "error": str}`` (``error`` empty: joined)."""
+        with self._join_lock:
+            return self._join_outcome
+
     def shutdown(self) -> None:
-        """Abandon any update in flight and leave the group. Idempotent."""
+        """Abandon any update in flight and leave the group (a join in flight leaves once it ends). Idempotent."""
+        with self._join_lock:
+            if self._joining is not None and self._joining.is_alive():
+                self._leave_when_joined = True
+                return
         self.host.leave()
 
     # ------------------------------------------------ vLLM's own update flow

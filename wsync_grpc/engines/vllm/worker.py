@@ -27,7 +27,7 @@ from wsync_grpc.core.messages import (
     progress_to_msg,
     tensor_to_msg,
 )
-from wsync_grpc.engines.vllm.readback import served_tensors
+from wsync_grpc.engines.vllm.readback import gather_shards, served_tensors, tensor_parallel_group
 from wsync_grpc.engines.vllm.transfer import WsyncInitInfo, WsyncTransferEngine
 from wsync_grpc.group.waits import wait_work
 
@@ -59,11 +59,14 @@ class WsyncWorkerExtension:
             "packed": {str(k): [str(p) for p in v] for k, v in packed.items()},
         }
 
-    def wsync_join(self, params: dict[str, Any]) -> int:
-        """Join the weight-sync group (:class:`~wsync_grpc.engines.vllm.transfer.WsyncInitInfo` fields); its rank."""
-        e = self._wsync()
-        e.init_transfer_engine(WsyncInitInfo(**params))
-        return e.host.rank
+    def wsync_join_begin(self, params: dict[str, Any]) -> None:
+        """Start joining the weight-sync group (:class:`~wsync_grpc.engines.vllm.transfer.WsyncInitInfo` fields)
+        on a thread of its own; steps keep running. Poll :meth:`wsync_join_outcome`."""
+        self._wsync().begin_join(WsyncInitInfo(**params))
+
+    def wsync_join_outcome(self) -> dict[str, Any] | None:
+        """``None`` while the join runs, then ``{"rank": int, "error": str}`` (``error`` empty: joined)."""
+        return self._wsync().join_outcome()
 
     def wsync_leave(self) -> None:
         """Abandon any update in flight and leave the group."""
@@ -133,9 +136,14 @@ class WsyncWorkerExtension:
     def wsync_served(self, names: list[str], want_data: bool = False) -> list[dict[str, Any]]:
         """Served tensors in checkpoint coordinates: a digest where this rank holds all of one, else its slice.
 
+        A tensor sharded across the tensor-parallel ranks is gathered onto the group's first rank over
+        vLLM's own CPU process group (one tensor at a time) and hashed there, so that no shard's bytes
+        travel to the front process: every rank must be asked for the same ``names`` (a
+        ``collective_rpc`` does). With ``want_data`` the slices are sent instead, for the front to join.
+
         Args:
             names: checkpoint names to report; empty for all.
-            want_data: send the bytes of whole tensors too (``data``).
+            want_data: send the bytes of whole tensors too (``data``), and each rank's slices.
 
         Returns:
             One dict per tensor: ``name``, ``dtype``, ``shape`` (of what this
@@ -143,22 +151,29 @@ class WsyncWorkerExtension:
             ``sha256`` (whole tensors) or ``data`` (the slice's bytes, C order).
         """
         model = self._wsync().model
+        tp = None if want_data else tensor_parallel_group()
         wanted = set(names)
         out: list[dict[str, Any]] = []
         for t in served_tensors(model):
             if wanted and t.name not in wanted:
                 continue
             data = t.tensor.detach().cpu().contiguous()
+            shard = None if t.shard is None else [t.shard.dim, t.shard.rank, t.shard.count]
+            if t.shard is not None and tp is not None:
+                whole = gather_shards(tp, data, t.shard)
+                if whole is None:  # another rank reports it
+                    continue
+                data, shard = whole, None
             raw = data.reshape(-1).view(torch.uint8).numpy().data
             entry: dict[str, Any] = {
                 "name": t.name,
                 "dtype": dtype_name(data.dtype),
                 "shape": list(data.shape),
-                "shard": None if t.shard is None else [t.shard.dim, t.shard.rank, t.shard.count],
+                "shard": shard,
             }
-            if t.shard is None:
+            if shard is None:
                 entry["sha256"] = hashlib.sha256(raw).hexdigest()
-            if t.shard is not None or want_data:
+            if shard is not None or want_data:
                 entry["data"] = raw.tobytes()
             out.append(entry)
         return out

@@ -117,6 +117,7 @@ class ServerOptions:
         principals: further tokens, each a principal with a role (``--token-file``,
             :func:`~wsync_grpc.service.auth.read_token_file`); ``None``: none.
         tls_cert, tls_key: PEM files of the server's certificate chain and key; both set = TLS.
+        tls_client_ca: PEM file of the authorities a client certificate must be signed by (mutual TLS).
         port_file: where to write the bound port once the engine serves (``None``: nowhere).
         grace: seconds in-flight RPCs get at shutdown.
         metrics_host, metrics_port: the Prometheus ``/metrics`` endpoint (``None`` port: not served).
@@ -133,6 +134,7 @@ class ServerOptions:
     principals: Mapping[str, Principal] | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    tls_client_ca: Path | None = None
     port_file: Path | None = None
     grace: float = 5.0
     metrics_host: str = "127.0.0.1"
@@ -157,6 +159,7 @@ class ServerOptions:
             principals=self.principals,
             tls_cert=self.tls_cert,
             tls_key=self.tls_key,
+            tls_client_ca=self.tls_client_ca,
             extra=services,
             metrics_host=self.metrics_host,
             metrics_port=self.metrics_port,

@@ -9,12 +9,62 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
+import os
+import shlex
 from pathlib import Path
 
 from wsync_grpc.tools.common import UsageError
 from wsync_grpc.tools.engines.registry import EngineOptions, EngineServer, ServerOptions
+from wsync_grpc.wire.targets import is_loopback
 
-_INSTALL = "pip install 'wsync-grpc[vllm]'; on CPU hosts see the README"
+_INSTALL = "pip install 'wsync-grpc[vllm]'; on CPU hosts see docs/guides/vllm.md"
+
+log = logging.getLogger("wsync")
+
+
+def _vllm_flags(vllm_args: str) -> set[str]:
+    """The option names in ``--vllm-args`` (``--api-key=K`` and ``--api-key K`` alike).
+
+    Raises:
+        UsageError: the string does not split as a shell would (an unclosed quote).
+    """
+    try:
+        words = shlex.split(vllm_args)
+    except ValueError as e:
+        raise UsageError(f"--vllm-args: {e}") from None
+    return {w.partition("=")[0] for w in words if w.startswith("--")}
+
+
+def check_http_exposure(args: argparse.Namespace) -> None:
+    """Refuse to expose vLLM's HTTP API beyond loopback unprotected, as ``--host`` is for the control port.
+
+    vLLM's OpenAI server is not behind wsync's token: on a non-loopback ``--http-host`` it needs its own API
+    key (``--api-key`` in ``--vllm-args``, or ``VLLM_API_KEY``, vLLM's own settings) and TLS
+    (``--ssl-certfile``/``--ssl-keyfile``), or ``--insecure``; with ``--insecure`` what is missing is logged.
+
+    Raises:
+        UsageError: an exposed HTTP API without API key or TLS and without ``--insecure``.
+    """
+    if is_loopback(args.http_host):
+        return
+    flags = _vllm_flags(args.vllm_args)
+    missing = [
+        what
+        for what, present in (
+            ("an API key (--api-key or VLLM_API_KEY)", "--api-key" in flags or bool(os.environ.get("VLLM_API_KEY"))),
+            ("TLS (--ssl-certfile/--ssl-keyfile)", {"--ssl-certfile", "--ssl-keyfile"} <= flags),
+        )
+        if not present
+    ]
+    if not missing:
+        return
+    if not args.insecure:
+        raise UsageError(
+            f"--http-host {args.http_host} exposes vLLM's HTTP API without {' and '.join(missing)}: pass them in "
+            "--vllm-args, or --insecure to accept that anyone who reaches the port can use it"
+        )
+    log.warning("vLLM's HTTP API served on %s without %s", args.http_host, " and ".join(missing))
 
 
 class VllmPlugin(EngineServer):
@@ -44,7 +94,8 @@ class VllmPlugin(EngineServer):
         """Check ``--model`` and that vLLM is installed (without importing it: seconds).
 
         Raises:
-            UsageError: no ``--model``, no such directory, or the ``vllm`` extra is not installed.
+            UsageError: no ``--model``, no such directory, the ``vllm`` extra is not installed, or an exposed
+                ``--http-host`` without vLLM's API key and TLS (:func:`check_http_exposure`).
         """
         if args.model is None:
             raise UsageError("--engine vllm needs --model DIR (a Hugging Face checkpoint directory with safetensors)")
@@ -52,6 +103,7 @@ class VllmPlugin(EngineServer):
             raise UsageError(f"--model {args.model}: no such directory")
         if importlib.util.find_spec("vllm") is None:
             raise UsageError(f"--engine vllm needs the 'vllm' extra: {_INSTALL}")
+        check_http_exposure(args)
 
     def serve(self, args: argparse.Namespace, server: ServerOptions) -> int:
         """Run vLLM's API server and the weight-sync server until SIGINT/SIGTERM.
