@@ -73,7 +73,8 @@ def section(v: dict[str, Any]) -> str:
         "a request streams from `/inference/v1/generate`; idle, the same request makes "
         f"{idle} tokens/s. vLLM's own flow is driven as its RL API does: `/pause?mode=keep`, `/start_weight_update`, "
         "`/update_weights` while the trainer broadcasts, `/finish_weight_update`, `/resume`, on the same group and "
-        "buckets (the `wsync` backend implements vLLM's `update_weights` too)."
+        "buckets (the `wsync` backend implements vLLM's `update_weights` too). wsync's syncs here send no bucket "
+        "digests, as vLLM's flow sends none (the digests section times what they add)."
         + (f" Measured {v['measured']}." if v.get("measured") else ""),
         "",
         "| way | transfer s (Prepare to last byte) | x ceiling | apply s (generation stopped) "
