@@ -26,6 +26,7 @@ from pathlib import Path
 
 from wsync_grpc.core import lifecycle as lc
 from wsync_grpc.tools import proto_docs
+from wsync_grpc.wire.status import STATUS_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "wsync_grpc"
@@ -33,20 +34,8 @@ PROTO_ROOT = ROOT / "proto"
 REFERENCE = ROOT / "docs" / "reference"
 
 _REASON = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*$")
-_CODES = {
-    "InvalidArgument": "INVALID_ARGUMENT",
-    "FailedPrecondition": "FAILED_PRECONDITION",
-    "Aborted": "ABORTED",
-    "AlreadyExists": "ALREADY_EXISTS",
-    "DeadlineExceeded": "DEADLINE_EXCEEDED",
-    "Unavailable": "UNAVAILABLE",
-    "Unimplemented": "UNIMPLEMENTED",
-    "PermissionDenied": "PERMISSION_DENIED",
-    "NotFound": "NOT_FOUND",
-    "ResourceExhausted": "RESOURCE_EXHAUSTED",
-    "Internal": "INTERNAL",
-}
-"""The categories of :mod:`wsync_grpc.core.errors` -> the gRPC status code the wire edge sends."""
+_CODES = {cls.__name__: code.name for cls, code in STATUS_CODES.items()}
+"""The categories of :mod:`wsync_grpc.core.errors` -> the gRPC status code the wire edge sends (its own table)."""
 
 _TRAINER_FAILURE = "EngineFailure"
 """The trainer client's record of a failure; its ``reason`` argument is the 4th."""
