@@ -75,7 +75,8 @@ def section(d: dict[str, Any]) -> str:
         "",
         f"SmolLM2-135M in fp32 ({model / 1e6:.0f} MB), sharded with FSDP2 over gloo on this host, synced into one "
         f"reference engine (staged) in buckets of {d['bucket_bytes'] / 2**20:.0f} MiB, each way back to back in "
-        f"every repetition (measured {d['date']}, `--cases sharded`). Time is rank 0's wall time of the call; "
+        f"every repetition (measured {d['date']}, `--cases sharded`), without bucket digests (the digests section "
+        "times them). Time is rank 0's wall time of the call; "
         "peak extra memory is the rank's peak resident memory above what it held before the call (the client "
         "keeps no pack buffers between calls here, so each call pays for its two); bytes sent are from the plan. "
         "The memory targets allow 2 MiB for the call's own bookkeeping (plan, messages, exchanged piece lists). "

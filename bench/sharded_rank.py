@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     _shard(model)
     raw = dist.new_group(backend="gloo") if args.world > 1 else None
     options = {"rpc_timeout_s": 300.0, "group_timeout_s": 300.0, "bucket_bytes": args.bucket_bytes}
-    with ShardedTrainerClient([args.target], keep_buffers=False, **options) as c:
+    # digests off, as in the other sections: the digests case times what they add
+    with ShardedTrainerClient([args.target], keep_buffers=False, digests=False, **options) as c:
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         largest = max(p.numel() * p.element_size() for p in model.parameters())
         ways = (["ceiling"] if raw is not None else []) + ["gather", "direct", "gather_all"]
