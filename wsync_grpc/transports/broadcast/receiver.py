@@ -43,7 +43,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -63,6 +65,8 @@ from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -201,15 +205,29 @@ class BroadcastReceiver(ReceiverThread):
                 self.on_event(self)
 
     def _wait_for_bucket(self, i: int, timeout: float) -> Bucket | None:
+        return self._poll(
+            lambda wait: self.feed.get(i, wait),
+            timeout,
+            lambda: GroupTimeout(f"no bucket {i} was declared within {timeout:g} s (Update or Complete)"),
+        )
+
+    def _poll(self, fetch: Callable[[float], _T], timeout: float, expired: Callable[[], Exception]) -> _T:
+        """``fetch(wait)`` (which raises :class:`GroupTimeout` when nothing came within ``wait`` seconds) until it
+        answers, looking for a cancel at least every 0.1 s.
+
+        Raises:
+            Cancelled: the update was cancelled meanwhile.
+            Exception: ``expired()``, once ``timeout`` seconds passed without an answer.
+        """
         deadline = time.monotonic() + timeout
         while True:
             if self.cancel.is_set():
                 raise Cancelled("the update was cancelled")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise GroupTimeout(f"no bucket {i} was declared within {timeout:g} s (Update or Complete)")
+                raise expired()
             try:
-                return self.feed.get(i, min(left, 0.1))
+                return fetch(min(left, 0.1))
             except GroupTimeout:
                 continue
 
@@ -337,30 +355,24 @@ class BroadcastReceiver(ReceiverThread):
         if bucket.digest is not None:
             return bucket.digest
         timeout = self.group.timeout_s
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.cancel.is_set():
-                raise Cancelled("the update was cancelled")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceeded(
-                    "DIGEST_TIMEOUT",
-                    f"bucket {bucket.index} arrived, but its digest was not declared within {timeout:g} s "
-                    "(PrepareHeader.digests_follow promised it in an Update)",
-                    bucket=str(bucket.index),
-                )
-            try:
-                digest = self.feed.digest(bucket.index, min(left, 0.1))
-            except GroupTimeout:
-                continue
-            if digest is None:
-                raise InvalidArgument(
-                    "DIGEST_MISSING",
-                    f"bucket {bucket.index} has no digest: the update promised one for every bucket "
-                    "(PrepareHeader.digests_follow), but Complete came before it",
-                    bucket=str(bucket.index),
-                )
-            return digest
+        digest = self._poll(
+            lambda wait: self.feed.digest(bucket.index, wait),
+            timeout,
+            lambda: DeadlineExceeded(
+                "DIGEST_TIMEOUT",
+                f"bucket {bucket.index} arrived, but its digest was not declared within {timeout:g} s "
+                "(PrepareHeader.digests_follow promised it in an Update)",
+                bucket=str(bucket.index),
+            ),
+        )
+        if digest is None:
+            raise InvalidArgument(
+                "DIGEST_MISSING",
+                f"bucket {bucket.index} has no digest: the update promised one for every bucket "
+                "(PrepareHeader.digests_follow), but Complete came before it",
+                bucket=str(bucket.index),
+            )
+        return digest
 
     def _use(self, posted: _Posted) -> None:
         """Stage or load what ``posted`` received (the whole bucket, or a chunk of it)."""
