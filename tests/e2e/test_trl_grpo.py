@@ -123,17 +123,20 @@ def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
 
     trainer = _trainer(model, smollm2_tokenizer, http, proc.target, tmp_path / "out", wsync_on_sync=check)
     holder["trainer"] = trainer
-    trainer.train()
-    assert [s["step"] for s in seen] == [0, 1]
-    for s in seen:
-        assert s["engine"] == s["trainer"], s
-    assert seen[0]["sums"] != seen[1]["sums"]  # the first optimizer step changed the served weights
-    client = trainer.wsync_client
-    assert client is not None and client.last_result is not None
-    assert client.last_result.engines[proc.target].cache_flushed
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 2
-    client.close_communicator()
+    try:
+        trainer.train()
+        assert [s["step"] for s in seen] == [0, 1]
+        for s in seen:
+            assert s["engine"] == s["trainer"], s
+        assert seen[0]["sums"] != seen[1]["sums"]  # the first optimizer step changed the served weights
+        client = trainer.wsync_client
+        assert client is not None and client.last_result is not None
+        assert client.last_result.engines[proc.target].cache_flushed
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert len(losses) == 2
+    finally:  # a failure here must not leave the module's engine owned by this client
+        if trainer.wsync_client is not None:
+            trainer.wsync_client.close_communicator()
 
 
 def test_a_failed_sync_raises_out_of_train(
