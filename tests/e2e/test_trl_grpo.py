@@ -6,7 +6,8 @@ process: 2 optimizer steps over a few prompts, 2 generations each, short
 completions. TRL syncs before each step's generation; after every sync the
 engine serves weight version ``step-N`` (N the trainer's global step), its
 checksums equal the trainer's parameters in the served dtype, and its greedy
-answer is the one the trainer's own model gives with the served weights.
+answer and log-probabilities are what the trainer's own model gives with the
+served weights (up to bfloat16 arithmetic).
 A sync that fails raises out of ``train()``.
 """
 
@@ -56,17 +57,41 @@ def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         proc.stop(grace_s=30)
 
 
-def _greedy_engine(http: str, model: str, max_tokens: int = 8) -> list[int]:
-    body = {"model": model, "prompt": PROBE, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+LOGPROB_TOL = 0.25
+"""Nats by which the engine's bfloat16 arithmetic may differ from the trainer's float32 on the same served weights.
+
+Both compute with the same bfloat16 weights, but vLLM's kernels (and its activations) are not the trainer's;
+a stale or wrong weight moves these log-probabilities by far more (one optimizer step here changes the greedy
+answer outright). Greedy tokens alone are no fair test: after a step the top two candidates can be closer
+than that arithmetic noise, and the two sides then pick different tokens from equal weights.
+"""
+
+
+def _greedy_engine(http: str, model: str, max_tokens: int = 8) -> tuple[list[int], list[float]]:
+    """The engine's greedy continuation of ``PROBE``: its token ids and each one's log-probability (nats)."""
+    body = {
+        "model": model,
+        "prompt": PROBE,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
     req = urllib.request.Request(
         f"{http}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=120) as r:
-        return list(json.loads(r.read())["choices"][0]["token_ids"])
+        choice = json.loads(r.read())["choices"][0]
+    return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
 
 
-def _greedy_trainer(model_dir: Path, params: dict[str, torch.Tensor], tokenizer: Any, max_tokens: int = 8) -> list[int]:
-    """A fresh copy of the model holding the trainer's ``params`` rounded to the served dtype, greedy, in float32."""
+def _trainer_scores(
+    model_dir: Path, params: dict[str, torch.Tensor], tokenizer: Any, tokens: list[int]
+) -> torch.Tensor:
+    """Log-softmax ``[len(tokens), vocab]`` of a fresh model holding ``params`` rounded to the served dtype, in float32.
+
+    Row ``i`` is the distribution after ``PROBE`` and ``tokens[:i]`` (teacher-forced on the engine's tokens).
+    """
     from transformers import AutoModelForCausalLM
 
     served = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -75,8 +100,26 @@ def _greedy_trainer(model_dir: Path, params: dict[str, torch.Tensor], tokenizer:
         for name, p in params.items():
             own[name].copy_(p.detach().to(SERVED).float())
         ids = tokenizer(PROBE, return_tensors="pt")["input_ids"]
-        out = served.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
-    return [int(t) for t in out[0, ids.shape[1] :]]
+        full = torch.cat([ids, torch.tensor([tokens], dtype=ids.dtype)], dim=1)
+        logits = served(full, attention_mask=torch.ones_like(full)).logits[0, ids.shape[1] - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _answers_as_the_trainer(engine: tuple[list[int], list[float]], scores: torch.Tensor) -> list[str]:
+    """Where the engine's greedy answer is not what the trainer's weights give; empty when it is.
+
+    At every position the engine's token must be the trainer's greedy choice up to ``LOGPROB_TOL`` (a near
+    tie may go either way), and the engine's log-probability of it must equal the trainer's within
+    ``LOGPROB_TOL``.
+    """
+    tokens, logprobs = engine
+    wrong = []
+    for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        row = scores[i]
+        mine, best = float(row[tok]), float(row.max())
+        if best - mine > LOGPROB_TOL or abs(lp - mine) > LOGPROB_TOL:
+            wrong.append(f"position {i}: engine token {tok} at {lp:.3f}, the trainer's {mine:.3f}, its best {best:.3f}")
+    return wrong
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -112,12 +155,19 @@ def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
         assert sums.weight_version == f"step-{step}"
         wrong = [c.name for c in sums.checksums if c.sha256 != _sha(params[c.name])]
         assert not wrong and len(sums.checksums) == len(params), wrong[:3]
+        engine_answer = _greedy_engine(http, str(smollm2_dir))
+        if seen:  # the check tells the weights served before this sync from these ones
+            before = seen[-1]["engine"]
+            stale = _answers_as_the_trainer(before, _trainer_scores(smollm2_dir, params, smollm2_tokenizer, before[0]))
+            assert stale, "the previous weights' answer passes as this step's: the check has no power"
         seen.append(
             {
                 "step": step,
                 "sums": sums.by_name,
-                "engine": _greedy_engine(http, str(smollm2_dir)),
-                "trainer": _greedy_trainer(smollm2_dir, params, smollm2_tokenizer),
+                "engine": engine_answer,
+                "wrong": _answers_as_the_trainer(
+                    engine_answer, _trainer_scores(smollm2_dir, params, smollm2_tokenizer, engine_answer[0])
+                ),
             }
         )
 
@@ -127,7 +177,7 @@ def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
         trainer.train()
         assert [s["step"] for s in seen] == [0, 1]
         for s in seen:
-            assert s["engine"] == s["trainer"], s
+            assert not s["wrong"], s
         assert seen[0]["sums"] != seen[1]["sums"]  # the first optimizer step changed the served weights
         client = trainer.wsync_client
         assert client is not None and client.last_result is not None
