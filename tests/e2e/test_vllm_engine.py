@@ -8,6 +8,8 @@ port and by HTTP clients on vLLM's own OpenAI-compatible API. What is checked:
   originals back gives the first completions again, token for token (staged and streaming);
 - a request streaming during a staged sync keeps receiving tokens and its answer reports both
   weight versions (vLLM's ``weight_versions`` spans);
+- an update of some tensors only (staged and streaming) leaves every other tensor serving as it
+  was: checksums and completions;
 - bad metadata (a partial fused group, a wrong shape) is refused with INVALID_ARGUMENT and
   touches nothing;
 - a ``TrainerClient`` process SIGKILLed mid-broadcast: the engine keeps serving the old weights,
@@ -227,6 +229,25 @@ def test_individual_layout(engine: Vllm, originals: dict[str, torch.Tensor]) -> 
         assert_serves(c, engine.target, new, "individual-1")
         c.sync(originals.items(), "individual-0", layout="individual", flush_cache=True)
         assert_serves(c, engine.target, originals, "individual-0")
+
+
+@pytest.mark.parametrize("apply_mode", ["staged", "streaming"])
+def test_an_update_of_some_tensors_leaves_the_others_serving_as_they_were(
+    engine: Vllm, originals: dict[str, torch.Tensor], apply_mode: str
+) -> None:
+    """Staged apply prepares every layer beside the served one; a layer the update sends nothing to
+    must keep what it serves (its shadow was never written)."""
+    sent = ["model.layers.3.mlp.down_proj.weight", "model.layers.5.self_attn.o_proj.weight"]
+    new = perturbed(originals, seed=4)
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(originals.items(), f"some-{apply_mode}-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+        before = engine.complete()
+        c.sync([(n, new[n]) for n in sent], f"some-{apply_mode}-1", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+        assert_serves(c, engine.target, {**originals, **{n: new[n] for n in sent}}, f"some-{apply_mode}-1")
+        assert engine.complete()[1] != before[1]  # the two tensors sent answer
+        c.sync([(n, originals[n]) for n in sent], f"some-{apply_mode}-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+        assert_serves(c, engine.target, originals, f"some-{apply_mode}-0")
+    assert engine.complete() == before
 
 
 def test_generation_keeps_flowing_during_a_staged_sync(

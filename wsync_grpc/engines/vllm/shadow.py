@@ -49,10 +49,12 @@ class ShadowUpdate:
 
     :meth:`begin` gives every layer its shadow; :meth:`add` loads one
     bucket's tensors into the shadows and processes each layer whose
-    parameters are then whole; :meth:`finish` processes the layers left
-    (those that received nothing, such as an LM head tied to the
-    embeddings, or only part of their padded parameters), so that what is
-    left after the last byte is one bucket's loads and those layers.
+    parameters are then whole (a parameter two layers share, such as an LM
+    head tied to the embeddings, has one shadow: both layers are whole once
+    it is); :meth:`finish` processes the layers that received only part of
+    their padded parameters and leaves out those that received nothing, so
+    that what is left after the last byte is one bucket's loads and those
+    layers.
 
     Args:
         model: the worker's model (as vLLM loaded it; its load-time metadata recorded).
@@ -94,13 +96,30 @@ class ShadowUpdate:
     def finish(self) -> None:
         """Process every layer not processed yet; the shadows are then ready for :meth:`swap`.
 
+        A layer none of whose parameters received a byte (an update of some
+        tensors only) is left out of the swap: the live layer keeps serving
+        what it serves, as vLLM's own reload keeps a layer it loaded nothing
+        into (``finalize_layerwise_processing`` places its kernel tensors
+        back). Its shadow was never written, so swapping it in would serve
+        uninitialised memory. A layer that received part of its parameters
+        (padding left out) is processed, as vLLM's reload processes it.
+
         Raises:
             Exception: whatever vLLM's processing raises; the live model is untouched.
         """
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            for _, shadow in self.layers:
+            kept = []
+            for live, shadow in self.layers:
                 if id(shadow) not in self._processed:
+                    if self._untouched(shadow):
+                        continue
                     self._process(shadow)
+                kept.append((live, shadow))
+            self.layers = kept
+
+    def _untouched(self, shadow: torch.nn.Module) -> bool:
+        """Whether no checkpoint element was copied into any of ``shadow``'s parameters."""
+        return all(self._loaded.get(id(p), 0) == 0 for p in shadow.parameters(recurse=False))
 
     def _whole(self, shadow: torch.nn.Module) -> bool:
         """Whether every checkpoint element of ``shadow``'s parameters was copied in (padding excluded)."""
