@@ -10,6 +10,8 @@ port and by HTTP clients on vLLM's own OpenAI-compatible API. What is checked:
   weight versions (vLLM's ``weight_versions`` spans);
 - an update of some tensors only (staged and streaming) leaves every other tensor serving as it
   was: checksums and completions;
+- a staged sync after the first prepares into the memory the last one left (page faults far below
+  the served weights' pages), serving exactly what was sent each time;
 - bad metadata (a partial fused group, a wrong shape) is refused with INVALID_ARGUMENT and
   touches nothing;
 - a ``TrainerClient`` process SIGKILLed mid-broadcast: the engine keeps serving the old weights,
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import random
 import signal
 import subprocess
@@ -248,6 +251,44 @@ def test_an_update_of_some_tensors_leaves_the_others_serving_as_they_were(
         c.sync([(n, originals[n]) for n in sent], f"some-{apply_mode}-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
         assert_serves(c, engine.target, originals, f"some-{apply_mode}-0")
     assert engine.complete() == before
+
+
+def _minor_faults(pid: int) -> int:
+    """Minor page faults of process ``pid`` and every process below it (``/proc/PID/stat`` field 10)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            total += int(stat.rsplit(")", 1)[1].split()[7])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a process that ended meanwhile
+    return total
+
+
+def test_a_staged_sync_prepares_into_the_memory_the_last_one_left(
+    engine: Vllm, originals: dict[str, torch.Tensor]
+) -> None:
+    """After a first staged sync, the next ones load the new weights into memory already written (the shadows
+    the last swap left spare), not into a fresh copy of the model, whose first write page-faults every page:
+    the engine's processes take far fewer page faults than the served weights have pages, and serve
+    exactly what was sent, sync after sync."""
+    new = perturbed(originals, seed=6)
+    served_pages = sum(t.numel() * SERVED.itemsize for t in originals.values()) // os.sysconf("SC_PAGE_SIZE")
+    faults = []
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(originals.items(), "spare-0", apply_mode="staged", flush_cache=True)
+        before = engine.complete()
+        for version, state in [("spare-1", new), ("spare-0", originals), ("spare-1", new)]:
+            start = _minor_faults(engine.proc.pid)
+            c.sync(state.items(), version, apply_mode="staged", flush_cache=True)
+            faults.append(_minor_faults(engine.proc.pid) - start)
+            assert_serves(c, engine.target, state, version)
+            assert (engine.complete() == before) == (state is originals)
+        c.sync(originals.items(), "spare-0", apply_mode="staged", flush_cache=True)
+    assert max(faults) < served_pages / 4, (faults, served_pages)
 
 
 def test_generation_keeps_flowing_during_a_staged_sync(

@@ -21,12 +21,19 @@ whole reload.
 Runs in a vLLM worker process; :meth:`ShadowUpdate.begin`, ``add`` and
 ``finish`` on a thread of its own (the received tensors are read, nothing live is written),
 :meth:`ShadowUpdate.swap` on the worker's main thread between two steps.
+
+The memory of the shadow parameters that nothing serves after a swap (those
+copied into the live parameters, their storage held by no kernel) is kept in
+:class:`SpareShadows` for the next staged update: a fresh copy of the model's
+parameters would otherwise be written for the first time, a page fault every
+4 KiB, while the buckets arrive.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -44,6 +51,56 @@ log = logging.getLogger(__name__)
 _MODULE_STATE = ("_parameters", "_buffers", "_modules")
 
 
+def _storage_holders(t: torch.Tensor) -> int:
+    """How many tensors (and kernels holding one) share ``t``'s storage, ``t`` included.
+
+    Read from the storage's reference count, so that a handle a C++ kernel
+    keeps (a closure over ``t``, an unpacked weight kept by reference) counts
+    too; the count of a tensor held once is subtracted.
+    """
+    count: int = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    one = torch.empty(1)
+    alone: int = torch._C._storage_Use_Count(one.untyped_storage()._cdata)
+    return count - alone + 1
+
+
+class SpareShadows:
+    """Shadow parameter memory kept from one staged update for the next (a worker holds one).
+
+    A shadow parameter whose values a swap copied into the live parameter
+    and whose storage nothing else holds afterwards (no kernel built from it,
+    see :func:`_storage_holders`) is kept, keyed by its live parameter; the
+    next :class:`ShadowUpdate` loads into it instead of into new memory.
+    Costs one copy of those parameters between updates (``nbytes``); a reload
+    of the live model (streaming apply) drops it (:meth:`clear`).
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of parameter memory kept."""
+        return sum(t.untyped_storage().nbytes() for _, t in self._kept.values())
+
+    def keep(self, live: torch.Tensor, shadow: torch.Tensor) -> None:
+        """Keep ``shadow``'s memory for ``live``'s next shadow."""
+        self._kept[id(live)] = (weakref.ref(live), shadow.detach())
+
+    def take(self, live: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+        """The memory kept for ``live``, if it has ``like``'s shape, strides, dtype and device; it is no longer kept."""
+        entry = self._kept.pop(id(live), None)
+        if entry is None or entry[0]() is not live:
+            return None
+        t = entry[1]
+        same = t.shape == like.shape and t.stride() == like.stride() and t.dtype == like.dtype
+        return t if same and t.device == like.device else None
+
+    def clear(self) -> None:
+        """Keep nothing."""
+        self._kept.clear()
+
+
 class ShadowUpdate:
     """One staged update's processed weights, built beside the live model as its buckets arrive.
 
@@ -59,14 +116,20 @@ class ShadowUpdate:
     Args:
         model: the worker's model (as vLLM loaded it; its load-time metadata recorded).
         vllm_config: the engine's config (vLLM's loaders read it).
+        spare: memory kept from the last swap, taken for the shadows and given
+            back at :meth:`swap`; ``None`` to allocate every shadow afresh.
     """
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, spare: SpareShadows | None = None) -> None:
         self.model = model
         self.vllm_config = vllm_config
+        self.spare = spare
         self.layers: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         """``(live layer, its shadow)`` for every layer with parameters."""
         self._shadow_of: dict[int, torch.Tensor] = {}  # id(live parameter) -> its shadow (shared when tied)
+        self._live: dict[int, torch.Tensor] = {}  # id(live parameter) -> the live parameter
+        self.reused_bytes = 0
+        """Bytes of shadow memory taken from ``spare`` (already written once) rather than allocated."""
         self._loaded: dict[int, int] = {}  # id(shadow parameter) -> checkpoint elements copied into it
         self._processed: set[int] = set()  # id(shadow layer)
 
@@ -144,12 +207,20 @@ class ShadowUpdate:
                 meta = recorded.get(name)
                 # Same class (vLLM's parameter types) and attributes (weight_loader...) as at
                 # load time, its loader bound to the live layer again (vLLM's own restore).
-                fresh = materialize_meta_tensor(meta) if meta is not None else live.detach().clone()
+                if meta is not None:
+                    fresh = materialize_meta_tensor(meta)  # allocated, not yet written
+                    kept = self.spare.take(live, fresh) if self.spare is not None else None
+                    if kept is not None:
+                        fresh.data = kept
+                        self.reused_bytes += kept.untyped_storage().nbytes()
+                else:
+                    fresh = live.detach().clone()
                 fresh = restore_layer_refs(fresh, layer)
                 loader = _unwrapped(getattr(fresh, "weight_loader", None))
                 if loader is not None:
-                    fresh.weight_loader = loader  # type: ignore[attr-defined]
+                    fresh.weight_loader = loader
                 self._shadow_of[id(live)] = fresh
+                self._live[id(live)] = live
             shadow._parameters[name] = self._shadow_of[id(live)]  # type: ignore[assignment]
         return shadow
 
@@ -192,22 +263,36 @@ class ShadowUpdate:
     def swap(self) -> None:
         """Serve the shadows: copy their parameters into the live ones and hand over what processing built.
 
-        Runs between two steps. Parameters keep their addresses; an attribute
-        that processing replaced on a shadow (the CPU ``cpu_linear`` kernel)
-        replaces the live layer's.
+        Runs between two steps. Parameters keep their addresses where
+        processing kept their shape and dtype (the values are copied); one
+        that processing replaced (an emptied prepacked weight, a bias made
+        float32) is replaced on the live layer too. An attribute that
+        processing replaced on a shadow (the CPU ``cpu_linear`` kernel)
+        replaces the live layer's. With :class:`SpareShadows`, the copied
+        shadows that nothing holds afterwards are kept for the next update.
         """
+        copied: list[int] = []
         with torch.no_grad():
             for layer, shadow in self.layers:
                 for name, live in list(layer.named_parameters(recurse=False)):
                     new = getattr(shadow, name)
-                    if new.shape == live.shape:
+                    if new.shape == live.shape and new.dtype == live.dtype:
                         live.data.copy_(new)
+                        if new is self._shadow_of.get(id(live)):
+                            copied.append(id(live))
                     else:
                         live.data = new.detach()
                 for key, value in shadow.__dict__.items():
                     if key not in _MODULE_STATE and layer.__dict__.get(key) is not value:
                         layer.__dict__[key] = value
-        self.layers, self._shadow_of, self._loaded, self._processed = [], {}, {}, set()
+        self.layers = []  # the shadow layers go; what they built now lives in the live layers
+        if self.spare is not None:
+            for lid in copied:
+                shadow_param = self._shadow_of[lid]
+                if _storage_holders(shadow_param) == 1:
+                    self.spare.keep(self._live[lid], shadow_param)
+            log.debug("swapped; %d bytes of shadows reused, %d kept spare", self.reused_bytes, self.spare.nbytes)
+        self._shadow_of, self._live, self._loaded, self._processed = {}, {}, {}, set()
 
 
 def _unwrapped(loader: Any) -> Any:

@@ -43,7 +43,7 @@ from wsync_grpc.core.messages import bucket_from_msg
 from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.engines.host import WorkerHost
-from wsync_grpc.engines.vllm.shadow import ShadowUpdate
+from wsync_grpc.engines.vllm.shadow import ShadowUpdate, SpareShadows
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.group.waits import wait_work
 
@@ -107,9 +107,16 @@ class VllmModelGlue:
         self.vllm_config = vllm_config
         self.model_config = model_config
         self._tied = tied_layers(model)
+        self.spare = SpareShadows()
+        """Shadow memory a staged update leaves for the next (:class:`~wsync_grpc.engines.vllm.shadow.SpareShadows`)."""
 
     def begin_reload(self) -> None:
-        """``initialize_layerwise_reload``: each layer reloads once all of its tensors arrived."""
+        """``initialize_layerwise_reload``: each layer reloads once all of its tensors arrived.
+
+        The spare shadows are dropped: a reload may replace live parameters, and what they hold is no
+        longer what is served.
+        """
+        self.spare.clear()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model)
 
@@ -141,13 +148,14 @@ class VllmModelGlue:
     def preparation(self) -> ShadowUpdate:
         """A staged update's processed weights, to be built beside the live model as buckets arrive.
 
-        The shadows are made here (:meth:`ShadowUpdate.begin`); the host feeds
-        each received bucket to ``add`` and calls ``finish`` after the last one.
+        The shadows are made here (:meth:`ShadowUpdate.begin`), in the memory
+        the last swap left spare where it fits; the host feeds each received
+        bucket to ``add`` and calls ``finish`` after the last one.
 
         Raises:
             Exception: from vLLM's metadata (the host then reloads at apply).
         """
-        shadow = ShadowUpdate(self.model, self.vllm_config)
+        shadow = ShadowUpdate(self.model, self.vllm_config, self.spare)
         shadow.begin()
         return shadow
 
