@@ -54,14 +54,17 @@ _MODULE_STATE = ("_parameters", "_buffers", "_modules")
 def _storage_holders(t: torch.Tensor) -> int:
     """How many tensors (and kernels holding one) share ``t``'s storage, ``t`` included.
 
-    Read from the storage's reference count, so that a handle a C++ kernel
-    keeps (a closure over ``t``, an unpacked weight kept by reference) counts
-    too; the count of a tensor held once is subtracted.
+    Read from the storage's reference count (``torch._C._storage_Use_Count``),
+    so that a handle a C++ kernel keeps (a closure over ``t``, an unpacked
+    weight kept by reference) counts too; the count of a tensor held once is
+    subtracted. Where torch offers no such count, 2 (nothing is taken to be
+    free).
     """
-    count: int = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return 2
     one = torch.empty(1)
-    alone: int = torch._C._storage_Use_Count(one.untyped_storage()._cdata)
-    return count - alone + 1
+    return int(use_count(t.untyped_storage()._cdata)) - int(use_count(one.untyped_storage()._cdata)) + 1
 
 
 class SpareShadows:
