@@ -96,10 +96,11 @@ def section(v: dict[str, Any]) -> str:
         "each worker process), then loads and processes the new weights beside the served ones with vLLM's own "
         "loaders and weight processing (on CPU: re-packing each linear weight for oneDNN); Complete waits for that "
         "and stops generation only for the swap, between two steps (the apply column). Each bucket is prepared as "
-        "it arrives, so what Complete waits for after the last byte is the preparation still behind the wire: on "
-        "this 2-core host it competes with generation, the receive and vLLM's polling loops for the cores, and "
-        "most of it is writing fresh memory (the shadow copy of the served weights is allocated per sync, and its "
-        "first write page-faults every 4 KiB). Streaming apply and vLLM's own flow stop generation from the first "
-        "byte to the last.",
+        "it arrives, into the memory the previous staged sync left (the shadow copy of the served weights is kept "
+        "between syncs; only the warm-up writes it for the first time, which page-faults every 4 KiB), so what "
+        "Complete waits for after the last byte is the preparation still behind the wire: on this 2-core host it "
+        "competes with generation, the receive and vLLM's polling loops for the cores, and it converts the "
+        "trainer's float32 tensors to the served bfloat16 as it loads them. Streaming apply and vLLM's own flow "
+        "stop generation from the first byte to the last.",
     ]
     return "\n".join(lines)
