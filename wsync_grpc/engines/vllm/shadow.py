@@ -32,6 +32,7 @@ parameters would otherwise be written for the first time, a page fault every
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import weakref
 from collections.abc import Iterator, Sequence
@@ -63,8 +64,14 @@ def _storage_holders(t: torch.Tensor) -> int:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         return 2
+    return int(use_count(t.untyped_storage()._cdata)) - _held_once(use_count) + 1
+
+
+@functools.cache
+def _held_once(use_count: Any) -> int:
+    """``use_count`` of a storage one tensor holds (read once per process)."""
     one = torch.empty(1)
-    return int(use_count(t.untyped_storage()._cdata)) - int(use_count(one.untyped_storage()._cdata)) + 1
+    return int(use_count(one.untyped_storage()._cdata))
 
 
 class SpareShadows:
@@ -130,7 +137,6 @@ class ShadowUpdate:
         self.layers: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         """``(live layer, its shadow)`` for every layer with parameters."""
         self._shadow_of: dict[int, torch.Tensor] = {}  # id(live parameter) -> its shadow (shared when tied)
-        self._live: dict[int, torch.Tensor] = {}  # id(live parameter) -> the live parameter
         self.reused_bytes = 0
         """Bytes of shadow memory taken from ``spare`` (already written once) rather than allocated."""
         self._loaded: dict[int, int] = {}  # id(shadow parameter) -> checkpoint elements copied into it
@@ -223,7 +229,6 @@ class ShadowUpdate:
                 if loader is not None:
                     fresh.weight_loader = loader
                 self._shadow_of[id(live)] = fresh
-                self._live[id(live)] = live
             shadow._parameters[name] = self._shadow_of[id(live)]  # type: ignore[assignment]
         return shadow
 
@@ -274,15 +279,16 @@ class ShadowUpdate:
         replaces the live layer's. With :class:`SpareShadows`, the copied
         shadows that nothing holds afterwards are kept for the next update.
         """
-        copied: list[int] = []
+        copied: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live parameter, the shadow copied into it)
         with torch.no_grad():
             for layer, shadow in self.layers:
                 for name, live in list(layer.named_parameters(recurse=False)):
                     new = getattr(shadow, name)
                     if new.shape == live.shape and new.dtype == live.dtype:
                         live.data.copy_(new)
-                        if new is self._shadow_of.get(id(live)):
-                            copied.append(id(live))
+                        mine = self._shadow_of.get(id(live))
+                        if new is mine and mine is not None:
+                            copied.append((live, mine))
                     else:
                         live.data = new.detach()
                 for key, value in shadow.__dict__.items():
@@ -290,12 +296,12 @@ class ShadowUpdate:
                         layer.__dict__[key] = value
         self.layers = []  # the shadow layers go; what they built now lives in the live layers
         if self.spare is not None:
-            for lid in copied:
-                shadow_param = self._shadow_of[lid]
-                if _storage_holders(shadow_param) == 1:
-                    self.spare.keep(self._live[lid], shadow_param)
-            log.debug("swapped; %d bytes of shadows reused, %d kept spare", self.reused_bytes, self.spare.nbytes)
-        self._shadow_of, self._live, self._loaded, self._processed = {}, {}, {}, set()
+            for target, kept in copied:
+                if _storage_holders(kept) == 1:
+                    self.spare.keep(target, kept)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("swapped; %d bytes of shadows reused, %d kept spare", self.reused_bytes, self.spare.nbytes)
+        self._shadow_of, self._loaded, self._processed = {}, {}, set()
 
 
 def _unwrapped(loader: Any) -> Any:
