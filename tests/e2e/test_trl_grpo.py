@@ -86,23 +86,27 @@ def _greedy_engine(http: str, model: str, max_tokens: int = 8) -> tuple[list[int
 
 
 def _trainer_scores(
-    model_dir: Path, params: dict[str, torch.Tensor], tokenizer: Any, tokens: list[int]
-) -> torch.Tensor:
-    """Log-softmax ``[len(tokens), vocab]`` of a fresh model holding ``params`` rounded to the served dtype, in float32.
+    model_dir: Path, params: dict[str, torch.Tensor], tokenizer: Any, answers: list[list[int]]
+) -> list[torch.Tensor]:
+    """For each of ``answers``: log-softmax ``[len(tokens), vocab]`` of a fresh model holding ``params``
+    rounded to the served dtype, in float32 (the model is loaded once for all of them).
 
     Row ``i`` is the distribution after ``PROBE`` and ``tokens[:i]`` (teacher-forced on the engine's tokens).
     """
     from transformers import AutoModelForCausalLM
 
     served = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    scores = []
     with torch.no_grad():
         own = dict(served.named_parameters())
         for name, p in params.items():
             own[name].copy_(p.detach().to(SERVED).float())
         ids = tokenizer(PROBE, return_tensors="pt")["input_ids"]
-        full = torch.cat([ids, torch.tensor([tokens], dtype=ids.dtype)], dim=1)
-        logits = served(full, attention_mask=torch.ones_like(full)).logits[0, ids.shape[1] - 1 : -1]
-    return torch.log_softmax(logits.float(), dim=-1)
+        for tokens in answers:
+            full = torch.cat([ids, torch.tensor([tokens], dtype=ids.dtype)], dim=1)
+            logits = served(full, attention_mask=torch.ones_like(full)).logits[0, ids.shape[1] - 1 : -1]
+            scores.append(torch.log_softmax(logits.float(), dim=-1))
+    return scores
 
 
 def _answers_as_the_trainer(engine: tuple[list[int], list[float]], scores: torch.Tensor) -> list[str]:
@@ -156,18 +160,17 @@ def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
         wrong = [c.name for c in sums.checksums if c.sha256 != _sha(params[c.name])]
         assert not wrong and len(sums.checksums) == len(params), wrong[:3]
         engine_answer = _greedy_engine(http, str(smollm2_dir))
+        answers = [engine_answer] + ([seen[-1]["engine"]] if seen else [])
+        scores = _trainer_scores(smollm2_dir, params, smollm2_tokenizer, [a[0] for a in answers])
         if seen:  # the check tells the weights served before this sync from these ones
-            before = seen[-1]["engine"]
-            stale = _answers_as_the_trainer(before, _trainer_scores(smollm2_dir, params, smollm2_tokenizer, before[0]))
+            stale = _answers_as_the_trainer(answers[1], scores[1])
             assert stale, "the previous weights' answer passes as this step's: the check has no power"
         seen.append(
             {
                 "step": step,
                 "sums": sums.by_name,
                 "engine": engine_answer,
-                "wrong": _answers_as_the_trainer(
-                    engine_answer, _trainer_scores(smollm2_dir, params, smollm2_tokenizer, engine_answer[0])
-                ),
+                "wrong": _answers_as_the_trainer(engine_answer, scores[0]),
             }
         )
 
