@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.05
 """How often remote workers' progress is polled while an update is received, in seconds.
 
-Each poll is one call to every worker (vLLM: one ``collective_rpc``, run between two inference steps).
+Each poll is one call to every worker (vLLM: one ``collective_rpc``, run between two inference steps);
+the next is asked this long after the last was, or at once when the answer took longer.
 """
 
 
@@ -280,6 +281,7 @@ class RemoteWorkerSet:
         for r in self.receivers:
             r.armed.set()
         while not self._cancel.is_set() and not all(r.done.is_set() for r in self.receivers):
+            asked = time.monotonic()
             try:
                 progress = self.workers.worker_progress()
             except BaseException as e:
@@ -288,7 +290,7 @@ class RemoteWorkerSet:
             for r, p in zip(self.receivers, progress, strict=False):
                 if r.update(p, self._plan.streaming):
                     self._on_event(r)
-            time.sleep(POLL_INTERVAL_S)
+            time.sleep(max(0.0, asked + POLL_INTERVAL_S - time.monotonic()))  # a poll waits for a step already
 
     def _end_all(self, e: BaseException) -> None:
         for r in self.receivers:

@@ -81,8 +81,10 @@ class SpareShadows:
     and whose storage nothing else holds afterwards (no kernel built from it,
     see :func:`_storage_holders`) is kept, keyed by its live parameter; the
     next :class:`ShadowUpdate` loads into it instead of into new memory.
-    Costs one copy of those parameters between updates (``nbytes``); a reload
-    of the live model (streaming apply) drops it (:meth:`clear`).
+    Costs one copy of those parameters between updates (``nbytes``), kept
+    through reloads of the live model (a streaming apply, vLLM's own flow):
+    an entry whose live parameter was replaced or freed is never taken, so
+    a staged update after a streaming one loads into written memory too.
     """
 
     def __init__(self) -> None:
@@ -105,10 +107,6 @@ class SpareShadows:
         t = entry[1]
         same = t.shape == like.shape and t.stride() == like.stride() and t.dtype == like.dtype
         return t if same and t.device == like.device else None
-
-    def clear(self) -> None:
-        """Keep nothing."""
-        self._kept.clear()
 
 
 class ShadowUpdate:

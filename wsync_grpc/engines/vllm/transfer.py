@@ -113,10 +113,11 @@ class VllmModelGlue:
     def begin_reload(self) -> None:
         """``initialize_layerwise_reload``: each layer reloads once all of its tensors arrived.
 
-        The spare shadows are dropped: a reload may replace live parameters, and what they hold is no
-        longer what is served.
+        The spare shadows are kept: they are memory, not served values, and a
+        live parameter the reload replaces no longer matches its entry
+        (:meth:`~wsync_grpc.engines.vllm.shadow.SpareShadows.take`), so the
+        next staged update allocates that one afresh.
         """
-        self.spare.clear()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model)
 
