@@ -20,6 +20,7 @@ port and by HTTP clients on vLLM's own OpenAI-compatible API. What is checked:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -28,6 +29,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -297,6 +299,67 @@ def test_a_staged_sync_prepares_into_the_memory_the_last_one_left(
             assert (engine.complete() == before) == (state is originals)
         c.sync(originals.items(), "spare-0", apply_mode="staged", flush_cache=True)
     assert max(faults) < served_pages / 4, (faults, served_pages)
+
+
+def _processes_below(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def _threads(pid: int) -> dict[int, tuple[str, set[int]]]:
+    """Thread id -> (its name, the CPUs it may run on), for every thread of process ``pid``."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+            out[int(task.name)] = ((task / "comm").read_text().strip(), os.sched_getaffinity(int(task.name)))
+    return out
+
+
+def test_the_weight_sync_threads_run_off_the_cores_vllm_binds_its_forward_to(
+    engine: Vllm, originals: dict[str, torch.Tensor]
+) -> None:
+    """vLLM's CPU backend binds the worker's forward (its main thread) to cores of its own; the weight-sync
+    group's threads and every thread a staged sync starts (receiver, preparation and their pools) run on
+    the other cores, and the forward keeps its own, sync after sync."""
+    worker = next(
+        (p for p in _processes_below(engine.proc.pid) if Path(f"/proc/{p}/comm").read_text().startswith("VLLM::Work")),
+        None,
+    )
+    assert worker is not None, "no vLLM worker process below the engine"
+    parent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    forward = os.sched_getaffinity(worker)
+    if forward >= os.sched_getaffinity(parent):
+        pytest.skip(f"vLLM bound the forward to every CPU its engine may use ({sorted(forward)}): none is left")
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        vllms = set(_threads(worker))  # vLLM's own gloo groups' threads among them
+        c.init()
+        group = {
+            t: a for t, (name, a) in _threads(worker).items() if t not in vllms and name.startswith(("gloo", "pt_gloo"))
+        }
+        assert group, "the weight-sync group started no thread of its own"
+        assert all(not (a & forward) for a in group.values()), (group, forward)
+        for version, state in [("cores-1", perturbed(originals, seed=8)), ("cores-0", originals)]:
+            before = set(_threads(worker))
+            started: dict[int, set[int]] = {}
+            sync = threading.Thread(target=c.sync, args=(state.items(), version), kwargs={"flush_cache": True})
+            sync.start()
+            while sync.is_alive():
+                for t, (_, a) in _threads(worker).items():
+                    if t not in before:
+                        started.setdefault(t, a)
+                time.sleep(0.005)
+            sync.join()
+            assert_serves(c, engine.target, state, version)
+            assert started, "a staged sync started no thread in the worker"
+            assert all(not (a & forward) for a in started.values()), (started, forward)
+            assert os.sched_getaffinity(worker) == forward
 
 
 def test_generation_keeps_flowing_during_a_staged_sync(

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -46,6 +47,33 @@ Swap = Callable[[], None]
 
 PREPARE_POLL_S = 0.05
 """Longest a staged update's preparation sleeps between looks at the receive, in seconds."""
+
+
+@contextlib.contextmanager
+def threads_started_on(cpus: frozenset[int]) -> Iterator[None]:
+    """Threads started inside run on ``cpus`` (every thread they start too); empty: where the caller runs.
+
+    Linux gives a new thread its creator's CPU affinity, so the calling
+    thread takes ``cpus`` while they start and gets its own back after
+    (``os.sched_setaffinity``, as vLLM's NIXL connector moves its KV
+    transfers off the cores of the forward). Where the platform has no
+    affinity, or refuses ``cpus``, threads start where the caller runs.
+    """
+    setter = getattr(os, "sched_setaffinity", None)
+    if not cpus or setter is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    try:
+        setter(0, cpus)
+    except OSError as e:
+        log.warning("cannot run background threads on CPUs %s: %s", sorted(cpus), e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        setter(0, own)
 
 
 class ModelGlue(Protocol):
@@ -140,30 +168,34 @@ class WorkerHost:
         self._swap: Swap | None = None
         self._preparer: threading.Thread | None = None
         self._arrived = threading.Event()  # set by the receiver after each bucket and at its end
+        self.background_cpus: frozenset[int] = frozenset()
+        """CPUs the update's threads (receiver, preparation) run on; empty: where the worker's main thread runs."""
 
     # --------------------------------------------------------------- group
 
     def join(self, params: GroupParams) -> int:
         """Join the weight-sync group at ``params.rank_offset`` + this worker's global rank; return that rank.
 
-        Blocks until the group formed, at most ``params.timeout_s`` seconds.
+        Blocks until the group formed, at most ``params.timeout_s`` seconds. The group's own threads (gloo's
+        send and receive loops) run on :attr:`background_cpus`.
 
         Raises:
             GroupTimeout, GroupError, ValueError: see :func:`~wsync_grpc.group.process_group.join_group`.
         """
         self.leave()
         rank = params.rank_offset + self.global_rank
-        self.group = join_group(
-            master_address=params.master_address,
-            master_port=params.master_port,
-            rank=rank,
-            world_size=params.world_size,
-            group_name=params.group_name or DEFAULT_GROUP_NAME,
-            backend=params.backend,
-            device=self.device,
-            timeout_s=params.timeout_s,
-            trainer_ranks=params.trainer_ranks,
-        )
+        with threads_started_on(self.background_cpus):
+            self.group = join_group(
+                master_address=params.master_address,
+                master_port=params.master_port,
+                rank=rank,
+                world_size=params.world_size,
+                group_name=params.group_name or DEFAULT_GROUP_NAME,
+                backend=params.backend,
+                device=self.device,
+                timeout_s=params.timeout_s,
+                trainer_ranks=params.trainer_ranks,
+            )
         self.rank = rank
         log.info("worker %d joined weight-sync group at rank %d of %d", self.global_rank, rank, params.world_size)
         return rank
@@ -183,6 +215,7 @@ class WorkerHost:
         Streaming: a reload begins (the front has frozen the engine). Staged base
         weights: each bucket is prepared beside the model as it arrives
         (:meth:`ModelGlue.preparation`). A LoRA adapter is kept apart until :meth:`take`.
+        The receiver and the preparation run on :attr:`background_cpus`.
 
         Raises:
             RuntimeError: the transport needs the group and this worker is not a member, or an update is
@@ -215,12 +248,13 @@ class WorkerHost:
             self.pool,
         )
         self.receiver = transport.receiver(site, plan)
-        self.receiver.start()
         self._swap = None
         self._preparer = None
-        if not plan.streaming and plan.payload is Payload.WEIGHTS:
-            self._preparer = threading.Thread(target=self._prepare, name="wsync-prepare", daemon=True)
-            self._preparer.start()
+        with threads_started_on(self.background_cpus):
+            self.receiver.start()
+            if not plan.streaming and plan.payload is Payload.WEIGHTS:
+                self._preparer = threading.Thread(target=self._prepare, name="wsync-prepare", daemon=True)
+                self._preparer.start()
         if not self.receiver.armed.wait(Deadline(plan.timeout_s).left()):
             raise TimeoutError(f"the receiver was not armed within {plan.timeout_s:g} s")
 

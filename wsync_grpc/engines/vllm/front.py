@@ -49,6 +49,37 @@ JOIN_POLL_S = 0.05
 """How often the front asks the workers whether their join ended, in seconds."""
 
 
+def background_cpus(workers: Sequence[Mapping[str, Any]]) -> dict[str, list[int]]:
+    """Where each worker's weight-sync threads run: its host's CPUs that no worker's forward is bound to.
+
+    On a CPU backend vLLM binds each worker's OpenMP threads, its main thread
+    among them, to cores of their own and leaves the rest (at least one per
+    worker) to its other processes (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU``).
+    A weight-sync thread started from the main thread would run on the
+    forward's cores and take them from generation for the whole receive and
+    preparation; on the cores left it does not. Workers not bound narrower
+    than their engine process (GPU workers, ``nobind``) are left where they run.
+
+    Args:
+        workers: each worker's :meth:`~wsync_grpc.engines.vllm.worker.WsyncWorkerExtension.wsync_describe`.
+
+    Returns:
+        ``str(global rank)`` -> sorted CPU ids, for each bound worker with CPUs left; the others absent.
+    """
+    bound: dict[str, set[int]] = {}
+    for w in workers:
+        cpus, host_cpus = set(w.get("cpus", [])), set(w.get("host_cpus", []))
+        if cpus and cpus < host_cpus:
+            bound.setdefault(str(w.get("host", "")), set()).update(cpus)
+    out: dict[str, list[int]] = {}
+    for w in workers:
+        cpus, host_cpus = set(w.get("cpus", [])), set(w.get("host_cpus", []))
+        left = host_cpus - bound.get(str(w.get("host", "")), set())
+        if cpus and cpus < host_cpus and left:
+            out[str(w["global_rank"])] = sorted(left)
+    return out
+
+
 class VllmEngine:
     """A vLLM engine, as the wsync servicer sees it.
 
@@ -84,6 +115,9 @@ class VllmEngine:
             RuntimeError: the engine was not started with the wsync backend and worker extension.
         """
         workers = await client.collective_rpc("wsync_describe")
+        background = background_cpus(workers)
+        if any(background.values()):
+            await client.collective_rpc("wsync_set_background_cpus", args=(background,))
         return cls(client, asyncio.get_running_loop(), sorted(workers, key=lambda w: int(w["global_rank"])))
 
     # ------------------------------------------------------------ LoRA adapters

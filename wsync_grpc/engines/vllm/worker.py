@@ -12,7 +12,10 @@ result. These methods are thin: they decode their msgpack-native arguments
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import socket
 import threading
 import time
 from typing import Any
@@ -45,19 +48,36 @@ class WsyncWorkerExtension:
         return engine
 
     def wsync_describe(self) -> dict[str, Any]:
-        """This worker's global rank, device and model's fused layers.
+        """This worker's global rank, device, model's fused layers and CPUs.
 
         Returns:
-            ``{"global_rank": int, "device": str, "packed": {fused module: [parts]}}``
-            (``packed`` is the model's ``packed_modules_mapping``).
+            ``{"global_rank": int, "device": str, "packed": {fused module: [parts]}, "host": str,
+            "cpus": [int], "host_cpus": [int]}`` (``packed`` is the model's ``packed_modules_mapping``;
+            ``cpus`` those this worker's main thread may run on, where vLLM binds its forward on a CPU
+            backend; ``host_cpus`` those its engine process may run on; both empty where unknown).
         """
         e = self._wsync()
         packed = getattr(e.model, "packed_modules_mapping", {}) or {}
+        cpus: set[int] = set()
+        host_cpus: set[int] = set()
+        if hasattr(os, "sched_getaffinity"):
+            cpus = os.sched_getaffinity(0)
+            with contextlib.suppress(OSError):  # the engine process ended
+                host_cpus = os.sched_getaffinity(os.getppid())
         return {
             "global_rank": e.global_rank,
             "device": str(e.device),
             "packed": {str(k): [str(p) for p in v] for k, v in packed.items()},
+            "host": socket.gethostname(),
+            "cpus": sorted(cpus),
+            "host_cpus": sorted(host_cpus),
         }
+
+    def wsync_set_background_cpus(self, by_rank: dict[str, list[int]]) -> None:
+        """Run this worker's weight-sync threads on ``by_rank[str(global rank)]`` (absent or empty: where its
+        main thread runs); see :func:`~wsync_grpc.engines.host.threads_started_on`."""
+        e = self._wsync()
+        e.host.background_cpus = frozenset(by_rank.get(str(e.global_rank), []))
 
     def wsync_join_begin(self, params: dict[str, Any]) -> None:
         """Start joining the weight-sync group (:class:`~wsync_grpc.engines.vllm.transfer.WsyncInitInfo` fields)
