@@ -92,15 +92,18 @@ def section(v: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "With staged apply the engine keeps generating while the bytes arrive (the receive runs on a thread of "
-        "each worker process), then loads and processes the new weights beside the served ones with vLLM's own "
-        "loaders and weight processing (on CPU: re-packing each linear weight for oneDNN); Complete waits for that "
-        "and stops generation only for the swap, between two steps (the apply column). Each bucket is prepared as "
-        "it arrives, into the memory the previous staged sync left (the shadow copy of the served weights is kept "
-        "between syncs; only the warm-up writes it for the first time, which page-faults every 4 KiB), so what "
-        "Complete waits for after the last byte is the preparation still behind the wire: on this 2-core host it "
-        "competes with generation, the receive and vLLM's polling loops for the cores, and it converts the "
-        "trainer's float32 tensors to the served bfloat16 as it loads them. Streaming apply and vLLM's own flow "
-        "stop generation from the first byte to the last.",
+        "With staged apply the engine keeps generating while the bytes arrive (the receive runs on threads of "
+        "each worker process, on the core vLLM left unbound by the forward), then loads and processes the new "
+        "weights beside the served ones with vLLM's own loaders and weight processing (on CPU: re-packing each "
+        "linear weight for oneDNN); Complete waits for that and stops generation only for the swap, between two "
+        "steps (the apply column). Each bucket is prepared as it arrives, on that same core, into the memory the "
+        "previous staged sync left (the shadow copy of the served weights is kept between syncs, through streaming "
+        "syncs and vLLM's flow too; only the warm-up writes it for the first time, which page-faults every 4 KiB), "
+        "so what Complete waits for after the last byte is the preparation still behind the wire, which converts "
+        "the trainer's float32 tensors to the served bfloat16 as it loads them. The ceiling receives on that core "
+        "too, but packs nothing and prepares nothing: wsync's transfer adds the trainer's packing of the buckets "
+        "(the pack column of the sync result), Prepare (one step of the engine to arm the workers) and the "
+        "preparation's share of the core. Streaming apply and vLLM's own flow stop generation from the first byte "
+        "to the last.",
     ]
     return "\n".join(lines)
