@@ -47,7 +47,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.testing import EngineProcess, free_port
 from wsync_grpc.testing_vllm import GenerateStream, spawn_vllm_engine
-from wsync_grpc.trainer import ApplyMode, SyncError, TrainerClient
+from wsync_grpc.trainer import SyncError, TrainerClient
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -274,27 +274,19 @@ def test_a_staged_sync_prepares_into_the_memory_the_last_one_left(
     engine: Vllm, originals: dict[str, torch.Tensor]
 ) -> None:
     """After a first staged sync, the next ones load the new weights into memory already written (the shadows
-    the last swap left spare), not into a fresh copy of the model, whose first write page-faults every page,
-    also when a streaming sync (a reload of the served model) ran in between: the engine's processes take
-    far fewer page faults than the served weights have pages, and serve exactly what was sent, sync after
-    sync."""
+    the last swap left spare), not into a fresh copy of the model, whose first write page-faults every page:
+    the engine's processes take far fewer page faults than the served weights have pages, and serve
+    exactly what was sent, sync after sync."""
     new = perturbed(originals, seed=6)
     served_pages = sum(t.numel() * SERVED.itemsize for t in originals.values()) // os.sysconf("SC_PAGE_SIZE")
     faults = []
-    syncs: list[tuple[str, dict[str, torch.Tensor], ApplyMode]] = [
-        ("spare-1", new, "staged"),
-        ("spare-0", originals, "staged"),
-        ("spare-1", new, "streaming"),
-    ]
-    syncs += [("spare-0", originals, "staged"), ("spare-1", new, "staged")]
     with TrainerClient([engine.target], group_timeout_s=60) as c:
         c.sync(originals.items(), "spare-0", apply_mode="staged", flush_cache=True)
         before = engine.complete()
-        for version, state, mode in syncs:
+        for version, state in [("spare-1", new), ("spare-0", originals), ("spare-1", new)]:
             start = _minor_faults(engine.proc.pid)
-            c.sync(state.items(), version, apply_mode=mode, flush_cache=True)
-            if mode == "staged":
-                faults.append(_minor_faults(engine.proc.pid) - start)
+            c.sync(state.items(), version, apply_mode="staged", flush_cache=True)
+            faults.append(_minor_faults(engine.proc.pid) - start)
             assert_serves(c, engine.target, state, version)
             assert (engine.complete() == before) == (state is originals)
         c.sync(originals.items(), "spare-0", apply_mode="staged", flush_cache=True)

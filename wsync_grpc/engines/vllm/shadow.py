@@ -84,7 +84,8 @@ class SpareShadows:
     Costs one copy of those parameters between updates (``nbytes``), kept
     through reloads of the live model (a streaming apply, vLLM's own flow):
     an entry whose live parameter was replaced or freed is never taken, so
-    a staged update after a streaming one loads into written memory too.
+    a staged update after a streaming one loads into written memory wherever
+    the reload kept the parameter (a new allocation for the others).
     """
 
     def __init__(self) -> None:
