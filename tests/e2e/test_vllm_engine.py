@@ -255,18 +255,24 @@ def test_an_update_of_some_tensors_leaves_the_others_serving_as_they_were(
     assert engine.complete() == before
 
 
-def _minor_faults(pid: int) -> int:
-    """Minor page faults of process ``pid`` and every process below it (``/proc/PID/stat`` field 10)."""
-    total, todo = 0, [pid]
+def _processes_below(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        try:
-            stat = Path(f"/proc/{p}/stat").read_text()
-            total += int(stat.rsplit(")", 1)[1].split()[7])
+        out.append(p)
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo.extend(int(c) for c in (task / "children").read_text().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a process that ended meanwhile
+    return out
+
+
+def _minor_faults(pid: int) -> int:
+    """Minor page faults of process ``pid`` and every process below it (``/proc/PID/stat`` field 10)."""
+    total = 0
+    for p in _processes_below(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a process that ended meanwhile
+            total += int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[7])
     return total
 
 
@@ -291,18 +297,6 @@ def test_a_staged_sync_prepares_into_the_memory_the_last_one_left(
             assert (engine.complete() == before) == (state is originals)
         c.sync(originals.items(), "spare-0", apply_mode="staged", flush_cache=True)
     assert max(faults) < served_pages / 4, (faults, served_pages)
-
-
-def _processes_below(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-    return out
 
 
 def _threads(pid: int) -> dict[int, tuple[str, set[int]]]:

@@ -66,18 +66,15 @@ def background_cpus(workers: Sequence[Mapping[str, Any]]) -> dict[str, list[int]
     Returns:
         ``str(global rank)`` -> sorted CPU ids, for each bound worker with CPUs left; the others absent.
     """
-    bound: dict[str, set[int]] = {}
+    pinned = []  # (global rank, host, the CPUs of its engine process) of every bound worker
+    bound: dict[str, set[int]] = {}  # host -> the CPUs of every bound worker's forward there
     for w in workers:
-        cpus, host_cpus = set(w.get("cpus", [])), set(w.get("host_cpus", []))
+        cpus, host_cpus, host = set(w.get("cpus", [])), set(w.get("host_cpus", [])), str(w.get("host", ""))
         if cpus and cpus < host_cpus:
-            bound.setdefault(str(w.get("host", "")), set()).update(cpus)
-    out: dict[str, list[int]] = {}
-    for w in workers:
-        cpus, host_cpus = set(w.get("cpus", [])), set(w.get("host_cpus", []))
-        left = host_cpus - bound.get(str(w.get("host", "")), set())
-        if cpus and cpus < host_cpus and left:
-            out[str(w["global_rank"])] = sorted(left)
-    return out
+            pinned.append((str(w["global_rank"]), host, host_cpus))
+            bound.setdefault(host, set()).update(cpus)
+    left = {rank: sorted(host_cpus - bound[host]) for rank, host, host_cpus in pinned}
+    return {rank: cpus for rank, cpus in left.items() if cpus}
 
 
 class VllmEngine:
