@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/wsync/v1/*.proto)
 PYTEST_ARGS ?=
 PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
-.PHONY: venv proto check-proto lint typecheck test check docs docs-gen demo demo-vllm demo-fsdp bench soak clean
+.PHONY: venv proto check-proto lint typecheck test test-fast check docs docs-gen demo demo-vllm demo-fsdp bench soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,8 +54,31 @@ breaking: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Tests run in two passes: first the unit and integration tests that assert no wall-clock bound, on
+# $(TEST_WORKERS) pytest-xdist workers; then, one at a time, the e2e tier (real vLLM engines, the demos)
+# and the tests marked `serial` (deaths noticed within N seconds, and the like). Each pass writes a JUnit
+# report under $(TEST_REPORTS); tests/report.py prints the time per tier and module and the slowest tests.
+# PYTEST_ARGS go to both passes (a path or -k narrows them; a pass left with nothing to run is fine).
+TEST_WORKERS ?= 2
+TEST_REPORTS ?= .test-reports
+define test_passes
+	@rm -rf $(TEST_REPORTS) && mkdir -p $(TEST_REPORTS)
+	@status=0; \
+	$(PY) -m pytest -m "($(1)) and not serial and not e2e" -n $(TEST_WORKERS) \
+	  --junitxml=$(TEST_REPORTS)/parallel.xml $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -m "($(1)) and (serial or e2e)" \
+	  --junitxml=$(TEST_REPORTS)/serial.xml $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) tests/report.py $(TEST_REPORTS)/parallel.xml $(TEST_REPORTS)/serial.xml; \
+	exit $$status
+endef
+
+## test: the whole suite, every tier (the README's test command; .ci/run calls it)
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(call test_passes,unit or integration or e2e)
+
+## test-fast: the unit and integration tiers only (the edit-test loop; no vLLM, no demo)
+test-fast: $(STAMP)
+	$(call test_passes,unit or integration)
 
 check: lint check-proto typecheck test
 
@@ -88,4 +111,4 @@ bench: $(STAMP)
 	$(PY) -m bench.run
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache site
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache site $(TEST_REPORTS)

@@ -11,13 +11,27 @@ from typing import Any
 import pytest
 import torch
 
+TIERS = ("unit", "integration", "e2e")
+"""The tiers, one directory of ``tests/`` each, marked by that directory's name (``pytest -m unit``)."""
 
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect ``soak`` tests (minutes long) unless the ``-m`` expression names them (``make soak``).
+    """Mark each test with its tier (its directory) and ``vllm`` where it uses a vLLM engine; then deselect
+    ``soak`` tests (minutes long) unless the ``-m`` expression names them (``make soak``).
 
-    Not ``addopts = -m "not soak"``: any ``-m`` given on the command line would replace it, so
-    ``pytest -m slow`` would run the slow soak tests too.
+    The tier and ``vllm`` marks are added before ``-m`` selects (``tryfirst``), so ``-m "not vllm"`` works.
+    A test uses a vLLM engine when it takes the shared ``vllm`` fixture (``tests/e2e/conftest.py``) or
+    is marked ``vllm`` itself (one that starts vLLM of its own). Not ``addopts = -m "not soak"``: any
+    ``-m`` given on the command line would replace it, so ``pytest -m slow`` would run the slow soak
+    tests too.
     """
+    for item in items:
+        tier = next((t for t in TIERS if f"/tests/{t}/" in item.path.as_posix()), None)
+        if tier is not None:
+            item.add_marker(tier)
+        if "vllm" in getattr(item, "fixturenames", ()):
+            item.add_marker("vllm")
     if "soak" in (config.getoption("markexpr") or ""):
         return  # the expression decides (-m soak, -m "soak or slow", -m "not soak")
     soak = [item for item in items if item.get_closest_marker("soak") is not None]

@@ -1,4 +1,8 @@
-"""The main job and the command line, run as a user runs them (separate processes)."""
+"""The main job and the command line, run as a user runs them (separate processes).
+
+The demos start engines of their own: starting them, and shutting them down cleanly on SIGTERM, is part of
+what ``make demo`` (and ``demo-fsdp``, ``demo-vllm``) promises, so they cannot use the shared engines.
+"""
 
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ def test_demo_fsdp_two_ranks_train_and_sync_into_two_engines() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_demo_vllm_two_steps_into_two_vllm_engines() -> None:
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
     r = subprocess.run(
@@ -90,6 +95,7 @@ def _wsync(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_serve_status_pause_resume_and_sigterm(tmp_path: Path) -> None:
+    """An engine of its own: the test ends it with SIGTERM."""
     engine = spawn_engine(
         ["--synthetic", "tiny"], port_file=tmp_path / "port", log=subprocess.PIPE, env=ENV, timeout_s=60
     )

@@ -87,10 +87,12 @@ def _port_in_use(port: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_the_readmes_vllm_commands_run_as_written(smollm2_dir: Path) -> None:
     """``wsync serve --engine vllm ... --vllm-args "--enforce-eager"``, the ``curl`` and ``wsync status``, by a shell.
 
-    The ``pip`` lines are the environment this suite already runs in; every
+    An engine of its own: the command that starts it, on the guide's ports, is what is checked. The ``pip``
+    lines are the environment this suite already runs in; every
     other line runs exactly as the vLLM guide prints it.
     """
     pytest.importorskip("vllm", reason="the vllm extra is not installed")

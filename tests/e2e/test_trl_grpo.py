@@ -1,7 +1,8 @@
 """TRL's ``GRPOTrainer`` training SmolLM2-135M on CPU with rollouts from a real ``wsync serve --engine vllm``.
 
 One engine (vLLM's OpenAI API for TRL's generation, ``wsync.v1`` for the
-weights) and a :class:`~wsync_grpc.trainer.grpo.WsyncGRPOTrainer` in this
+weights; the shared ``tp1`` engine of ``shared_engines``, started with the
+flags TRL needs) and a :class:`~wsync_grpc.trainer.grpo.WsyncGRPOTrainer` in this
 process: 2 optimizer steps over a few prompts, 2 generations each, short
 completions. TRL syncs before each step's generation; after every sync the
 engine serves weight version ``step-N`` (N the trainer's global step), its
@@ -17,22 +18,21 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from shared_engines import Vllm
 from support import ENV, ROOT
 
 from wsync_grpc.testing import EngineProcess, free_port
-from wsync_grpc.testing_vllm import VLLM_TEST_ARGS, spawn_vllm_engine
 from wsync_grpc.trainer import SyncError, SyncResult, TrainerClient
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 pytest.importorskip("trl", reason="the trl extra is not installed")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.vllm_engines("tp1")]
 
 SERVED = torch.bfloat16
 PROBE = "The capital of France is"
@@ -40,21 +40,9 @@ PROMPTS = ["Write a word.", "Name a color.", "Say hello.", "Count to three."]
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProcess, str]]:
-    tmp = tmp_path_factory.mktemp("trl")
-    http_port = free_port()
-    proc = spawn_vllm_engine(
-        smollm2_dir,
-        port_file=tmp / "port",
-        http_port=http_port,
-        log=tmp / "engine.log",
-        vllm_args=f"{VLLM_TEST_ARGS} --logprobs-mode processed_logprobs",
-        env={"VLLM_SERVER_DEV_MODE": "1"},
-    )
-    try:
-        yield proc, f"http://127.0.0.1:{http_port}"
-    finally:
-        proc.stop(grace_s=30)
+def trl_engine(engine: Vllm) -> tuple[EngineProcess, str]:
+    """The shared engine's process and the base URL of its OpenAI API."""
+    return engine.proc, engine.http
 
 
 LOGPROB_TOL = 0.25
@@ -139,11 +127,11 @@ def _trainer(model: Any, tokenizer: Any, http: str, target: str, out: Path, **ho
 
 
 def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
-    engine: tuple[EngineProcess, str], smollm2_dir: Path, smollm2_tokenizer: Any, tmp_path: Path
+    trl_engine: tuple[EngineProcess, str], smollm2_dir: Path, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    proc, http = engine
+    proc, http = trl_engine
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32)
     seen: list[dict[str, Any]] = []
     holder: dict[str, Any] = {}
@@ -193,12 +181,12 @@ def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
 
 
 def test_a_failed_sync_raises_out_of_train(
-    engine: tuple[EngineProcess, str], smollm2_dir: Path, smollm2_tokenizer: Any, tmp_path: Path
+    trl_engine: tuple[EngineProcess, str], smollm2_dir: Path, smollm2_tokenizer: Any, tmp_path: Path
 ) -> None:
     """A trainer whose parameters do not fit the engine's model: the first sync's refusal stops ``train()``."""
     from transformers import AutoModelForCausalLM
 
-    proc, http = engine
+    proc, http = trl_engine
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32)
     model.model.norm.weight = torch.nn.Parameter(torch.ones(7))  # a shape the engine does not serve
     trainer = _trainer(model, smollm2_tokenizer, http, proc.target, tmp_path / "out")
@@ -213,10 +201,10 @@ def test_a_failed_sync_raises_out_of_train(
 
 
 def test_the_trl_example_trains_and_leaves_the_engine_on_the_final_policy(
-    engine: tuple[EngineProcess, str], tmp_path: Path
+    trl_engine: tuple[EngineProcess, str], tmp_path: Path
 ) -> None:
     """``examples/trl_grpo.py`` as the TRL guide runs it, for 2 steps: a sync before each step and one after."""
-    proc, http = engine
+    proc, http = trl_engine
     example = [sys.executable, str(ROOT / "examples" / "trl_grpo.py")]
     r = subprocess.run(
         [*example, "--target", proc.target, "--http", http, "--steps", "2", "--output-dir", str(tmp_path / "out")],
@@ -240,11 +228,11 @@ def test_the_trl_example_trains_and_leaves_the_engine_on_the_final_policy(
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_two_training_processes_take_part_and_the_main_one_syncs(
-    engine: tuple[EngineProcess, str], tmp_path: Path, fsdp: bool
+    trl_engine: tuple[EngineProcess, str], tmp_path: Path, fsdp: bool
 ) -> None:
     """``torch.distributed.run`` with 2 CPU processes (gloo): every process iterates the parameters at each
     sync (FSDP2's gathers are collectives), the main one sends; the engine serves what it sent, as ``step-N``."""
-    proc, http = engine
+    proc, http = trl_engine
     env = {**ENV, "WSYNC_TEST_GROUP_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]

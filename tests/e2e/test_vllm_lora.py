@@ -1,8 +1,9 @@
 """LoRA adapters on a real vLLM engine: loaded from PEFT directories through vLLM's own LoRA support, named by
 the OpenAI API's ``model`` field, replaced under the same name without ever answering with the old one.
 
-A real vLLM engine (``wsync serve --engine vllm --vllm-args "... --enable-lora"``) serving SmolLM2-135M; a
-trainer that trains a real PEFT LoRA adapter a few steps and writes it with ``save_pretrained``.
+A real vLLM engine (``wsync serve --engine vllm --vllm-args "... --enable-lora"``, the shared ``tp1-lora``
+engine of ``shared_engines``) serving SmolLM2-135M; a trainer that trains a real PEFT LoRA adapter a few steps
+and writes it with ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -11,23 +12,24 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from shared_engines import Vllm
 from support import code_of, smollm2_lora, train
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.testing import EngineProcess, free_port
-from wsync_grpc.testing_vllm import VLLM_TEST_ARGS, spawn_vllm_engine
+from wsync_grpc.testing import EngineProcess
 from wsync_grpc.trainer import SyncError, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 pytest.importorskip("peft")
+
+pytestmark = pytest.mark.vllm_engines("tp1-lora")
 
 PROMPT = "The capital of France is"
 OWNER = "vllm-lora-tests"
@@ -61,69 +63,56 @@ class LoraEngine:
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraEngine]:
-    tmp = tmp_path_factory.mktemp("vllm-lora")
-    (tmp / "adapters").mkdir()
-    http_port = free_port()
-    proc = spawn_vllm_engine(
-        smollm2_dir,
-        port_file=tmp / "port",
-        http_port=http_port,
-        log=tmp / "engine.log",
-        vllm_args=f"{VLLM_TEST_ARGS} --enable-lora --max-lora-rank 8 --max-loras 2",
-        extra_args=["--checkpoint-root", str(tmp / "adapters")],
-    )
-    try:
-        yield LoraEngine(proc, f"http://127.0.0.1:{http_port}", tmp / "adapters")
-    finally:
-        proc.stop(grace_s=30)
+def lora_engine(engine: Vllm) -> LoraEngine:
+    """The shared LoRA engine, adapters saved under its own checkpoint root."""
+    return LoraEngine(engine.proc, engine.http, engine.checkpoints)
 
 
 @pytest.mark.timeout(900)
 def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
-    engine: LoraEngine, smollm2_dir: Path, smollm2_tokenizer: Any
+    lora_engine: LoraEngine, smollm2_dir: Path, smollm2_tokenizer: Any
 ) -> None:
     base_name = str(smollm2_dir)
     trainer = smollm2_lora(smollm2_dir, ["q_proj", "v_proj"])
-    before = engine.complete(base_name)
+    before = lora_engine.complete(base_name)
     train(trainer, smollm2_tokenizer, steps=3, lr=1e-2)
-    trainer.save_pretrained(engine.root / "v1")
-    with TrainerClient([engine.target], rpc_timeout_s=120, owner=OWNER) as c:
-        r = c.sync_adapter(engine.root / "v1", "lyon", "v1")
+    trainer.save_pretrained(lora_engine.root / "v1")
+    with TrainerClient([lora_engine.target], rpc_timeout_s=120, owner=OWNER) as c:
+        r = c.sync_adapter(lora_engine.root / "v1", "lyon", "v1")
         assert r.tensor_count == 2 * 2 * 30
-        v1 = engine.complete("lyon")
-        assert engine.last_model == "lyon@v1"  # the answer names the adapter version that computed it
+        v1 = lora_engine.complete("lyon")
+        assert lora_engine.last_model == "lyon@v1"  # the answer names the adapter version that computed it
         assert v1["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
-        assert engine.complete(base_name) == before  # the base model answers as before
+        assert lora_engine.complete(base_name) == before  # the base model answers as before
         train(trainer, smollm2_tokenizer, steps=3, lr=1e-2)
-        trainer.save_pretrained(engine.root / "v2")
-        c.sync_adapter(engine.root / "v2", "lyon", "v2")  # replaced under the same name
-        c.sync_adapter(engine.root / "v2", "fresh", "v2")  # the same weights, never loaded before
-        replaced, fresh = engine.complete("lyon"), engine.complete("fresh")
+        trainer.save_pretrained(lora_engine.root / "v2")
+        c.sync_adapter(lora_engine.root / "v2", "lyon", "v2")  # replaced under the same name
+        c.sync_adapter(lora_engine.root / "v2", "fresh", "v2")  # the same weights, never loaded before
+        replaced, fresh = lora_engine.complete("lyon"), lora_engine.complete("fresh")
         assert replaced == fresh, "the replaced adapter does not answer as the new one"
         assert replaced["logprobs"]["token_logprobs"] != v1["logprobs"]["token_logprobs"]
-        assert engine.listed() == [("fresh", "v2"), ("lyon", "v2")]
+        assert lora_engine.listed() == [("fresh", "v2"), ("lyon", "v2")]
         # The live model (still v2's weights), its tensors broadcast to vLLM's workers over the group.
         live = c.sync_adapter(trainer, "lyon", "v2-live")
         assert live.tensor_count == 2 * 2 * 30 and live.bucket_count >= 1
-        assert engine.complete("lyon") == fresh, "the broadcast adapter does not answer as its saved copy"
+        assert lora_engine.complete("lyon") == fresh, "the broadcast adapter does not answer as its saved copy"
         train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)
         c.sync_adapter(trainer, "lyon", "v3-live")
-        v3 = engine.complete("lyon")
+        v3 = lora_engine.complete("lyon")
         assert v3["logprobs"]["token_logprobs"] != fresh["logprobs"]["token_logprobs"]
-        trainer.save_pretrained(engine.root / "v3")
-        c.sync_adapter(engine.root / "v3", "fresh", "v3")
-        assert engine.complete("fresh") == v3, "the broadcast v3 does not answer as v3 read from disk"
-        assert engine.listed() == [("fresh", "v3"), ("lyon", "v3-live")]
+        trainer.save_pretrained(lora_engine.root / "v3")
+        c.sync_adapter(lora_engine.root / "v3", "fresh", "v3")
+        assert lora_engine.complete("fresh") == v3, "the broadcast v3 does not answer as v3 read from disk"
+        assert lora_engine.listed() == [("fresh", "v3"), ("lyon", "v3-live")]
         # Rank 16 > --max-lora-rank 8: refused at Prepare, the old adapter keeps serving.
         bad = smollm2_lora(smollm2_dir, ["q_proj"], rank=16, random_b=True)
         with pytest.raises(SyncError) as refused:
             c.sync_adapter(bad, "lyon", "v4-too-big")
-        failure = refused.value.failures[engine.target]
+        failure = refused.value.failures[lora_engine.target]
         assert (failure.code, failure.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_RANK_TOO_LARGE")
-        assert engine.complete("lyon") == v3
-        assert engine.listed() == [("fresh", "v3"), ("lyon", "v3-live")]
-    with grpc.insecure_channel(engine.target) as ch:
+        assert lora_engine.complete("lyon") == v3
+        assert lora_engine.listed() == [("fresh", "v3"), ("lyon", "v3-live")]
+    with grpc.insecure_channel(lora_engine.target) as ch:
         stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
         r2 = stub.UnloadAdapter(pb.UnloadAdapterRequest(name="lyon", owner=OWNER), timeout=60)
         assert (r2.was_loaded, r2.version) == (True, "v3-live")
@@ -139,9 +128,9 @@ def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
         assert (
             code_of(bad.value) == grpc.StatusCode.PERMISSION_DENIED and error_reason(bad.value) == "PATH_OUTSIDE_ROOTS"
         )
-    assert engine.listed() == [("fresh", "v3")]
+    assert lora_engine.listed() == [("fresh", "v3")]
     with pytest.raises(urllib.error.HTTPError) as gone:
-        engine.complete("lyon")
+        lora_engine.complete("lyon")
     assert gone.value.code == 404
 
 
@@ -183,29 +172,29 @@ class Stream:
 
 @pytest.mark.timeout(900)
 def test_a_request_running_with_a_replaced_adapter_is_aborted_and_answers_name_their_version(
-    engine: LoraEngine, smollm2_dir: Path, smollm2_tokenizer: Any
+    lora_engine: LoraEngine, smollm2_dir: Path, smollm2_tokenizer: Any
 ) -> None:
     trainer = smollm2_lora(smollm2_dir, ["q_proj", "v_proj"])
     train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)
-    with TrainerClient([engine.target], rpc_timeout_s=120, owner=OWNER) as c:
+    with TrainerClient([lora_engine.target], rpc_timeout_s=120, owner=OWNER) as c:
         c.sync_adapter(trainer, "running", "r1")
-        engine.complete("running")
-        assert engine.last_model == "running@r1"
+        lora_engine.complete("running")
+        assert lora_engine.last_model == "running@r1"
         train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)  # r2, before the long request starts
-        long = Stream(engine, "running", max_tokens=900)
+        long = Stream(lora_engine, "running", max_tokens=900)
         assert long.started.wait(120)
         c.sync_adapter(trainer, "running", "r2")  # replaced while the long request runs with r1
         models, reason, tokens = long.finish()
         assert models == {"running@r1"} and reason == "abort" and tokens < 900, (models, reason, tokens)
-        after = engine.complete("running")
-        assert engine.last_model == "running@r2"
-        trainer.save_pretrained(engine.root / "r2")
-        c.sync_adapter(engine.root / "r2", "r2-disk", "d")
-        assert engine.complete("r2-disk") == after and engine.last_model == "r2-disk@d"
-        again = Stream(engine, "running", max_tokens=900)
+        after = lora_engine.complete("running")
+        assert lora_engine.last_model == "running@r2"
+        trainer.save_pretrained(lora_engine.root / "r2")
+        c.sync_adapter(lora_engine.root / "r2", "r2-disk", "d")
+        assert lora_engine.complete("r2-disk") == after and lora_engine.last_model == "r2-disk@d"
+        again = Stream(lora_engine, "running", max_tokens=900)
         assert again.started.wait(120)
         # The owner's own call: the client's stub presents its lease credential.
-        r = c.stubs[engine.target].UnloadAdapter(pb.UnloadAdapterRequest(name="running", owner=OWNER), timeout=60)
+        r = c.stubs[lora_engine.target].UnloadAdapter(pb.UnloadAdapterRequest(name="running", owner=OWNER), timeout=60)
         assert (r.was_loaded, r.version, r.aborted_requests) == (True, "r2", 1)
         models, reason, _ = again.finish()
         assert models == {"running@r2"} and reason == "abort"
@@ -214,7 +203,7 @@ def test_a_request_running_with_a_replaced_adapter_is_aborted_and_answers_name_t
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("apply_mode", ["staged", "streaming"])
 def test_a_base_update_with_lora_enabled_keeps_the_adapters_serving(
-    engine: LoraEngine, smollm2_dir: Path, apply_mode: str
+    lora_engine: LoraEngine, smollm2_dir: Path, apply_mode: str
 ) -> None:
     """vLLM wraps its linear layers for LoRA (``--enable-lora``): base weights still sync bit-exact under them."""
     from safetensors.torch import load_file
@@ -223,16 +212,18 @@ def test_a_base_update_with_lora_enabled_keeps_the_adapters_serving(
     base_name = str(smollm2_dir)
     originals = dict(load_file(str(smollm2_dir / "model.safetensors")))
     adapter = smollm2_lora(smollm2_dir, ["q_proj", "o_proj"], random_b=True)
-    with TrainerClient([engine.target], rpc_timeout_s=120, group_timeout_s=60, owner=OWNER) as c:
+    with TrainerClient([lora_engine.target], rpc_timeout_s=120, group_timeout_s=60, owner=OWNER) as c:
         c.sync_adapter(adapter, f"kept-{apply_mode}", "a1")
-        base_before, with_adapter = engine.complete(base_name), engine.complete(f"kept-{apply_mode}")
+        base_before, with_adapter = lora_engine.complete(base_name), lora_engine.complete(f"kept-{apply_mode}")
         new = perturbed(originals, seed=7)
         c.sync(new.items(), f"base-{apply_mode}", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
-        assert_serves(c, engine.target, new, f"base-{apply_mode}")
-        assert engine.complete(base_name) != base_before
-        moved = engine.complete(f"kept-{apply_mode}")
-        assert engine.last_model == f"kept-{apply_mode}@a1" and moved != with_adapter  # the adapter on the new base
+        assert_serves(c, lora_engine.target, new, f"base-{apply_mode}")
+        assert lora_engine.complete(base_name) != base_before
+        moved = lora_engine.complete(f"kept-{apply_mode}")
+        assert (
+            lora_engine.last_model == f"kept-{apply_mode}@a1" and moved != with_adapter
+        )  # the adapter on the new base
         c.sync(originals.items(), "base-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
-        assert_serves(c, engine.target, originals, "base-0")
-        assert engine.complete(base_name) == base_before
-        assert engine.complete(f"kept-{apply_mode}") == with_adapter
+        assert_serves(c, lora_engine.target, originals, "base-0")
+        assert lora_engine.complete(base_name) == base_before
+        assert lora_engine.complete(f"kept-{apply_mode}") == with_adapter

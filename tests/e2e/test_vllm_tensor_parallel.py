@@ -6,52 +6,33 @@ the full checkpoint tensors and loads its own slices; GetWeightChecksums gathers
 every worker back into checkpoint coordinates and matches the trainer's tensors bit for bit.
 A LoRA adapter broadcast reaches every worker; the front loads global rank 0's copy.
 On a 2-core host the workers run unpinned with one thread each (``VLLM_CPU_TP_ENV``).
+The engines are the shared ``tp3`` and ``tp3-lora`` of ``shared_engines``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from fsdp_ranks import start_ranks
+from shared_engines import CHECKPOINT_VERSION, Vllm
 from support import smollm2_lora
-from test_vllm_engine import SERVED, Vllm, assert_serves, perturbed
+from test_vllm_engine import SERVED, assert_serves, perturbed
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.testing import free_port
-from wsync_grpc.testing_vllm import VLLM_TEST_ARGS, spawn_vllm_engine
 from wsync_grpc.trainer import TrainerClient
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.vllm_engines("tp3", "tp3-lora")]
 
 
-@pytest.fixture(scope="module", params=["plain", "lora"])
-def engine_tp3(
-    request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Vllm]:
-    """A tensor-parallel-3 vLLM engine, as started plainly and with ``--enable-lora`` (its layers wrapped)."""
-    tmp = tmp_path_factory.mktemp(f"vllm-tp3-{request.param}")
-    http_port = free_port()
-    (tmp / "adapters").mkdir()
-    lora = " --enable-lora --max-lora-rank 8" if request.param == "lora" else ""
-    proc = spawn_vllm_engine(
-        smollm2_dir,
-        port_file=tmp / "port",
-        http_port=http_port,
-        tensor_parallel_size=3,
-        log=tmp / "engine.log",
-        vllm_args=VLLM_TEST_ARGS + lora,
-        extra_args=["--checkpoint-root", str(tmp / "adapters")],
-    )
-    try:
-        yield Vllm(proc, f"http://127.0.0.1:{http_port}", str(smollm2_dir), tmp / "adapters" if lora else None)
-    finally:
-        proc.stop(grace_s=30)
+@pytest.fixture(scope="module")
+def engine_tp3(engine: Vllm) -> Vllm:
+    """The module's tensor-parallel-3 engine (plain, or with ``--enable-lora``: its layers wrapped)."""
+    return engine
 
 
 def test_every_rank_receives_and_serves_its_slices(engine_tp3: Vllm, smollm2_dir: Path) -> None:
@@ -66,8 +47,8 @@ def test_every_rank_receives_and_serves_its_slices(engine_tp3: Vllm, smollm2_dir
             assert result.engines[engine_tp3.target].tensor_count == len(new)
             assert_serves(c, engine_tp3.target, new, f"tp3-{apply_mode}")
             assert engine_tp3.complete()[1] != before[1]
-            c.sync(originals.items(), "tp3-0", apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
-            assert_serves(c, engine_tp3.target, originals, "tp3-0")
+            c.sync(originals.items(), CHECKPOINT_VERSION, apply_mode=apply_mode, flush_cache=True)  # type: ignore[arg-type]
+            assert_serves(c, engine_tp3.target, originals, CHECKPOINT_VERSION)
             assert engine_tp3.complete() == before
         st = engine_tp3.status()
         assert st.state == pb.LIFECYCLE_STATE_READY and st.engine.workers == 3
@@ -81,7 +62,7 @@ def _peak_rss(pid: int) -> int:
     raise AssertionError(f"no VmHWM for {pid}")
 
 
-@pytest.mark.parametrize("engine_tp3", ["plain"], indirect=True)
+@pytest.mark.vllm_engines("tp3")
 def test_checksums_are_hashed_where_the_slices_live(engine_tp3: Vllm, smollm2_dir: Path) -> None:
     """GetWeightChecksums of every tensor after a sync: the slices of each sharded tensor are joined and hashed
     in the workers (on the tensor-parallel group's first rank), so the front's peak resident memory grows by
@@ -96,19 +77,17 @@ def test_checksums_are_hashed_where_the_slices_live(engine_tp3: Vllm, smollm2_di
         start = _peak_rss(front)
         assert_serves(c, engine_tp3.target, new, "tp3-digests")
         grown = _peak_rss(front) - start
-        c.sync(originals.items(), "tp3-0")
     assert grown < model_bytes / 8, (
         f"the front's peak grew by {grown / 2**20:.0f} MiB ({model_bytes / 2**20:.0f} MiB model)"
     )
 
 
-@pytest.mark.parametrize("engine_tp3", ["lora"], indirect=True)
+@pytest.mark.vllm_engines("tp3-lora")
 def test_an_adapter_broadcast_to_every_rank_answers_as_the_same_adapter_read_from_disk(
     engine_tp3: Vllm, smollm2_dir: Path
 ) -> None:
     """Each of the 3 workers receives the adapter's buckets; the front loads global rank 0's copy."""
     pytest.importorskip("peft")
-    assert engine_tp3.checkpoints is not None
     adapter = smollm2_lora(smollm2_dir, ["q_proj", "v_proj"], random_b=True)
     adapter.save_pretrained(engine_tp3.checkpoints / "a1")
     with TrainerClient([engine_tp3.target], group_timeout_s=120, rpc_timeout_s=120) as c:
@@ -127,10 +106,11 @@ def test_an_adapter_broadcast_to_every_rank_answers_as_the_same_adapter_read_fro
         assert st.state == pb.LIFECYCLE_STATE_READY and st.engine.workers == 3
 
 
-@pytest.mark.parametrize("engine_tp3", ["plain"], indirect=True)
-def test_fsdp2_ranks_sync_into_every_tensor_parallel_worker(engine_tp3: Vllm, smollm2_dir: Path) -> None:
+@pytest.mark.vllm_engines("tp3")
+def test_fsdp2_ranks_sync_into_every_tensor_parallel_worker(engine_tp3: Vllm) -> None:
     """Two real FSDP2 trainer ranks sync in both modes; every worker's slices match the gathered weights
-    (in the direct mode each of the 3 workers receives both ranks' pieces and assembles the tensors)."""
+    (in the direct mode each of the 3 workers receives both ranks' pieces and assembles the tensors).
+    The engine is left on the ranks' last step (the next module's hand-over restores the checkpoint)."""
     before = engine_tp3.complete()
     ranks = start_ranks(
         [engine_tp3.target], "--steps=1", "--modes=gather,direct", "--dtype=bfloat16", "--check=checksums"
@@ -138,7 +118,5 @@ def test_fsdp2_ranks_sync_into_every_tensor_parallel_worker(engine_tp3: Vllm, sm
     assert [r.wait() for r in ranks] == [0, 0], [r.stderr for r in ranks]
     assert [c["failures"] for c in ranks[0].events if c["event"] == "checked"] == [[], []]
     assert engine_tp3.complete()[1] != before[1]
-    originals = dict(safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")))
-    with TrainerClient([engine_tp3.target], group_timeout_s=120) as c:
-        c.sync(originals.items(), "tp3-0", flush_cache=True)
-    assert engine_tp3.complete() == before
+    st = engine_tp3.status()
+    assert st.weight_version == "step-1-direct" and st.state == pb.LIFECYCLE_STATE_UNINITIALIZED and not st.dirty

@@ -32,6 +32,9 @@ from wsync_grpc.trainer import SyncError, TrainerClient
 from wsync_grpc.transports.disk.checkpoint import MAX_ADAPTER_CONFIG_BYTES
 from wsync_grpc.wire.status import error_reason
 
+# Wall-clock bounds (calls answered within 1 s during a load): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 PROMPT = "What is the capital of France?"
 
 peft = pytest.importorskip("peft")

@@ -31,6 +31,9 @@ from wsync_grpc.testing import join_as_trainer, owner_channel
 from wsync_grpc.wire.convert import duration
 from wsync_grpc.wire.status import error_reason
 
+# Wall-clock bounds (the owner's calls answered within a bound): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 pytest.importorskip("transformers")
 
 OWNER = "the-owner"

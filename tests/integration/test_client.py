@@ -40,6 +40,9 @@ from wsync_grpc.trainer import (
     TrainerClient,
 )
 
+# Wall-clock bounds (a re-Init within 0.5 s): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = child_env({"WSYNC_LOG_LEVEL": "INFO"})
 START_TIMEOUT_S = 120.0

@@ -39,6 +39,9 @@ from wsync_grpc.transports.disk.roots import CheckpointRoots
 from wsync_grpc.transports.disk.safetensors_file import MAX_HEADER_BYTES
 from wsync_grpc.wire.status import error_reason
 
+# Wall-clock bounds (calls answered within 1 s during a read): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 PRESET = "tiny"
 MARKER = "OUTSIDE-THE-ROOT-7f3a"
 """Written into every file outside the root: it must never come back in an error message."""

@@ -43,6 +43,9 @@ from wsync_grpc.testing import EngineProcess, cli_command, owner_channel, spawn_
 from wsync_grpc.trainer import TRAINER, SyncError, SyncProgress, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
+# Wall-clock bounds (deadlines kept to the second): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 START_TIMEOUT_S = 120.0
 
 # ----------------------------------------------------------------------------- helpers

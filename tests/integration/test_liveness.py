@@ -44,6 +44,9 @@ from wsync_grpc.service.watch import REATTACH_S
 from wsync_grpc.testing import EngineProcess, spawn_engine
 from wsync_grpc.trainer import EngineStatus, Keepalive, SyncError, SyncProgress, TrainerClient
 
+# Wall-clock bounds (deaths and stalls noticed within seconds): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 GROUP_TIMEOUT_S = 60.0
 BOUND_S = 2.0
 PRESET = "0.25gb"

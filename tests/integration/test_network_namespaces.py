@@ -79,7 +79,8 @@ def _namespaces_forbidden() -> str | None:
 
 
 _FORBIDDEN = _namespaces_forbidden() if sys.platform == "linux" else "network namespaces are Linux's"
-pytestmark = pytest.mark.skipif(_FORBIDDEN is not None, reason=_FORBIDDEN or "")
+# Wall-clock bounds (a cut-off engine named within its keepalive bound): `make test` runs it serially.
+pytestmark = [pytest.mark.skipif(_FORBIDDEN is not None, reason=_FORBIDDEN or ""), pytest.mark.serial]
 
 
 @dataclass

@@ -33,6 +33,9 @@ from wsync_grpc.trainer import InitError, SyncError, TrainerClient
 from wsync_grpc.transports.disk.writer import save_checkpoint
 from wsync_grpc.wire.status import error_reason
 
+# Wall-clock bounds (a dead owner's lease gone within 2 s): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 
 def model(seed: int) -> list[tuple[str, torch.Tensor]]:
     return list(synthetic.build("tiny", seed=seed, dtype=torch.bfloat16).items())

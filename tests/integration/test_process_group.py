@@ -23,6 +23,9 @@ from wsync_grpc.core.errors import GroupError
 from wsync_grpc.group import process_group
 from wsync_grpc.group.process_group import WeightSyncGroup, free_port, join_group
 
+# Wall-clock bounds (a destroy or post within 1 s): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 TIMEOUT_S = 3.0
 
 

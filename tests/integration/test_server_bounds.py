@@ -31,6 +31,9 @@ from wsync_grpc.testing import in_process_server
 from wsync_grpc.trainer import SyncError, SyncProgress, TrainerClient
 from wsync_grpc.wire.status import error_reason
 
+# Wall-clock bounds (caps kept to the second): `make test` runs this module in its serial pass.
+pytestmark = pytest.mark.serial
+
 IDLE_S = 2.0
 """The engine's update idle limit in these tests, in seconds."""
 POLL_S = 1.0
