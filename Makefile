@@ -64,7 +64,7 @@ TEST_REPORTS ?= .test-reports
 define test_passes
 	@rm -rf $(TEST_REPORTS) && mkdir -p $(TEST_REPORTS)
 	@status=0; \
-	$(PY) -m pytest -m "($(1)) and not serial and not e2e" -n $(TEST_WORKERS) \
+	$(PY) -m pytest -m "($(1)) and not serial and not e2e" -n $(TEST_WORKERS) --dist worksteal \
 	  --junitxml=$(TEST_REPORTS)/parallel.xml $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(PY) -m pytest -m "($(1)) and (serial or e2e)" \
 	  --junitxml=$(TEST_REPORTS)/serial.xml $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from support import build_tiny_llama
 
 TIERS = ("unit", "integration", "e2e")
 """The tiers, one directory of ``tests/`` each, marked by that directory's name (``pytest -m unit``)."""
@@ -58,33 +58,6 @@ def smollm2_tokenizer(smollm2_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
-
-
-def build_tiny_llama(vocab_size: int = 49152, seed: int = 0, tie: bool = True) -> Any:
-    """A tiny random LlamaForCausalLM (hidden 64, 2 layers, context 512), identical for a given seed.
-
-    Generating with ``model.generate`` on SmolLM2 chat prompts needs an explicit all-ones
-    ``attention_mask``: pad and end-of-turn share id 2, so the default mask hides ``<|im_end|>``.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.2,  # wide logits: varied greedy tokens, no near-ties between code paths
-    )
-    torch.manual_seed(seed)
-    model: Any = LlamaForCausalLM(config)
-    return model.eval()
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from wsync_grpc.testing import child_env, free_port, in_process_server, join_as_
 __all__ = [
     "ENV",
     "ROOT",
+    "build_tiny_llama",
     "code_of",
     "free_port",
     "join_as_trainer",
@@ -169,3 +170,30 @@ def write_tls(directory: Path, *names: str) -> dict[str, Path]:
         for blob in cert.cert_chain_pems:
             f.write(blob.bytes())
     return paths
+
+
+def build_tiny_llama(vocab_size: int = 49152, seed: int = 0, tie: bool = True) -> Any:
+    """A tiny random LlamaForCausalLM (hidden 64, 2 layers, context 512), identical for a given seed.
+
+    Generating with ``model.generate`` on SmolLM2 chat prompts needs an explicit all-ones
+    ``attention_mask``: pad and end-of-turn share id 2, so the default mask hides ``<|im_end|>``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.2,  # wide logits: varied greedy tokens, no near-ties between code paths
+    )
+    torch.manual_seed(seed)
+    model: Any = LlamaForCausalLM(config)
+    return model.eval()

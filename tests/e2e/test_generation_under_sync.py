@@ -37,7 +37,7 @@ import grpc
 import pytest
 import torch
 from google.protobuf import duration_pb2
-from support import ENV, ROOT
+from support import ENV, ROOT, build_tiny_llama
 from wsync.v1 import generation_pb2, generation_pb2_grpc, weight_sync_pb2_grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
@@ -165,8 +165,6 @@ def served_tiny_llama(
     tmp_path_factory: pytest.TempPathFactory,
     smollm2_tokenizer: Any,
 ) -> Iterator[Fixture]:
-    from conftest import build_tiny_llama
-
     tmp = tmp_path_factory.mktemp("gen-under-sync")
     models = {
         "A": build_tiny_llama(len(smollm2_tokenizer), seed=0),

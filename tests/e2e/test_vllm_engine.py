@@ -232,9 +232,9 @@ def test_a_staged_sync_prepares_into_the_memory_the_last_one_left(
     served_pages = sum(t.numel() * SERVED.itemsize for t in originals.values()) // os.sysconf("SC_PAGE_SIZE")
     faults = []
     with TrainerClient([engine.target], group_timeout_s=60) as c:
+        c.sync(originals.items(), CHECKPOINT_VERSION, apply_mode="staged", flush_cache=True)  # the first staged sync
         before = engine.complete()
-        c.sync(new.items(), "spare-1", apply_mode="staged", flush_cache=True)  # the first: fresh shadows
-        for version, state in [(CHECKPOINT_VERSION, originals), ("spare-1", new), (CHECKPOINT_VERSION, originals)]:
+        for version, state in [("spare-1", new), (CHECKPOINT_VERSION, originals), ("spare-1", new)]:
             start = _minor_faults(engine.proc.pid)
             c.sync(state.items(), version, apply_mode="staged", flush_cache=True)
             faults.append(_minor_faults(engine.proc.pid) - start)
