@@ -54,13 +54,11 @@ class VllmSpec:
 
     Attributes:
         tensor_parallel_size: vLLM's ``--tensor-parallel-size`` (its worker processes).
-        lora: ``--enable-lora`` (vLLM wraps every linear layer for LoRA).
-        vllm_args: the whole ``--vllm-args`` string.
+        vllm_args: the whole ``--vllm-args`` string (with ``--enable-lora``, vLLM wraps every linear layer).
         env: variables set for the engine on top of :func:`~wsync_grpc.testing_vllm.spawn_vllm_engine`'s.
     """
 
     tensor_parallel_size: int
-    lora: bool
     vllm_args: str
     env: tuple[tuple[str, str], ...] = ()
 
@@ -68,10 +66,10 @@ class VllmSpec:
 LORA_ARGS = "--enable-lora --max-lora-rank 8"
 SPECS: dict[str, VllmSpec] = {
     # TRL's GRPOTrainer asks for processed log-probabilities and uses vLLM's development routes.
-    "tp1": VllmSpec(1, False, f"{VLLM_TEST_ARGS} --logprobs-mode processed_logprobs", (("VLLM_SERVER_DEV_MODE", "1"),)),
-    "tp1-lora": VllmSpec(1, True, f"{VLLM_TEST_ARGS} {LORA_ARGS} --max-loras 2"),
-    "tp3": VllmSpec(3, False, VLLM_TEST_ARGS),
-    "tp3-lora": VllmSpec(3, True, f"{VLLM_TEST_ARGS} {LORA_ARGS}"),
+    "tp1": VllmSpec(1, f"{VLLM_TEST_ARGS} --logprobs-mode processed_logprobs", (("VLLM_SERVER_DEV_MODE", "1"),)),
+    "tp1-lora": VllmSpec(1, f"{VLLM_TEST_ARGS} {LORA_ARGS} --max-loras 2"),
+    "tp3": VllmSpec(3, VLLM_TEST_ARGS),
+    "tp3-lora": VllmSpec(3, f"{VLLM_TEST_ARGS} {LORA_ARGS}"),
 }
 """The shared engines by name (the ids of the ``vllm`` fixture's parameter)."""
 
@@ -117,15 +115,18 @@ class Vllm:
         choice = out["choices"][0]
         return choice["text"], list(choice["logprobs"]["token_logprobs"])
 
-    def stub(self, channel: grpc.Channel) -> weight_sync_pb2_grpc.WeightSyncServiceStub:
-        """A ``wsync.v1`` stub on ``channel``."""
-        return weight_sync_pb2_grpc.WeightSyncServiceStub(channel)
-
     def status(self) -> pb.GetStatusResponse:
         """GetStatus (30 s deadline)."""
         with grpc.insecure_channel(self.target) as ch:
-            resp: pb.GetStatusResponse = self.stub(ch).GetStatus(pb.GetStatusRequest(), timeout=30)
+            resp: pb.GetStatusResponse = weight_sync_pb2_grpc.WeightSyncServiceStub(ch).GetStatus(
+                pb.GetStatusRequest(), timeout=30
+            )
             return resp
+
+
+def serves_checkpoint(engine: Vllm, status: pb.GetStatusResponse) -> bool:
+    """Whether ``status`` says ``engine`` serves the checkpoint's weights, whole (not dirty)."""
+    return not status.dirty and status.weight_version in (CHECKPOINT_VERSION, engine.initial_version)
 
 
 def in_known_state(engine: Vllm, status: pb.GetStatusResponse) -> bool:
@@ -134,8 +135,7 @@ def in_known_state(engine: Vllm, status: pb.GetStatusResponse) -> bool:
         status.state == pb.LIFECYCLE_STATE_UNINITIALIZED
         and not status.HasField("owner")
         and not status.paused
-        and not status.dirty
-        and status.weight_version in (CHECKPOINT_VERSION, engine.initial_version)
+        and serves_checkpoint(engine, status)
     )
 
 
@@ -154,12 +154,12 @@ def hand_over(engine: Vllm) -> pb.GetStatusResponse:
     """
     status = engine.status()
     with grpc.insecure_channel(engine.target) as ch:
-        stub = engine.stub(ch)
+        stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
         if status.state != pb.LIFECYCLE_STATE_UNINITIALIZED or status.HasField("owner"):
             stub.Leave(pb.LeaveRequest(owner="e2e-hand-over", force=True), timeout=120)
         if status.paused:
             stub.Resume(pb.ResumeRequest(force=True), timeout=120)
-    if status.dirty or status.weight_version not in (CHECKPOINT_VERSION, engine.initial_version):
+    if not serves_checkpoint(engine, status):
         with TrainerClient([engine.target], rpc_timeout_s=300, owner="e2e-hand-over") as c:
             c.sync_from_disk(engine.model_dir, CHECKPOINT_VERSION, flush_cache=True)
     status = engine.status()

@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from shared_engines import Vllm
+from shared_engines import Vllm, post
 from support import ENV, ROOT
 
 from wsync_grpc.testing import EngineProcess, free_port
@@ -65,11 +64,7 @@ def _greedy_engine(http: str, model: str, max_tokens: int = 8) -> tuple[list[int
         "logprobs": 1,
         "return_token_ids": True,
     }
-    req = urllib.request.Request(
-        f"{http}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        choice = json.loads(r.read())["choices"][0]
+    choice = post(f"{http}/v1/completions", body)["choices"][0]
     return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from shared_engines import Vllm
+from shared_engines import Vllm, post
 from support import code_of, smollm2_lora, train
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
@@ -47,11 +47,7 @@ class LoraEngine:
         Its ``model`` field (``name@version`` for an adapter) is kept in :attr:`last_model`.
         """
         body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
-        req = urllib.request.Request(
-            f"{self.http}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out: dict[str, Any] = json.loads(r.read())
+        out = post(f"{self.http}/v1/completions", body)
         self.last_model = str(out["model"])
         return out["choices"][0]
 
