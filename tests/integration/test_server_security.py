@@ -143,8 +143,8 @@ def test_cli_talks_to_a_tls_engine_with_its_ca(tls: dict[str, Path], tls_server:
         (["--host", "0.0.0.0", "--tls-cert", "{cert}", "--tls-key", "{key}"], "--insecure"),
         (["--max-calls", "everything=3"], "--max-calls takes CLASS=N with CLASS one of control"),
         (["--max-calls", "watch=0"], "at least one watch call must be allowed"),
-        (["--keepalive-timeout", "0"], "keepalive interval and timeout must be positive"),
-        (["--update-idle-timeout", "-1"], "server bounds must be positive"),
+        (["--keepalive-timeout", "0"], "argument --keepalive-timeout: 0 is not a duration above 0 seconds"),
+        (["--update-idle-timeout", "-1"], "argument --update-idle-timeout: -1 is not a duration above 0 seconds"),
         (["--allow-master", "10.0.0.0/33"], "--allow-master: allowed master network '10.0.0.0/33'"),
     ],
     ids=[

@@ -102,7 +102,7 @@ def test_each_builtin_contributes_its_own_options_in_its_own_help_group(capsys: 
     ("argv", "engine"),
     [
         ([], "reference"),
-        (["--model", "/some/dir"], "reference"),
+        (["--model", str(Path(__file__).parent)], "reference"),
         (["--synthetic", "tiny"], "synthetic"),
         (["--engine", "synthetic"], "synthetic"),
     ],
@@ -123,12 +123,12 @@ def test_synthetic_is_short_for_engine_synthetic_with_size() -> None:
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--engine", "nope"], "no engine named 'nope': registered engines are reference, synthetic, vllm"),
+        (["--engine", "nope"], "--engine nope: no such engine; registered engines are reference, synthetic, vllm"),
         (["--synthetic", "tiny", "--engine", "vllm"], "drop --synthetic"),
         (["--synthetic", "tiny", "--http-port", "9000"], "--http-port is an option of --engine vllm"),
         (["--seed", "3"], "--seed is an option of --engine synthetic, not of --engine reference"),
-        (["--synthetic", "huge"], "no synthetic preset 'huge': choose one of tiny,"),
-        (["--engine", "synthetic", "--model", "/some/dir"], "drop --model"),
+        (["--synthetic", "huge"], "--synthetic huge: no such synthetic preset: choose one of tiny,"),
+        (["--engine", "synthetic", "--model", str(Path(__file__).parent)], "drop --model"),
         (["--engine", "vllm"], "--engine vllm needs --model DIR"),
     ],
     ids=["unknown", "synthetic-with-vllm", "foreign-option", "foreign-seed", "no-preset", "synthetic-model", "vllm"],

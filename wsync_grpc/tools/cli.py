@@ -16,8 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import grpc
 from google.protobuf import json_format
@@ -28,7 +27,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S
-from wsync_grpc.tools import reload, serve, watch
+from wsync_grpc.tools import options, reload, serve, watch
 from wsync_grpc.tools.common import DEFAULT_PORT, UsageError
 from wsync_grpc.wire.convert import PAUSE_MODES, duration
 from wsync_grpc.wire.lease import LEASE_HEADER
@@ -125,15 +124,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``wsync`` argument parser."""
-    p = argparse.ArgumentParser(prog="wsync", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--log-level", default=os.environ.get("WSYNC_LOG_LEVEL", "INFO"))
+    p = options.OneLineParser(prog="wsync", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument(
+        "--log-level",
+        type=options.log_level,
+        default=os.environ.get("WSYNC_LOG_LEVEL", "INFO"),
+        help=f"{', '.join(options.LOG_LEVELS)}, any case (default INFO, or WSYNC_LOG_LEVEL)",
+    )
     p.add_argument(
         "--log-format",
         choices=("text", "json"),
         default=os.environ.get("WSYNC_LOG_FORMAT", "text"),
         help="json: one JSON object per log line (time, level, logger, message), for log collectors",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = cast(Subparsers, p.add_subparsers(dest="command", required=True))  # of OneLineParser
     serve.add_parser(sub)
     _add_rpcs(sub)
     watch.add_parser(sub, _add_access, _watch)
@@ -167,9 +171,13 @@ def _reload(args: argparse.Namespace) -> int:
 def _add_access(c: argparse.ArgumentParser) -> None:
     """The token and TLS options of every command that calls an engine."""
     c.add_argument("--token", help="bearer token (or set WSYNC_TOKEN)")
-    c.add_argument("--tls-ca", type=Path, help="PEM CA certificate the engine's certificate chains to (TLS)")
-    c.add_argument("--tls-client-cert", type=Path, help="PEM client certificate, for an engine that asks for one")
-    c.add_argument("--tls-client-key", type=Path, help="PEM key of --tls-client-cert")
+    c.add_argument(
+        "--tls-ca", type=options.file_path, help="PEM CA certificate the engine's certificate chains to (TLS)"
+    )
+    c.add_argument(
+        "--tls-client-cert", type=options.file_path, help="PEM client certificate, for an engine that asks for one"
+    )
+    c.add_argument("--tls-client-key", type=options.file_path, help="PEM key of --tls-client-cert")
 
 
 def _watch(args: argparse.Namespace) -> int:
@@ -194,8 +202,10 @@ def _client(
 ) -> argparse.ArgumentParser:
     """A sub-command that calls an engine at ``--target``."""
     c = sub.add_parser(name, help=help)
-    c.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="engine address host:port")
-    c.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
+    c.add_argument(
+        "--target", type=options.target, default=f"127.0.0.1:{DEFAULT_PORT}", help="engine address host:port"
+    )
+    c.add_argument("--timeout", type=options.seconds, default=30.0, help="RPC deadline in seconds")
     _add_access(c)
     c.set_defaults(func=func)
     return c
@@ -232,7 +242,7 @@ def _add_rpcs(sub: Subparsers) -> None:
         "--mode", choices=[m.value for m in PauseMode], default="abort", help="what happens to requests in flight"
     )
     pa.add_argument(
-        "--drain-timeout", type=float, default=DEFAULT_PAUSE_TIMEOUT_S, help="seconds to drain in mode wait"
+        "--drain-timeout", type=options.seconds, default=DEFAULT_PAUSE_TIMEOUT_S, help="seconds to drain in mode wait"
     )
     r = rpc(
         "resume",
@@ -257,7 +267,7 @@ def _add_rpcs(sub: Subparsers) -> None:
     g = _client(sub, "generate", "generate text with the served weights (reference engine)", _generate)
     g.add_argument("prompt")
     g.add_argument("--adapter", default="", help="generate with this LoRA adapter (default: the base model)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=options.positive_int, default=32, help="tokens to generate at most")
     g.add_argument("--json", action="store_true", help="print the whole reply as JSON")
 
 
@@ -343,18 +353,27 @@ def attach_pass_through(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The ``wsync`` command line ``argv`` (default ``sys.argv[1:]``), parsed.
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The ``wsync`` command line ``argv`` (default ``sys.argv[1:]``), parsed (by ``parser``, default a new
+    :func:`build_parser`); paths are not checked against this host here (:func:`~wsync_grpc.tools.options.check_paths`).
 
     Raises:
-        SystemExit: argparse refused it (status 2, with its usage line) or printed help.
+        SystemExit: argparse refused it (status 2, one line naming the option) or printed help.
     """
-    return build_parser().parse_args(attach_pass_through(sys.argv[1:] if argv is None else list(argv)))
+    parser = parser or build_parser()
+    return parser.parse_args(attach_pass_through(sys.argv[1:] if argv is None else list(argv)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``wsync`` console script."""
-    args = parse_args(argv)
+    """Entry point of the ``wsync`` console script: 2 for a command line that cannot work (one line on stderr,
+    before anything loads), else the command's status."""
+    parser = build_parser()
+    args = parse_args(argv, parser)
+    try:
+        options.check_paths(parser, args)
+    except UsageError as e:
+        print(f"wsync {args.command}: {e}", file=sys.stderr)
+        return 2
     _configure_logging(args.log_level, args.log_format)
     try:
         result: int = args.func(args)

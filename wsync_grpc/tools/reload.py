@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from wsync_grpc.tools import options
 from wsync_grpc.tools.watch import new_bars, update_bar
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.results import SyncError, SyncResult
@@ -115,14 +116,26 @@ def add_parser(
 ) -> None:
     """The ``wsync reload --checkpoint DIR --version V [--target T ...]`` sub-command."""
     r = sub.add_parser("reload", help="have engines load a safetensors checkpoint from their disk (one update)")
-    r.add_argument("--checkpoint", required=True, help="checkpoint directory or .safetensors file, as engines see it")
-    r.add_argument("--version", required=True, help="the weight version the engines serve afterwards")
-    r.add_argument("--target", action="append", help="engine address host:port (repeatable; default 127.0.0.1:50051)")
+    r.add_argument(
+        "--checkpoint",
+        type=options.non_empty,
+        required=True,
+        help="checkpoint directory or .safetensors file, as engines see it",
+    )
+    r.add_argument(
+        "--version", type=options.non_empty, required=True, help="the weight version the engines serve afterwards"
+    )
+    r.add_argument(
+        "--target",
+        type=options.target,
+        action="append",
+        help="engine address host:port (repeatable; default 127.0.0.1:50051)",
+    )
     r.add_argument("--apply-mode", choices=("staged", "streaming"), default="staged", help="default staged")
     r.add_argument("--flush-cache", action="store_true", help="flush the engines' prefix/KV cache at apply")
     r.add_argument("--adapter", default="", help="load the PEFT directory --checkpoint as this LoRA adapter")
     r.add_argument("--owner", help="the caller's owner name (default: a fresh one)")
     r.add_argument("--no-bars", action="store_true", help="no progress bars on stderr")
-    r.add_argument("--timeout", type=float, default=60.0, help="deadline of each control call, in seconds")
+    r.add_argument("--timeout", type=options.seconds, default=60.0, help="deadline of each control call, in seconds")
     common(r)
     r.set_defaults(func=run)

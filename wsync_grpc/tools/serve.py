@@ -23,19 +23,20 @@ import logging
 import os
 import sys
 import threading
-from pathlib import Path
 
 from wsync_grpc.core.timeouts import (
     DEFAULT_MAX_LEASE_TTL_S,
     DEFAULT_MAX_TIMEOUT_S,
     DEFAULT_MIN_INTERVAL_S,
     DEFAULT_UPDATE_IDLE_S,
+    MAX_INTERVAL_S,
     ServerBounds,
 )
 from wsync_grpc.service.auth import Principal, is_loopback, read_token_file
 from wsync_grpc.service.call_limits import DEFAULT_CALL_LIMITS, CallLimits
 from wsync_grpc.service.membership import MasterAllowList
 from wsync_grpc.service.server import stop_on_signals, write_port_file
+from wsync_grpc.tools import options
 from wsync_grpc.tools.common import DEFAULT_PORT, UsageError
 from wsync_grpc.tools.engines import (
     DEFAULT_ENGINE,
@@ -57,9 +58,12 @@ SERVED_DTYPES = ("bfloat16", "float16", "float32")
 """The dtypes ``wsync serve --dtype`` serves a model in (names as in :data:`wsync_grpc.core.dtypes.DTYPES`)."""
 
 
-def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
-    """Refuse half a TLS configuration, missing files, a bad ``--allow-master``, an exposed port without TLS and a
-    way to authenticate callers (a token, a token file or client certificates).
+def _check_exposure(args: argparse.Namespace, token: str | None) -> list[str]:
+    """Refuse half a TLS configuration, a bad ``--allow-master``, an exposed port without TLS and a way to
+    authenticate callers (a token, a token file or client certificates); name what is exposed anyway.
+
+    Returns:
+        The warnings to log once every check passed (an exposed port or metrics endpoint, and what it lacks).
 
     Raises:
         UsageError: what is wrong and how to fix it, in one line.
@@ -68,23 +72,19 @@ def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
         raise UsageError("TLS needs both --tls-cert and --tls-key")
     if args.tls_client_ca is not None and args.tls_cert is None:
         raise UsageError("--tls-client-ca needs TLS: --tls-cert and --tls-key")
-    for path in (args.tls_cert, args.tls_key, args.tls_client_ca):
-        if path is not None and not path.is_file():
-            raise UsageError(f"cannot read {path}: no such file")
     try:
         MasterAllowList(args.allow_master)
     except ValueError as e:
         raise UsageError(f"--allow-master: {e}") from None
     tls = args.tls_cert is not None
+    warnings = []
     if args.metrics_port is not None and not is_loopback(args.metrics_host):
-        log.warning(
-            "metrics served on %s:%d without a token: anyone who reaches that port reads the engine's "
-            "versions, owner name and call counts",
-            args.metrics_host,
-            args.metrics_port,
+        warnings.append(
+            f"metrics served on {args.metrics_host}:{args.metrics_port} without a token: anyone who reaches that "
+            "port reads the engine's versions, owner name and call counts"
         )
     if is_loopback(args.host):
-        return
+        return warnings
     authenticated = token is not None or args.tls_client_ca is not None
     if not (tls and authenticated) and not args.insecure:
         raise UsageError(
@@ -93,13 +93,14 @@ def _check_exposure(args: argparse.Namespace, token: str | None) -> None:
             "the port can change the weights"
         )
     if not args.allow_master:
-        log.warning(
-            "serving on %s with no --allow-master: Init may make this engine connect to any host and port", args.host
+        warnings.append(
+            f"serving on {args.host} with no --allow-master: Init may make this engine connect to any host and port"
         )
     if not authenticated:
-        log.warning("serving on %s without a token: anyone who reaches the port can change the weights", args.host)
+        warnings.append(f"serving on {args.host} without a token: anyone who reaches the port can change the weights")
     elif not tls:
-        log.warning("serving on %s without TLS: the token travels in plaintext", args.host)
+        warnings.append(f"serving on {args.host} without TLS: the token travels in plaintext")
+    return warnings
 
 
 def chosen_engine(args: argparse.Namespace) -> EnginePlugin:
@@ -118,8 +119,8 @@ def chosen_engine(args: argparse.Namespace) -> EnginePlugin:
             "serves a model, drop --synthetic (and give --model DIR)"
         )
     owned: dict[str, EngineOptions] = args.engine_options
-    for other, options in owned.items():
-        foreign = options.given(args) if other != name else []
+    for other, engine_options in owned.items():
+        foreign = engine_options.given(args) if other != name else []
         if foreign:
             raise UsageError(f"{foreign[0]} is an option of --engine {other}, not of --engine {name}")
     plugin.check(args)
@@ -146,10 +147,15 @@ def _server_options(
     """The server ``args`` ask for.
 
     Raises:
-        UsageError: a bound that is not positive, a ``--max-calls`` that is not ``CLASS=N``.
+        UsageError: a ``--max-calls`` that is not ``CLASS=N``, a ``--min-interval`` above the longest interval.
     """
     try:
         limits = CallLimits.parse(args.max_calls)
+    except ValueError as e:
+        raise UsageError(str(e) if str(e).startswith("--max-calls") else f"--max-calls: {e}") from None
+    if args.min_interval > MAX_INTERVAL_S:
+        raise UsageError(f"--min-interval {args.min_interval:g}: must not exceed {MAX_INTERVAL_S:g} s")
+    try:
         bounds = ServerBounds(
             max_timeout_s=args.max_timeout,
             max_lease_ttl_s=args.max_lease_ttl,
@@ -182,13 +188,28 @@ def _server_options(
 def _serve(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("WSYNC_TOKEN") or None
     principals = _principals(args)
-    _check_exposure(args, token or (str(args.token_file) if principals else None))
+    warnings = _check_exposure(args, token or (str(args.token_file) if principals else None))
     server = _server_options(args, token, principals)
+    check_addresses(server)
     plugin = chosen_engine(args)
+    for warning in warnings:  # once the command line is known to work, before anything loads
+        log.warning("%s", warning)
     if isinstance(plugin, EngineServer):
         return plugin.serve(args, server)
     assert isinstance(plugin, EngineFactory)  # the registry holds only the two kinds
     return _serve_built(plugin.build(args), server)
+
+
+def check_addresses(server: ServerOptions) -> None:
+    """Refuse, before the engine loads, a gRPC or metrics address this host cannot bind now.
+
+    Raises:
+        UsageError: ``--host``/``--port`` or ``--metrics-host``/``--metrics-port`` cannot be bound (in use,
+            not this host's address, a name that does not resolve: :func:`~wsync_grpc.tools.options.check_bindable`).
+    """
+    options.check_bindable(server.host, server.port, "--host", "--port")
+    if server.metrics_port is not None:
+        options.check_bindable(server.metrics_host, server.metrics_port, "--metrics-host", "--metrics-port")
 
 
 def _serve_built(built: BuiltEngine, server: ServerOptions) -> int:
@@ -262,11 +283,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         f"more register in the {ENTRY_POINT_GROUP!r} entry-point group",
     )
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port; 0 picks a free one")
-    s.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
+    s.add_argument("--port", type=options.port, default=DEFAULT_PORT, help="TCP port; 0 picks a free one")
+    s.add_argument("--port-file", type=options.file_to_write, help="write the bound port to this file once serving")
     src = s.add_mutually_exclusive_group()
     src.add_argument(
         "--model",
+        type=options.dir_path,
         default=None,
         metavar="DIR",
         help="local Hugging Face directory (reference: default SmolLM2-135M-Instruct; vllm: required)",
@@ -276,15 +298,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument("--token", help="require 'authorization: Bearer TOKEN' (or set WSYNC_TOKEN); an operator's")
     s.add_argument(
         "--token-file",
-        type=Path,
+        type=options.file_path,
         help="accept the tokens of this file (mode 600), one 'name:role:token' line each, role reader, trainer or "
         "operator",
     )
-    s.add_argument("--tls-cert", type=Path, help="PEM certificate (with --tls-key: serve TLS)")
-    s.add_argument("--tls-key", type=Path, help="PEM private key")
+    s.add_argument("--tls-cert", type=options.file_path, help="PEM certificate (with --tls-key: serve TLS)")
+    s.add_argument("--tls-key", type=options.file_path, help="PEM private key")
     s.add_argument(
         "--tls-client-ca",
-        type=Path,
+        type=options.file_path,
         help="mutual TLS: accept only clients presenting a certificate signed by these PEM authorities",
     )
     s.add_argument(
@@ -292,11 +314,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="allow a non-loopback --host without TLS and token (anyone who reaches it can change the weights)",
     )
-    s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get at shutdown")
-    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    s.add_argument("--grace", type=options.seconds_or_zero, default=5.0, help="seconds in-flight RPCs get at shutdown")
+    s.add_argument(
+        "--metrics-port", type=options.fixed_port, help="serve Prometheus metrics on this port (default: off)"
+    )
     s.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the metrics (default loopback)")
     s.add_argument(
         "--checkpoint-root",
+        type=options.dir_path,
         action="append",
         default=[],
         metavar="DIR",
@@ -328,28 +353,28 @@ def _add_bound_options(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-timeout",
-        type=float,
+        type=options.seconds,
         default=DEFAULT_MAX_TIMEOUT_S,
         metavar="SECONDS",
         help=f"cap on Init's group timeout, Complete's and Pause's timeouts (default {DEFAULT_MAX_TIMEOUT_S:g})",
     )
     g.add_argument(
         "--max-lease-ttl",
-        type=float,
+        type=options.seconds,
         default=DEFAULT_MAX_LEASE_TTL_S,
         metavar="SECONDS",
         help=f"cap on Init's lease ttl (default {DEFAULT_MAX_LEASE_TTL_S:g})",
     )
     g.add_argument(
         "--min-interval",
-        type=float,
+        type=options.seconds,
         default=DEFAULT_MIN_INTERVAL_S,
         metavar="SECONDS",
         help=f"floor on the message interval of Watch and KeepAlive streams (default {DEFAULT_MIN_INTERVAL_S:g})",
     )
     g.add_argument(
         "--update-idle-timeout",
-        type=float,
+        type=options.seconds,
         default=DEFAULT_UPDATE_IDLE_S,
         metavar="SECONDS",
         help="an update with no bucket arriving and no Complete for this long fails, and its owner loses the "
@@ -357,14 +382,14 @@ def _add_bound_options(s: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--keepalive-interval",
-        type=float,
+        type=options.seconds,
         default=DEFAULT_KEEPALIVE_INTERVAL_S,
         metavar="SECONDS",
         help=f"HTTP/2 ping of every connection every SECONDS (default {DEFAULT_KEEPALIVE_INTERVAL_S:g})",
     )
     g.add_argument(
         "--keepalive-timeout",
-        type=float,
+        type=options.seconds,
         default=DEFAULT_KEEPALIVE_TIMEOUT_S,
         metavar="SECONDS",
         help="drop a connection whose peer leaves a ping unanswered this long: the stall tolerated before a "

@@ -22,6 +22,8 @@ from tqdm import tqdm
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
+from wsync_grpc.tools import options
+
 DEFAULT_INTERVAL_S = 1.0
 """Time between two rounds, in seconds."""
 
@@ -156,11 +158,11 @@ def add_parser(
 ) -> None:
     """The ``wsync watch TARGET [TARGET ...]`` sub-command; ``common`` adds the token and TLS options."""
     w = sub.add_parser("watch", help="show engines' status live (state, version, update in flight, last error)")
-    w.add_argument("targets", nargs="+", help="engine addresses host:port")
-    w.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between two rounds")
-    w.add_argument("--count", type=int, default=0, help="rounds to print (default: until interrupted)")
+    w.add_argument("targets", type=options.target, nargs="+", help="engine addresses host:port")
+    w.add_argument("--interval", type=options.seconds, default=DEFAULT_INTERVAL_S, help="seconds between two rounds")
+    w.add_argument("--count", type=options.count, default=0, help="rounds to print (default: until interrupted)")
     w.add_argument("--json", action="store_true", help="one JSON object per engine and round")
     w.add_argument("--bars", action="store_true", help="one progress bar per engine (bytes of the update in flight)")
-    w.add_argument("--timeout", type=float, default=10.0, help="deadline of each GetStatus, in seconds")
+    w.add_argument("--timeout", type=options.seconds, default=10.0, help="deadline of each GetStatus, in seconds")
     common(w)
     w.set_defaults(func=run)

@@ -271,7 +271,7 @@ def engine_plugin(name: str) -> EnginePlugin:
     except KeyError:
         names = ", ".join(_registry)
         raise UsageError(
-            f"no engine named {name!r}: registered engines are {names} "
+            f"--engine {name}: no such engine; registered engines are {names} "
             f"(third-party engines register in the {ENTRY_POINT_GROUP!r} entry-point group)"
         ) from None
 

@@ -12,6 +12,7 @@ import argparse
 from wsync_grpc.core.dtypes import parse_dtype
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.tensor import TensorEngine
+from wsync_grpc.tools import options as cli_options
 from wsync_grpc.tools.common import UsageError
 from wsync_grpc.tools.engines.registry import BuiltEngine, EngineFactory, EngineOptions
 
@@ -32,7 +33,9 @@ class SyntheticPlugin(EngineFactory):
             metavar="PRESET",
             help=f"the synthetic model: {', '.join(synthetic.PRESETS)} (default {DEFAULT_SIZE})",
         )
-        options.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the synthetic model's values")
+        options.add_argument(
+            "--seed", type=cli_options.count, default=0, metavar="N", help="seed of the synthetic model's values"
+        )
 
     def check(self, args: argparse.Namespace) -> None:
         """Resolve ``--synthetic`` into ``args.size`` and check the preset.
@@ -51,7 +54,10 @@ class SyntheticPlugin(EngineFactory):
         if args.size is None:
             args.size = DEFAULT_SIZE
         if args.size not in synthetic.PRESETS:
-            raise UsageError(f"no synthetic preset {args.size!r}: choose one of {', '.join(synthetic.PRESETS)}")
+            option = "--synthetic" if args.synthetic is not None else "--size"
+            raise UsageError(
+                f"{option} {args.size}: no such synthetic preset: choose one of {', '.join(synthetic.PRESETS)}"
+            )
 
     def build(self, args: argparse.Namespace) -> BuiltEngine:
         """Build the preset's tensors (seconds for the GB presets)."""

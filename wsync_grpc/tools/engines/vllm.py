@@ -14,6 +14,7 @@ import os
 import shlex
 from pathlib import Path
 
+from wsync_grpc.tools import options as cli_options
 from wsync_grpc.tools.common import UsageError
 from wsync_grpc.tools.engines.registry import EngineOptions, EngineServer, ServerOptions
 from wsync_grpc.wire.targets import is_loopback
@@ -77,7 +78,11 @@ class VllmPlugin(EngineServer):
     def add_options(self, options: EngineOptions) -> None:
         """vLLM's tensor parallel size, HTTP address, and further engine arguments."""
         options.add_argument(
-            "--tensor-parallel-size", type=int, default=1, metavar="N", help="vLLM's tensor parallel size"
+            "--tensor-parallel-size",
+            type=cli_options.positive_int,
+            default=1,
+            metavar="N",
+            help="vLLM's tensor parallel size",
         )
         options.add_argument(
             "--http-host",
@@ -85,7 +90,9 @@ class VllmPlugin(EngineServer):
             metavar="HOST",
             help="bind address of vLLM's HTTP API (default loopback)",
         )
-        options.add_argument("--http-port", type=int, default=8000, metavar="PORT", help="TCP port of vLLM's HTTP API")
+        options.add_argument(
+            "--http-port", type=cli_options.fixed_port, default=8000, metavar="PORT", help="TCP port of vLLM's HTTP API"
+        )
         options.add_argument(
             "--vllm-args", default="", metavar="ARGS", help="further vLLM engine arguments, quoted as one string"
         )
@@ -94,8 +101,10 @@ class VllmPlugin(EngineServer):
         """Check ``--model`` and that vLLM is installed (without importing it: seconds).
 
         Raises:
-            UsageError: no ``--model``, no such directory, the ``vllm`` extra is not installed, or an exposed
-                ``--http-host`` without vLLM's API key and TLS (:func:`check_http_exposure`).
+            UsageError: no ``--model``, no such directory, the ``vllm`` extra is not installed, ``--vllm-args``
+                that does not split as a shell would, an exposed
+                ``--http-host`` without vLLM's API key and TLS (:func:`check_http_exposure`), or an HTTP address
+                this host cannot bind now (:func:`~wsync_grpc.tools.options.check_bindable`).
         """
         if args.model is None:
             raise UsageError("--engine vllm needs --model DIR (a Hugging Face checkpoint directory with safetensors)")
@@ -103,6 +112,8 @@ class VllmPlugin(EngineServer):
             raise UsageError(f"--model {args.model}: no such directory")
         if importlib.util.find_spec("vllm") is None:
             raise UsageError(f"--engine vllm needs the 'vllm' extra: {_INSTALL}")
+        _vllm_flags(args.vllm_args)  # the quoting only: the arguments are vLLM's own parser's to check
+        cli_options.check_bindable(args.http_host, args.http_port, "--http-host", "--http-port")
         check_http_exposure(args)
 
     def serve(self, args: argparse.Namespace, server: ServerOptions) -> int:
