@@ -188,3 +188,29 @@ def test_a_bad_argument_fails_every_rank_not_one(engine: EngineProcess) -> None:
         e = r.wait_for("error")
         assert e["kind"] == "ValueError" and "unknown send mode 'sideways'" in e["message"], e
         assert e["seconds"] < 10
+
+
+def test_status_and_checksums_are_read_through_the_ranks_trainer_client(engine: EngineProcess) -> None:
+    """``client.status()`` and ``client.checksums()`` (the sharded-trainer page's table) answer what the engine
+    serves, on a real one-rank ``ShardedTrainerClient`` in this process, and take nothing from the engine."""
+    import torch.distributed as dist
+
+    from wsync_grpc.trainer.sharded import ShardedTrainerClient
+
+    stub = _stub(engine.target)
+    name = "model.norm.weight"
+    before = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    served = stub.GetWeightChecksums(pb.GetWeightChecksumsRequest(names=[name]), timeout=30)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with ShardedTrainerClient([engine.target]) as client:
+            status, sums = client.status(), client.checksums([name])
+    finally:
+        dist.destroy_process_group()
+    assert list(status) == list(sums) == [engine.target]
+    assert status[engine.target].weight_version == before.weight_version
+    assert sums[engine.target].weight_version == served.weight_version
+    assert sums[engine.target].by_name == {name: served.checksums[0].sha256}
+    after = stub.GetStatus(pb.GetStatusRequest(), timeout=10)  # read-only: no lease taken, nothing changed
+    assert after.weight_version == before.weight_version
+    assert (after.HasField("owner"), after.owner.generation) == (before.HasField("owner"), before.owner.generation)

@@ -54,6 +54,7 @@ from wsync_grpc.trainer.sharded.sender import (
 )
 from wsync_grpc.trainer.sharded.source import DirectSource, LockstepSource, ShardedTensors
 from wsync_grpc.trainer.source import WeightSource
+from wsync_grpc.trainer.views import Checksums, EngineStatus
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 
 __all__ = ["SendMode", "ShardedTrainerClient"]
@@ -120,9 +121,42 @@ class ShardedTrainerClient:
 
     @property
     def client(self) -> TrainerClient:
-        """The :class:`TrainerClient` of this rank: on rank 0 the engines' owner; on every rank usable for
-        the read-only operator calls (``status``, ``checksums``)."""
+        """The :class:`TrainerClient` of this rank: on rank 0 the engines' owner, whose ``pause``, ``resume``
+        and ``cancel`` are called there; on every rank the read-only calls (:meth:`status`, :meth:`checksums`)."""
         return self._client
+
+    # ------------------------------------------------------------------ read-only operator calls (any rank)
+
+    def status(self) -> dict[str, EngineStatus]:
+        """``GetStatus`` on every engine, through this rank's :class:`TrainerClient` (:meth:`TrainerClient.status`):
+        target -> :class:`~wsync_grpc.trainer.views.EngineStatus`.
+
+        Read-only and not collective: any rank may call it, at any time, from any thread. It asks every
+        engine of this rank's client, each call bounded by the client's ``rpc_timeout_s`` (seconds): the
+        ``targets`` it was built with (engines added or removed through rank 0's :attr:`client` are rank
+        0's alone). The calls that change the engines (``pause``, ``resume``, ``cancel``) are the owner's:
+        rank 0's :attr:`client`.
+
+        Raises:
+            EngineCallError: some engine did not answer.
+        """
+        return self._client.status()
+
+    def checksums(self, names: Iterable[str] = ()) -> dict[str, Checksums]:
+        """``GetWeightChecksums`` on every engine, through this rank's :class:`TrainerClient`
+        (:meth:`TrainerClient.checksums`): target -> :class:`~wsync_grpc.trainer.views.Checksums` (the
+        SHA-256 of each served tensor).
+
+        Read-only and not collective: any rank may call it, at any time, from any thread; it asks the
+        engines :meth:`status` asks, each call bounded by the client's ``rpc_timeout_s`` (seconds).
+
+        Args:
+            names: tensors to digest; empty (default) = every tensor.
+
+        Raises:
+            EngineCallError: some engine failed (e.g. INVALID_ARGUMENT UNKNOWN_TENSOR).
+        """
+        return self._client.checksums(names)
 
     def _agree(self, call: str, parts: dict[str, Any]) -> None:
         self._calls += 1
