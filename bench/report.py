@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import digest_case, report_disk, report_fleet, report_sharded, report_vllm
+from bench import digest_case, report_detection, report_disk, report_fleet, report_sharded, report_vllm
 from bench import report_prose as prose
 from bench.report_analysis import missed
 from bench.report_checks import Check, checks
@@ -48,6 +48,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(digest_case.section(results["digests"]))
     if results.get("sharded"):
         parts.append(report_sharded.section(results["sharded"]))
+    if results.get("detection"):
+        parts.append(report_detection.section(results["detection"]))
     if results.get("profile"):
         parts.append(prose.profile(results))
     if results.get("vllm"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench import report_disk, report_fleet, report_sharded, report_vllm
+from bench import report_detection, report_disk, report_fleet, report_sharded, report_vllm
 from bench.report_stats import GB, label, med, mib, ratios, secs
 
 LARGE_MODEL_BYTES = GB
@@ -157,4 +157,7 @@ def checks(results: dict[str, Any]) -> list[Check]:
         out += [Check(t, m, ok, "sharded", "smollm2") for t, m, ok in report_sharded.checks(results["sharded"])]
     if results.get("vllm"):
         out += [Check(t, m, ok, "vllm", "smollm2") for t, m, ok in report_vllm.checks(results["vllm"])]
+    if results.get("detection"):
+        d = results["detection"]
+        out += [Check(t, m, ok, "detection", d["model"]) for t, m, ok in report_detection.checks(d)]
     return out

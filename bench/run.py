@@ -18,6 +18,8 @@ serving a tiny model; how group formation, Prepare, Complete, the trainer's
 threads and CPU grow with the fleet, and what a dead engine left out costs),
 ``disk`` (:mod:`bench.disk_case`), ``digests`` (:mod:`bench.digest_case`: the
 cost of bucket digests), ``sharded`` (:mod:`bench.sharded_case`),
+``detection`` (:mod:`bench.detection_case`: trainer processes SIGKILLed
+mid-broadcast, and how long the engine takes to report it),
 ``profile`` and ``vllm`` (:mod:`bench.vllm_case`). It writes ``BENCHMARKS.md``,
 ``bench/throughput.png``, ``bench/buckets.png``, ``bench/fleet.png`` and
 ``bench/results.json``; with ``--merge`` the cases run replace theirs in the
@@ -681,11 +683,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
     p.add_argument(
         "--cases",
-        default="models,moe,fanout,control,fleet,disk,digests,sharded,profile,vllm",
+        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm",
         help="which cases to run",
     )
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
     p.add_argument("--digest-model", default="1gb", help="synthetic preset of the digest case")
+    p.add_argument("--detection-model", default="1gb", help="synthetic preset of the detection case")
+    p.add_argument(
+        "--detection-kills", type=int, default=6, help="trainers SIGKILLed per apply mode in the detection case"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
@@ -753,6 +759,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from bench.sharded_case import case_sharded
 
                 results["sharded"] = case_sharded(max(2, args.reps // 2))
+            elif case == "detection":
+                from bench.detection_case import case_detection
+
+                results["detection"] = case_detection(h, args.detection_model, args.detection_kills)
             elif case == "vllm":
                 from bench.vllm_case import case_vllm
 
