@@ -8,13 +8,18 @@ completions. TRL syncs before each step's generation; after every sync the
 engine serves weight version ``step-N`` (N the trainer's global step), its
 checksums equal the trainer's parameters in the served dtype, and its greedy
 answer and log-probabilities are what the trainer's own model gives with the
-served weights (up to bfloat16 arithmetic).
+served weights (up to bfloat16 arithmetic). Every sync is an entry of TRL's log
+history (``wsync/...`` keys, through transformers' ``Trainer.log``) that states
+its ``SyncResult``, and the TRL guide's block that reads them
+(``trainer.sync_weights()``, ``trainer.last_sync``, ``trainer.trainer_client``)
+runs as written on the trained trainer.
 A sync that fails raises out of ``train()``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +120,17 @@ def _sha(t: torch.Tensor) -> str:
     return served_sha(t)
 
 
+GUIDE = ROOT / "docs" / "guides" / "trl.md"
+GUIDE_MARK = re.compile(r"^<!-- docs-test: tests/e2e/test_trl_grpo.py -->\n```python\n(.*?)\n```$", re.M | re.S)
+
+
+def _guide_block() -> str:
+    """The TRL guide's block marked to run here, on the trained ``trainer``."""
+    blocks = GUIDE_MARK.findall(GUIDE.read_text())
+    assert len(blocks) == 1, f"{GUIDE}: {len(blocks)} blocks marked for {__name__}"
+    return str(blocks[0])
+
+
 def _trainer(model: Any, tokenizer: Any, http: str, target: str, out: Path, **hooks: Any) -> Any:
     from grpo_rank import tiny_trainer
 
@@ -129,10 +145,17 @@ def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
     proc, http = trl_engine
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32)
     seen: list[dict[str, Any]] = []
+    results: list[SyncResult] = []
     holder: dict[str, Any] = {}
 
     def check(result: SyncResult) -> None:
-        """After each sync: the engine serves the trainer's parameters as version step-N, and answers as they do."""
+        """After each sync: the engine serves the trainer's parameters as version step-N, and answers as they do.
+
+        The sync after training is checked by the guide's block instead (its checksums), to keep the test short.
+        """
+        results.append(result)
+        if holder.get("trained"):
+            return
         trainer = holder["trainer"]
         step = int(trainer.state.global_step)
         assert result.weight_version == f"step-{step}"
@@ -170,9 +193,45 @@ def test_grpo_trains_two_steps_with_rollouts_from_a_wsync_vllm_engine(
         assert client.last_result.engines[proc.target].cache_flushed
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         assert len(losses) == 2
+
+        # Each sync is an entry of TRL's log history (Trainer.log) stating its SyncResult; TRL's own
+        # per-step entries still carry the metrics TRL averages over the step (none of them wsync's).
+        history = trainer.state.log_history
+        logged = [h for h in history if any(k.startswith("wsync/") for k in h)]
+        assert [h.get("step") for h in logged] == [0, 1], history
+        for h, r in zip(logged, results, strict=True):
+            _assert_logged(h, r, proc.target)
+        assert all("reward" in h and not any(k.startswith("wsync/") for k in h) for h in history if "loss" in h)
+
+        # The guide's block, as written, on this trainer: one more sync (step-2), read back through the new names.
+        holder["trained"] = True
+        namespace: dict[str, Any] = {"trainer": trainer, "__name__": "trl_guide"}
+        exec(compile(_guide_block(), str(GUIDE), "exec"), namespace)
+        final = namespace["final"]
+        assert isinstance(final, SyncResult) and final.weight_version == "step-2"
+        assert results[-1] is final and trainer.last_sync is final
+        assert trainer.trainer_client is client.trainer_client is not None
+        params = dict(trainer.model.named_parameters())
+        served = namespace["sums"][proc.target]
+        assert served.weight_version == "step-2" and served.by_name == {n: _sha(p) for n, p in params.items()}
+        assert namespace["synced"] == [*logged, trainer.state.log_history[-1]]
+        _assert_logged(trainer.state.log_history[-1], final, proc.target)
+        assert trainer.state.log_history[-1]["step"] == 2
     finally:  # a failure here must not leave the module's engine owned by this client
         if trainer.wsync_client is not None:
             trainer.wsync_client.close_communicator()
+
+
+def _assert_logged(entry: dict[str, Any], r: SyncResult, target: str) -> None:
+    """``entry`` (of ``state.log_history``) is what the sync whose result is ``r`` logged, into one engine."""
+    assert entry["wsync/weight_version_step"] == int(r.weight_version.removeprefix("step-"))
+    assert entry["wsync/payload_bytes"] == r.payload_bytes > 0
+    assert entry["wsync/wire_bytes"] == r.wire_bytes >= r.payload_bytes
+    assert entry["wsync/total_seconds"] == r.total_seconds > 0
+    assert entry["wsync/gb_per_s"] == r.gb_per_s > 0
+    assert entry["wsync/engines"] == len(r.engines) == 1 and target in r.engines
+    assert entry["wsync/excluded"] == len(r.excluded) == 0
+    assert {k for k in entry if not k.startswith("wsync/")} == {"step", "epoch"}, entry  # an entry of its own
 
 
 def test_a_failed_sync_raises_out_of_train(

@@ -23,6 +23,12 @@ steps). TRL builds its client inside ``VLLMGeneration._init_vllm`` by the
 name ``VLLMClient`` of ``trl.generation.vllm_generation`` and offers no
 hook, so the trainer points that one name at :class:`WsyncVLLMClient` for
 the duration of its own construction (and nothing else of TRL).
+
+Every sync is logged through TRL's own logging: an entry of
+``trainer.state.log_history`` (:func:`sync_log_entry`'s ``wsync/...`` numbers)
+that reaches every logger of ``report_to``; ``trainer.last_sync``,
+``trainer.trainer_client`` and the return of ``trainer.sync_weights()`` give
+the :class:`~wsync_grpc.trainer.results.SyncResult` and the client themselves.
 """
 
 from __future__ import annotations
@@ -52,6 +58,47 @@ _construction = threading.Lock()
 def step_version(step: int) -> str:
     """The weight version of the policy after ``step`` optimizer steps: ``"step-<step>"``."""
     return f"step-{step}"
+
+
+def version_step(version: str) -> int | None:
+    """The step ``N`` of a ``"step-N"`` weight version (the inverse of :func:`step_version`); ``None`` for another."""
+    head, _, n = version.partition("-")
+    return int(n) if head == "step" and n.isdigit() else None
+
+
+def sync_log_entry(result: SyncResult) -> dict[str, float]:
+    """What TRL's log records of one sync: numbers only, under ``wsync/`` keys.
+
+    Numbers only because transformers' ``Trainer.log`` hands its dict unchanged to
+    every callback's ``on_log`` and the loggers take scalars (TensorBoard's drops any
+    other value with a warning); so the version is its step and the engines are counts.
+
+    Keys:
+        ``wsync/weight_version_step``: ``N`` of the version ``step-N`` (left out for a version
+        not so named: :func:`version_step`).
+        ``wsync/payload_bytes``, ``wsync/wire_bytes``: :attr:`SyncResult.payload_bytes` and
+        :attr:`SyncResult.wire_bytes`, in bytes.
+        ``wsync/total_seconds``: :attr:`SyncResult.total_seconds` (first Prepare to the last
+        Complete reply), in seconds.
+        ``wsync/gb_per_s``: :attr:`SyncResult.gb_per_s`, in GB/s (10^9 bytes per second).
+        ``wsync/engines``: how many engines serve the version now (:attr:`SyncResult.engines`).
+        ``wsync/excluded``: how many engines the fleet policy left out (:attr:`SyncResult.excluded`).
+    """
+    entry: dict[str, float] = {}
+    step = version_step(result.weight_version)
+    if step is not None:
+        entry["wsync/weight_version_step"] = step
+    entry.update(
+        {
+            "wsync/payload_bytes": result.payload_bytes,
+            "wsync/wire_bytes": result.wire_bytes,
+            "wsync/total_seconds": result.total_seconds,
+            "wsync/gb_per_s": result.gb_per_s,
+            "wsync/engines": len(result.engines),
+            "wsync/excluded": len(result.excluded),
+        }
+    )
+    return entry
 
 
 class WsyncVLLMClient(VLLMClient):
@@ -173,11 +220,17 @@ class WsyncGRPOTrainer(GRPOTrainer):
     Every process constructs and trains it as usual (``accelerate launch``);
     the main process holds the client.
 
+    Every sync is logged (:meth:`log_sync`): one entry of ``state.log_history``
+    per sync, on the main process, which every logger of ``report_to`` receives.
+    :attr:`last_sync`, :attr:`trainer_client` and the return of
+    :meth:`sync_weights` give the result and the client themselves.
+
     Args:
         wsync_targets: the engines' ``wsync.v1`` gRPC targets.
         wsync_options: further ``TrainerClient`` keyword arguments (see :class:`WsyncVLLMClient`).
         wsync_apply_mode: ``"staged"`` (default) or ``"streaming"``.
-        wsync_on_sync: called on the main process after every successful sync.
+        wsync_on_sync: called on the main process after every successful sync, once it is logged
+            (the client's ``on_sync`` is the trainer's: it logs, then calls this).
 
     Raises:
         ValueError: ``args`` is not server mode with vLLM, or no target.
@@ -201,6 +254,7 @@ class WsyncGRPOTrainer(GRPOTrainer):
         if not wsync_targets:
             raise ValueError("WsyncGRPOTrainer needs at least one wsync.v1 target")
         made: list[WsyncVLLMClient] = []
+        self.wsync_on_sync = wsync_on_sync
 
         def client(*a: Any, **k: Any) -> WsyncVLLMClient:
             c = WsyncVLLMClient(
@@ -208,7 +262,7 @@ class WsyncGRPOTrainer(GRPOTrainer):
                 targets=wsync_targets,
                 client_options=wsync_options,
                 apply_mode=wsync_apply_mode,
-                on_sync=wsync_on_sync,
+                on_sync=self._synced,
                 **k,
             )
             made.append(c)
@@ -224,19 +278,69 @@ class WsyncGRPOTrainer(GRPOTrainer):
         for c in made:
             c.version_of = lambda: step_version(int(self.state.global_step))
 
-    def sync_weights(self) -> None:
+    def _synced(self, result: SyncResult) -> None:
+        """The client's ``on_sync``: log the sync, then call ``wsync_on_sync``."""
+        self.log_sync(result)
+        if self.wsync_on_sync is not None:
+            self.wsync_on_sync(result)
+
+    def log_sync(self, result: SyncResult) -> None:
+        """Log one sync's :func:`sync_log_entry` as its own entry of TRL's log (called after every sync).
+
+        Through transformers' ``Trainer.log`` (``super(GRPOTrainer, self).log``): it appends the
+        entry to ``state.log_history`` with ``"step"`` (the global step) and ``"epoch"``, and calls
+        every callback's ``on_log``, so the numbers reach whatever logger ``report_to`` configured.
+
+        Not through ``GRPOTrainer.log``, nor into TRL's ``_metrics`` (TRL 1.16.0): TRL syncs inside
+        ``_generate``, before a step's rollouts, while it collects the logging window's metrics in
+        ``_metrics``; its ``log`` averages every ``_metrics`` list into the entry it is given, clears
+        them, and (``log_completions``) prints and writes the completions table. Calling
+        ``GRPOTrainer.log`` at a sync would put the window's metrics so far (with ``logging_steps > 1``,
+        earlier steps') into the sync's entry instead of the step's, and write a completions table per
+        sync. Appending to ``_metrics`` would average the syncs of a window together (their versions
+        too) into the step's entry, and never log a sync made after the last step
+        (``sync_weights()`` after ``train()``). Its own entry leaves TRL's per-step entries as they
+        are and records every sync once, at the global step it was made.
+
+        Raises:
+            Whatever a callback's ``on_log`` raises (the sync itself succeeded: :attr:`last_sync`).
+        """
+        super(GRPOTrainer, self).log(sync_log_entry(result))
+
+    def sync_weights(self) -> SyncResult | None:
         """Push the current policy now, as ``step-<global_step>`` (e.g. once more after ``train()``).
 
-        Every process calls it, as TRL's own sync (its gathers are collectives).
+        Every process calls it, as TRL's own sync (its gathers are collectives). The sync is logged
+        as TRL's are (:meth:`log_sync`).
+
+        Returns:
+            On the main process, the sync's :class:`~wsync_grpc.trainer.results.SyncResult` (also
+            :attr:`last_sync`); ``None`` on the other processes.
 
         Raises:
             SyncError: on the main process, the sync failed; no engine published it.
         """
         self.vllm_generation.sync_weights()
         self._last_loaded_step = self.state.global_step
+        return self.last_sync
 
     @property
     def wsync_client(self) -> WsyncVLLMClient | None:
         """The main process's :class:`WsyncVLLMClient` (``None`` on the other processes)."""
         c = getattr(self.vllm_generation, "vllm_client", None)
         return c if isinstance(c, WsyncVLLMClient) else None
+
+    @property
+    def last_sync(self) -> SyncResult | None:
+        """The last successful sync's :class:`~wsync_grpc.trainer.results.SyncResult` (TRL's or
+        :meth:`sync_weights`'); ``None`` before the first one and on the processes other than the main one."""
+        c = self.wsync_client
+        return c.last_result if c is not None else None
+
+    @property
+    def trainer_client(self) -> TrainerClient | None:
+        """The main process's :class:`~wsync_grpc.trainer.client.TrainerClient` (``status()``,
+        ``checksums()``...), once TRL formed the group (``init_communicator``, at construction);
+        ``None`` on the other processes and once :meth:`WsyncVLLMClient.close_communicator` ran."""
+        c = self.wsync_client
+        return c.trainer_client if c is not None else None
