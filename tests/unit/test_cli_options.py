@@ -108,10 +108,13 @@ class Case:
     option: str
     value: str
     argv: list[str]
+    label: str
+    """The value as the table writes it (``{dir}`` for a directory made for the run): the test's id, the same in
+    every process that collects it."""
 
     @property
     def id(self) -> str:
-        return f"{self.command}{self.option}={self.value or 'empty'}"
+        return f"{self.command}{self.option}={self.label or 'empty'}"
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -184,20 +187,20 @@ def cases(workdir: Path) -> list[Case]:
     parser = cli.build_parser()
     out: list[Case] = []
     for action in _options(parser):
-        for value in _bad_values("wsync", action) or []:
-            value = existing.get(value, value)
-            out.append(Case("wsync", _name(action), value, [f"{_name(action)}={value}", "status"]))
+        for label in _bad_values("wsync", action) or []:
+            value = existing.get(label, label)
+            out.append(Case("wsync", _name(action), value, [f"{_name(action)}={value}", "status"], label))
     commands = _subcommands(parser)
     engines = _engine_of(commands["serve"])
     for command, sub in commands.items():
         for action in _options(sub):
-            for value in _bad_values(command, action) or []:
-                value = existing.get(value, value)
+            for label in _bad_values(command, action) or []:
+                value = existing.get(label, label)
                 if command == "serve":
                     base = _serve_base(_name(action), engines.get(_name(action)), str(workdir))
                 else:
                     base = [command, *BASE.get(command, CLIENT)]
-                out.append(Case(command, _name(action), value, _argv(command, action, value, base)))
+                out.append(Case(command, _name(action), value, _argv(command, action, value, base), label))
     return out
 
 
