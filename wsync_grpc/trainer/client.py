@@ -25,11 +25,9 @@ import torch
 from prometheus_client import CollectorRegistry
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.core.planning import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES
 from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup
 from wsync_grpc.trainer.adapters import adapter_tensors
-from wsync_grpc.trainer.disk import DiskSyncRunner
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -45,13 +43,13 @@ from wsync_grpc.trainer.options import (
     pause_mode_of,
 )
 from wsync_grpc.trainer.protocol import UpdateProtocol
-from wsync_grpc.trainer.request import UpdateRequest
+from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Member, Roster
+from wsync_grpc.trainer.runner import UpdateRunner
 from wsync_grpc.trainer.sender import BroadcastSender, Sender
 from wsync_grpc.trainer.settings import ClientSettings, client_settings
 from wsync_grpc.trainer.source import NamedTensors, WeightSource
-from wsync_grpc.trainer.sync import SyncRunner
 from wsync_grpc.trainer.views import (
     CancelResult,
     Checksums,
@@ -285,8 +283,7 @@ class TrainerClient:
         calls = UpdateProtocol(
             self._fleet, self._membership, self._settings, self._cancel_event, self._sender, self._metrics
         )
-        self._sync = SyncRunner(calls, self._settings, self._sender, self._cancel_event)
-        self._disk = DiskSyncRunner(calls)
+        self._runner = UpdateRunner(calls, self._settings, self._sender, self._cancel_event)
         self._policy = policy if policy is not None else FleetPolicy()
         self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
 
@@ -564,7 +561,7 @@ class TrainerClient:
             RuntimeError: another ``sync`` is running in this client.
             ClientError: the client was closed.
         """
-        request = UpdateRequest.broadcast(
+        request = BroadcastRequest.create(
             weight_version,
             layout,
             apply_mode,
@@ -577,7 +574,7 @@ class TrainerClient:
         )
         source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
         with self._exclusive():
-            return self._roster.run(policy or self._policy, request, lambda r: self._sync.run(source, r))
+            return self._roster.run(policy or self._policy, request, lambda r: self._runner.broadcast(source, r))
 
     def sync_from_disk(
         self,
@@ -593,7 +590,7 @@ class TrainerClient:
         """Have every engine load the safetensors checkpoint at ``checkpoint_path`` as ``weight_version``.
 
         SGLang's ``update_weights_from_disk`` and vLLM's ``reload_weights``, as
-        one committed update (:mod:`wsync_grpc.trainer.disk`): a header-only
+        one committed update (:mod:`wsync_grpc.trainer.runner`): a header-only
         ``Prepare`` (``TRANSPORT_DISK``) everywhere, each engine validating
         every tensor from the files' headers before reading any; then, as for
         :meth:`sync`, ``Complete(verify_only)`` everywhere and the applying
@@ -620,11 +617,11 @@ class TrainerClient:
                 its model...); the update was cancelled everywhere.
             RuntimeError: another sync is running in this client.
         """
-        request = UpdateRequest.disk(
+        request = DiskRequest.create(
             checkpoint_path, weight_version, apply_mode, flush_cache=flush_cache, update_id=update_id, on_phase=on_phase
         )
         with self._exclusive():
-            return self._roster.run(policy or self._policy, request, self._disk.run)
+            return self._roster.run(policy or self._policy, request, self._runner.disk)
 
     def save_and_sync(
         self,
@@ -684,14 +681,14 @@ class TrainerClient:
             RuntimeError: another sync is running in this client.
         """
         if isinstance(adapter, str | os.PathLike):  # its spec comes from the directory's adapter_config.json
-            request = UpdateRequest.disk(
-                adapter, version, "staged", update_id=update_id, on_phase=on_phase, adapter=LoraSpec(name, 0, 0.0)
+            loaded = DiskRequest.create(
+                adapter, version, "staged", update_id=update_id, on_phase=on_phase, adapter=name
             )
             with self._exclusive():
-                return self._roster.run(policy or self._policy, request, self._disk.run)
+                return self._roster.run(policy or self._policy, loaded, self._runner.disk)
         check_version(version)  # before reading the model
         spec, tensors = adapter_tensors(adapter, name)
-        request = UpdateRequest.broadcast(
+        request = BroadcastRequest.create(
             version,
             "flattened",
             "staged",
@@ -702,7 +699,7 @@ class TrainerClient:
         )
         source = NamedTensors(tensors.items())
         with self._exclusive():
-            return self._roster.run(policy or self._policy, request, lambda r: self._sync.run(source, r))
+            return self._roster.run(policy or self._policy, request, lambda r: self._runner.broadcast(source, r))
 
     # ------------------------------------------------------------------ membership between syncs
 
@@ -781,8 +778,8 @@ class TrainerClient:
                 return None
             checkpoint = self._roster.checkpoint
             if checkpoint is not None:
-                disk = UpdateRequest.disk(checkpoint, version, apply_mode)
-                return self._roster.only(late, lambda: self._disk.run(disk))
+                disk = DiskRequest.create(checkpoint, version, apply_mode)
+                return self._roster.only(late, lambda: self._runner.disk(disk))
             if named_tensors is None:
                 behind = ", ".join(e.target for e in late)
                 raise ValueError(
@@ -790,8 +787,8 @@ class TrainerClient:
                     "pass its tensors to catch_up"
                 )
             source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
-            request = UpdateRequest.broadcast(version, "flattened", apply_mode, self._settings.bucket_bytes)
-            return self._roster.only(late, lambda: self._sync.run(source, request))
+            request = BroadcastRequest.create(version, "flattened", apply_mode, self._settings.bucket_bytes)
+            return self._roster.only(late, lambda: self._runner.broadcast(source, request))
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:

@@ -1,7 +1,7 @@
 """The calls of one update over every engine, and the failure protocol when it fails.
 
-Whatever carries the bytes (a broadcast over the group, :mod:`wsync_grpc.trainer.sync`; or each
-engine reading a checkpoint, :mod:`wsync_grpc.trainer.disk`), an update runs the same calls,
+Whatever carries the bytes (a broadcast over the group, or each engine reading a checkpoint; both
+run by :class:`~wsync_grpc.trainer.runner.UpdateRunner`), an update runs the same calls,
 held by :class:`UpdateProtocol`: the streaming Prepare to every engine at once (each replying once
 it is ready to receive), the held ``Watch`` calls that notice a dead engine or trainer
 (:class:`~wsync_grpc.trainer.liveness.Holds`), the transfer, and Complete everywhere.

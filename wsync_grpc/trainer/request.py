@@ -1,8 +1,9 @@
-"""One update as the trainer runs it: :class:`UpdateRequest`, built once from the caller's arguments.
+"""One update as the trainer runs it: an :class:`UpdateRequest` of one kind (:class:`BroadcastRequest`,
+:class:`DiskRequest`), built once from the caller's arguments, with no field another kind needs.
 
 The client's public methods take the caller's strings (``layout="flattened"``,
 ``apply_mode="staged"``, a checkpoint path as ``str`` or ``os.PathLike``);
-:class:`UpdateRequest`'s constructors convert them once
+each kind's ``create`` converts them once
 (:mod:`wsync_grpc.trainer.options`) into the core's enums and the path as
 sent, and every part of the trainer reads the request from then on. Its
 :meth:`UpdateRequest.header` is the update's domain header, which
@@ -18,7 +19,8 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -34,41 +36,79 @@ PHASES = ("planned", "prepared", "broadcast", "verified", "applied")
 """The phases ``TrainerClient.sync`` reports to ``on_phase`` as each ends (``"verified"``: staged only)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UpdateRequest:
-    """One update, as the client was asked for it (options converted, bucket size and id resolved).
+    """What every update has, whatever carries its bytes (a kind below: :class:`BroadcastRequest`,
+    :class:`DiskRequest`); the caller's options converted once.
 
     Attributes:
         weight_version: the version the engines serve once it succeeded.
-        layout: how buckets travel (a disk update: :attr:`Layout.INDIVIDUAL`, tensor by tensor).
         apply_mode: when the engines apply.
-        bucket_bytes: bucket capacity, in bytes (0 for a disk update: the engines plan).
-        dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
         flush_cache: whether the engines flush their prefix/KV cache.
-        progress: called after every bucket, or ``None``.
-        update_id: the update's id.
+        update_id: the update's id (a fresh UUID, hex, unless the caller gave one).
         on_phase: called with each phase's name as it ends (:data:`PHASES`), or ``None``.
-        transport: how the bytes travel: broadcast over the group, or read by each engine from disk.
-        checkpoint_path: a disk update's checkpoint, as the engines see it (the string sent);
-            empty for a broadcast.
-        adapter: the LoRA adapter the update loads; ``None`` for base weights.
+        transport: how the bytes travel (the kind's; a class attribute).
     """
 
+    transport: ClassVar[Transport]
     weight_version: str
-    layout: Layout
     apply_mode: ApplyMode
-    bucket_bytes: int
-    dtype: torch.dtype | None
-    flush_cache: bool
-    progress: Callable[[SyncProgress], None] | None
-    update_id: str
+    flush_cache: bool = False
+    update_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     on_phase: Callable[[str], None] | None = None
-    transport: Transport = Transport.BROADCAST
-    checkpoint_path: str = ""
+
+    @property
+    def adapter_name(self) -> str:
+        """The LoRA adapter the update loads; ``""`` for base weights (which change the fleet's version)."""
+        raise NotImplementedError
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint the engines read, as they see it; ``None`` when the trainer sends the bytes."""
+        return None
+
+    def header(self, bucket_count: int = 0, total_bytes: int = 0, digests_follow: bool = False) -> UpdateHeader:
+        """The update's domain header (``wsync.v1.PrepareHeader`` once converted at the wire).
+
+        Args:
+            bucket_count: buckets the Prepare stream declares (0 when the engines plan them).
+            total_bytes: bytes those buckets put on the wire, in bytes (0 when the engines plan them).
+            digests_follow: the buckets' digests are declared with Updates as they are hashed.
+        """
+        raise NotImplementedError
+
+    def report(self, phase: str) -> None:
+        """Tell ``on_phase`` that ``phase`` ended; an exception it raises is logged, not raised."""
+        if self.on_phase is None:
+            return
+        try:
+            self.on_phase(phase)
+        except Exception:
+            log.exception("the on_phase callback failed for phase %r", phase)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BroadcastRequest(UpdateRequest):
+    """An update whose bytes the trainer sends over the weight-sync group (``TrainerClient.sync``, a live
+    adapter's tensors, a catch-up).
+
+    Attributes:
+        layout: how buckets travel.
+        bucket_bytes: bucket capacity, in bytes.
+        dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
+        progress: called after every bucket, or ``None``.
+        adapter: the live LoRA adapter whose tensors are sent (name and shape); ``None`` for base weights.
+    """
+
+    transport: ClassVar[Transport] = Transport.BROADCAST
+    layout: Layout
+    bucket_bytes: int
+    dtype: torch.dtype | None = None
+    progress: Callable[[SyncProgress], None] | None = None
     adapter: LoraSpec | None = None
 
     @classmethod
-    def broadcast(
+    def create(
         cls,
         weight_version: str,
         layout: str,
@@ -81,8 +121,8 @@ class UpdateRequest:
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
         adapter: LoraSpec | None = None,
-    ) -> UpdateRequest:
-        """A broadcast update (``TrainerClient.sync``, or a live adapter's tensors).
+    ) -> BroadcastRequest:
+        """A broadcast update from the caller's arguments.
 
         Args:
             layout, apply_mode: the caller's strings (:data:`~wsync_grpc.trainer.options.Layout`,
@@ -107,8 +147,46 @@ class UpdateRequest:
             adapter=adapter,
         )
 
+    @property
+    def adapter_name(self) -> str:
+        """The live adapter's name; ``""`` for base weights."""
+        return self.adapter.name if self.adapter is not None else ""
+
+    def header(self, bucket_count: int = 0, total_bytes: int = 0, digests_follow: bool = False) -> UpdateHeader:
+        """The header of a broadcast: the buckets the Prepare stream declares and their wire bytes."""
+        return UpdateHeader(
+            update_id=self.update_id,
+            weight_version=self.weight_version,
+            layout=self.layout,
+            apply_mode=self.apply_mode,
+            bucket_count=bucket_count,
+            total_bytes=total_bytes,
+            incremental=False,
+            transport=Transport.BROADCAST,
+            adapter=self.adapter,
+            digests_follow=digests_follow,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiskRequest(UpdateRequest):
+    """An update every engine reads from a safetensors checkpoint itself (``TrainerClient.sync_from_disk``, a
+    PEFT directory for ``TrainerClient.sync_adapter``, a catch-up from the fleet's checkpoint); the engines
+    plan the buckets, no group is formed.
+
+    Attributes:
+        checkpoint_path: the checkpoint as the engines see it (the string sent).
+        adapter: load the PEFT directory ``checkpoint_path`` as this LoRA adapter (its rank, alpha and target
+            modules come from the directory's ``adapter_config.json``, read by each engine); ``""`` for base
+            weights.
+    """
+
+    transport: ClassVar[Transport] = Transport.DISK
+    checkpoint_path: str
+    adapter: str = ""
+
     @classmethod
-    def disk(
+    def create(
         cls,
         checkpoint_path: str | os.PathLike[str],
         weight_version: str,
@@ -117,14 +195,15 @@ class UpdateRequest:
         flush_cache: bool = False,
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
-        adapter: LoraSpec | None = None,
-    ) -> UpdateRequest:
-        """A disk update: every engine reads ``checkpoint_path`` (``TrainerClient.sync_from_disk``).
+        adapter: str = "",
+    ) -> DiskRequest:
+        """A disk update from the caller's arguments.
 
         Args:
             checkpoint_path: the checkpoint as the engines see it; sent as ``os.fspath`` gives it.
             apply_mode: the caller's string, converted here once.
             update_id: ``None`` = a fresh UUID (hex).
+            adapter: as the attribute.
 
         Raises:
             ValueError: an empty ``weight_version`` or path, an unknown ``apply_mode``.
@@ -135,46 +214,38 @@ class UpdateRequest:
             raise ValueError("checkpoint path is required")
         return cls(
             weight_version=weight_version,
-            layout=Layout.INDIVIDUAL,
             apply_mode=apply_mode_of(apply_mode),
-            bucket_bytes=0,
-            dtype=None,
             flush_cache=flush_cache,
-            progress=None,
             update_id=update_id or uuid.uuid4().hex,
             on_phase=on_phase,
-            transport=Transport.DISK,
             checkpoint_path=path,
             adapter=adapter,
         )
 
-    def header(self, bucket_count: int = 0, total_bytes: int = 0, digests_follow: bool = False) -> UpdateHeader:
-        """The update's domain header (``wsync.v1.PrepareHeader`` once converted at the wire).
+    @property
+    def adapter_name(self) -> str:
+        """The adapter the PEFT directory loads as; ``""`` for base weights."""
+        return self.adapter
 
-        Args:
-            bucket_count: buckets the Prepare stream declares (0 for a disk update).
-            total_bytes: bytes those buckets put on the wire, in bytes (0 for a disk update).
-            digests_follow: the buckets' digests are declared with Updates as they are hashed.
-        """
+    @property
+    def checkpoint(self) -> str:
+        """:attr:`checkpoint_path`."""
+        return self.checkpoint_path
+
+    def header(self, bucket_count: int = 0, total_bytes: int = 0, digests_follow: bool = False) -> UpdateHeader:
+        """The header of a disk update: no buckets declared (each engine plans its own), read tensor by tensor
+        (``Layout.INDIVIDUAL``); an adapter by name only (the wire's ``LoraSpec`` with rank 0: the engine reads
+        the rest from the directory)."""
         return UpdateHeader(
             update_id=self.update_id,
             weight_version=self.weight_version,
-            layout=self.layout,
+            layout=Layout.INDIVIDUAL,
             apply_mode=self.apply_mode,
             bucket_count=bucket_count,
             total_bytes=total_bytes,
             incremental=False,
-            transport=self.transport,
+            transport=Transport.DISK,
             checkpoint_path=self.checkpoint_path,
-            adapter=self.adapter,
+            adapter=LoraSpec(self.adapter, 0, 0.0) if self.adapter else None,
             digests_follow=digests_follow,
         )
-
-    def report(self, phase: str) -> None:
-        """Tell ``on_phase`` that ``phase`` ended; an exception it raises is logged, not raised."""
-        if self.on_phase is None:
-            return
-        try:
-            self.on_phase(phase)
-        except Exception:
-            log.exception("the on_phase callback failed for phase %r", phase)

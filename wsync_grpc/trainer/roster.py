@@ -41,12 +41,11 @@ import math
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.layout import Transport
 from wsync_grpc.trainer.fleet import Fleet, RemoteEngine
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -57,6 +56,9 @@ from wsync_grpc.trainer.results import TRAINER, EngineFailure, SyncError, SyncRe
 from wsync_grpc.trainer.settings import ClientSettings
 
 log = logging.getLogger(__name__)
+
+Request = TypeVar("Request", bound=UpdateRequest)
+"""The kind of update :meth:`Roster.run` runs (each attempt gets the same kind, with a fresh id)."""
 
 __all__ = ["PROBE_TIMEOUT_S", "FailurePolicy", "FleetPolicy", "Member", "MemberState", "Roster"]
 
@@ -240,9 +242,7 @@ class Roster:
 
     # ------------------------------------------------------------------ one update under the policy
 
-    def run(
-        self, policy: FleetPolicy, request: UpdateRequest, attempt: Callable[[UpdateRequest], SyncResult]
-    ) -> SyncResult:
+    def run(self, policy: FleetPolicy, request: Request, attempt: Callable[[Request], SyncResult]) -> SyncResult:
         """Run ``attempt`` (one whole update over the engines taking part) under ``policy``.
 
         Returns:
@@ -293,7 +293,7 @@ class Roster:
             self._count()
         self._published(request, result)
         rejoined = [t for t, state in before.items() if state != "in_sync" and t in result.engines]
-        if self.version is None or request.adapter is not None:
+        if self.version is None or request.adapter_name:
             rejoined = []
         return dataclasses.replace(result, excluded=excluded, rejoined=rejoined, attempts=attempts)
 
@@ -414,12 +414,12 @@ class Roster:
 
     def _published(self, request: UpdateRequest, result: SyncResult) -> None:
         """Record the version every engine that took part serves now."""
-        if request.adapter is not None:
+        if request.adapter_name:
             return  # adapters do not change the base weights' version
         self._applied(self._fleet.engines, result)
         if len(result.engines) == len(self._fleet.engines):
             self.version = request.weight_version
-            self.checkpoint = request.checkpoint_path if request.transport is Transport.DISK else None
+            self.checkpoint = request.checkpoint
 
     # ------------------------------------------------------------------ catching up between updates
 

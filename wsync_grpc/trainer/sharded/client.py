@@ -38,7 +38,7 @@ from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.options import ApplyMode, Layout
 from wsync_grpc.trainer.planning import Planner
-from wsync_grpc.trainer.request import UpdateRequest
+from wsync_grpc.trainer.request import BroadcastRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS
 from wsync_grpc.trainer.sharded.outcome import decode_outcome, encode_error, encode_result
@@ -211,7 +211,7 @@ class ShardedTrainerClient:
         try:  # a bad argument is agreed on too: it fails every rank, not this one alone
             if mode not in SEND_MODES:
                 raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
-            request = UpdateRequest.broadcast(
+            request = BroadcastRequest.create(
                 weight_version, layout, apply_mode, bucket_bytes or c.bucket_bytes, dtype=dtype
             )
             metas = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
@@ -245,7 +245,7 @@ class ShardedTrainerClient:
         weight_version: str,
         layout: Layout,
         apply_mode: ApplyMode,
-        request: UpdateRequest,
+        request: BroadcastRequest,
         flush_cache: bool,
         progress: Callable[[SyncProgress], None] | None,
         on_phase: Callable[[str], None] | None,
@@ -281,7 +281,7 @@ class ShardedTrainerClient:
         except Exception as e:
             log.warning("another trainer rank's sends failed too: %s", e)
 
-    def _follow(self, source: ShardedTensors, sending: WeightSource, request: UpdateRequest) -> SyncResult:
+    def _follow(self, source: ShardedTensors, sending: WeightSource, request: BroadcastRequest) -> SyncResult:
         """A rank other than 0: do what rank 0 asks, round by round, until it shares the outcome."""
         buckets, _messages = Planner(self._client).plan(
             sending.metadata(), request.bucket_bytes, request.dtype, request.layout
