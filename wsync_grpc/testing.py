@@ -1,17 +1,14 @@
-"""Helpers for tests, demos and benchmarks that run wsync engines: processes, in-process servers, a trainer rank.
+"""Helpers for tests, demos and benchmarks that run wsync engines: in-process servers, callers, a trainer rank.
 
-- :func:`spawn_engine` starts ``python -m wsync_grpc.tools.cli serve ARGS --port 0 --port-file F``
-  and waits until the port file appears; :func:`spawn_process` does the same for any command
-  that writes a ready file once it serves (a custom launcher, a benchmark's engine). Both
-  return an :class:`EngineProcess`: its address, its process, its output, a graceful
-  :meth:`~EngineProcess.stop`. A process that exits before it is ready, or is not ready in
-  time, fails the start at once with the tail of its output (:class:`EngineStartError`).
 - :func:`in_process_server` serves an engine on a loopback port in this process and
   yields a stub connected to it.
+- :func:`owner_channel` is a channel whose calls are one caller's (it keeps its lease).
 - :func:`join_as_trainer` initializes an engine and joins its group as rank 0 from this
   process, for driving the RPCs by hand.
-- :func:`child_env` is the environment that lets a child process import this package and the
-  generated ``wsync.v1`` code from a source checkout.
+
+Engine processes (:func:`spawn_engine`, :func:`spawn_process`, :class:`EngineProcess`, ...) are
+started by :mod:`wsync_grpc.launch`; this module re-exports them, and ``free_port``, under the
+same names for the tests and the bench.
 
 Times are in seconds. The rest of the package does not import this module, and it needs nothing
 beyond the package's own dependencies.
@@ -19,16 +16,9 @@ beyond the package's own dependencies.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from pathlib import Path
-from types import TracebackType
-from typing import Any, NoReturn
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import grpc
 from wsync.v1 import weight_sync_pb2 as pb
@@ -36,6 +26,19 @@ from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.engine import Engine
 from wsync_grpc.group.process_group import WeightSyncGroup, free_port, join_group
+from wsync_grpc.launch import (
+    DEFAULT_START_TIMEOUT_S,
+    SOURCE_ROOT,
+    EngineProcess,
+    EngineStartError,
+    EngineStartTimeout,
+    child_env,
+    cli_command,
+    spawn_engine,
+    spawn_process,
+    stop_all,
+    wait_all,
+)
 from wsync_grpc.service.server import WsyncServer, build_server
 from wsync_grpc.wire.lease import lease_channel
 
@@ -56,257 +59,6 @@ __all__ = [
     "stop_all",
     "wait_all",
 ]
-
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
-"""The directory holding the ``wsync_grpc`` package (the repository root in a source checkout)."""
-
-DEFAULT_START_TIMEOUT_S = 120.0
-"""How long :func:`spawn_engine` and :func:`spawn_process` wait for the ready file by default, in seconds."""
-
-OUTPUT_TAIL_CHARS = 4000
-"""How many trailing characters of an engine's output go into an error message."""
-
-_POLL_S = 0.05
-
-
-class EngineStartError(RuntimeError):
-    """An engine process exited before it wrote its ready file, or did not write it in time.
-
-    Attributes:
-        name: the engine's name (for messages).
-        returncode: its exit status, ``None`` if it was still running (then it has been killed).
-        output: the tail of its output (empty when the output was discarded).
-    """
-
-    def __init__(self, message: str, *, name: str, returncode: int | None, output: str) -> None:
-        super().__init__(message)
-        self.name = name
-        self.returncode = returncode
-        self.output = output
-
-
-class EngineStartTimeout(EngineStartError, TimeoutError):
-    """An engine process did not write its ready file within the timeout; it has been killed."""
-
-
-def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for a child that must import ``wsync_grpc`` and ``wsync.v1``.
-
-    ``PYTHONPATH`` starts with :data:`SOURCE_ROOT` and its ``generated/`` directory (where a
-    source checkout keeps ``wsync.v1``), followed by any ``PYTHONPATH`` already set; ``extra``
-    is applied last (e.g. ``{"WSYNC_LOG_LEVEL": "INFO"}``).
-    """
-    paths = [str(SOURCE_ROOT), str(SOURCE_ROOT / "generated")]
-    if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **(extra or {})}
-
-
-def cli_command(*args: str) -> list[str]:
-    """``[python, -m, wsync_grpc.tools.cli, *args]`` with this interpreter."""
-    return [sys.executable, "-m", "wsync_grpc.tools.cli", *args]
-
-
-class EngineProcess:
-    """An engine running in a child process, with the file it writes once it serves.
-
-    Use it as a context manager to :meth:`stop` it at the end. stdout and stderr go to
-    :attr:`log` (a file), to a pipe (read them from :attr:`process`) or nowhere.
-
-    Attributes:
-        process: the child process (its output as bytes).
-        ready_file: the file the child writes once it serves (a port file for the CLI).
-        log: the file holding the child's stdout and stderr, or ``None``.
-        name: a name for messages.
-        host: the host in :attr:`target`.
-        ready_text: the ready file's content, stripped; ``None`` until :meth:`wait_ready` returns.
-        killed: whether :meth:`stop` or :meth:`kill` had to SIGKILL the child.
-    """
-
-    def __init__(
-        self, process: subprocess.Popen[bytes], ready_file: Path, log: Path | None, *, name: str, host: str
-    ) -> None:
-        self.process = process
-        self.ready_file = ready_file
-        self.log = log
-        self.name = name
-        self.host = host
-        self.ready_text: str | None = None
-        self.killed = False
-
-    @property
-    def target(self) -> str:
-        """``host:port`` from the port file, for clients.
-
-        Raises:
-            RuntimeError: the engine is not ready yet (see :meth:`wait_ready`).
-            ValueError: the ready file does not hold a port number.
-        """
-        if self.ready_text is None:
-            raise RuntimeError(f"engine {self.name} is not ready yet")
-        return f"{self.host}:{int(self.ready_text)}"
-
-    @property
-    def pid(self) -> int:
-        """The child's process id."""
-        return self.process.pid
-
-    def wait_ready(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> str:
-        """Wait up to ``timeout_s`` seconds for the ready file; return (and keep) its content, stripped.
-
-        The file must appear whole (the CLI writes it with a rename), so it is read once.
-
-        Raises:
-            EngineStartError: the child exited first (the message holds the tail of its output).
-            EngineStartTimeout: the file did not appear in time; the child has been killed.
-        """
-        deadline = time.monotonic() + timeout_s
-        while not self.ready_file.exists():
-            if self.process.poll() is not None:
-                rc = self.process.returncode
-                self._fail(EngineStartError, f"exited with {rc} before it served", rc)
-            if time.monotonic() > deadline:
-                self.kill()
-                self._fail(EngineStartTimeout, f"did not serve within {timeout_s:g} s", None)
-            time.sleep(_POLL_S)
-        self.ready_text = self.ready_file.read_text().strip()
-        return self.ready_text
-
-    def _fail(self, kind: type[EngineStartError], what: str, rc: int | None) -> NoReturn:
-        out = self.output_tail()
-        where = f" (log {self.log})" if self.log is not None else ""
-        raise kind(f"engine {self.name} {what}{where}: {out}", name=self.name, returncode=rc, output=out)
-
-    def output_tail(self, chars: int = OUTPUT_TAIL_CHARS) -> str:
-        """The last ``chars`` characters of the child's output so far.
-
-        From the log file; from the pipe only once the child has exited (this reads the pipe to
-        its end); empty when the output is discarded.
-        """
-        if self.log is not None:
-            return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
-        if self.process.stdout is not None and self.process.poll() is not None:
-            return self.process.stdout.read().decode(errors="replace")[-chars:]
-        return ""
-
-    def kill(self, wait_s: float = 10.0) -> None:
-        """SIGKILL the child if it still runs, then wait up to ``wait_s`` seconds for it to be reaped."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.killed = True
-        with suppress(subprocess.TimeoutExpired):
-            self.process.wait(wait_s)
-
-    def terminate(self) -> None:
-        """Send SIGTERM (the engine's graceful shutdown) if the child still runs; do not wait."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM, wait up to ``grace_s`` seconds, then SIGKILL; return the exit status (``None`` if unreaped)."""
-        self.terminate()
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        return self.process.returncode
-
-    def __enter__(self) -> EngineProcess:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-
-def spawn_process(
-    command: Sequence[str],
-    *,
-    ready_file: Path,
-    log: Path | int | None = None,
-    env: Mapping[str, str] | None = None,
-    cwd: Path | None = None,
-    timeout_s: float = DEFAULT_START_TIMEOUT_S,
-    wait: bool = True,
-    name: str | None = None,
-    host: str = "127.0.0.1",
-) -> EngineProcess:
-    """Start ``command`` and (unless ``wait=False``) wait until it writes ``ready_file``.
-
-    Args:
-        command: the full command line; the child must write ``ready_file`` (whole, e.g. by a
-            rename) once it serves.
-        ready_file: removed first if it exists, so a stale file is never taken for readiness.
-        log: a path (stdout and stderr go to that file, truncated), ``subprocess.PIPE`` (read
-            them from :attr:`EngineProcess.process`) or ``None`` (discarded).
-        env: the child's environment; ``None`` inherits this process's (see :func:`child_env`).
-        cwd: the child's working directory; ``None`` keeps this process's.
-        timeout_s: how long to wait for ``ready_file``, in seconds.
-        wait: ``False`` returns at once; call :meth:`EngineProcess.wait_ready` or :func:`wait_all`.
-        name: for messages; default the ready file's stem.
-        host: the host in :attr:`EngineProcess.target`.
-
-    Raises:
-        OSError: the command could not be started.
-        EngineStartError, EngineStartTimeout: see :meth:`EngineProcess.wait_ready`.
-    """
-    ready_file.unlink(missing_ok=True)
-    if isinstance(log, Path):
-        with log.open("wb") as out:
-            proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        log_path: Path | None = log
-    else:
-        stdout = subprocess.DEVNULL if log is None else log
-        proc = subprocess.Popen(list(command), stdout=stdout, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        log_path = None
-    engine = EngineProcess(proc, ready_file, log_path, name=name or ready_file.stem, host=host)
-    if wait:
-        engine.wait_ready(timeout_s)
-    return engine
-
-
-def spawn_engine(
-    args: Sequence[str] = (),
-    *,
-    port_file: Path,
-    log: Path | int | None = None,
-    env: Mapping[str, str] | None = None,
-    cwd: Path | None = None,
-    timeout_s: float = DEFAULT_START_TIMEOUT_S,
-    wait: bool = True,
-    name: str | None = None,
-) -> EngineProcess:
-    """Start ``python -m wsync_grpc.tools.cli serve ARGS --port 0 --port-file PORT_FILE``; wait until it serves.
-
-    ``args`` picks the engine and its options, e.g. ``["--synthetic", "tiny", "--grace", "1"]``.
-    Use :attr:`EngineProcess.target` as its address. The other arguments and the errors
-    raised are :func:`spawn_process`'s.
-    """
-    command = cli_command("serve", *args, "--port", "0", "--port-file", str(port_file))
-    return spawn_process(
-        command, ready_file=port_file, log=log, env=env, cwd=cwd, timeout_s=timeout_s, wait=wait, name=name
-    )
-
-
-def wait_all(engines: Sequence[EngineProcess], timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-    """Wait for every engine's ready file, all within one ``timeout_s`` seconds from now.
-
-    Raises:
-        EngineStartError, EngineStartTimeout: for the first engine that fails (the others are
-            left running: stop them, e.g. with :func:`stop_all`).
-    """
-    deadline = time.monotonic() + timeout_s
-    for e in engines:
-        e.wait_ready(max(0.0, deadline - time.monotonic()))
-
-
-def stop_all(engines: Sequence[EngineProcess], grace_s: float = 10.0) -> None:
-    """SIGTERM every engine first, then wait up to ``grace_s`` seconds for each in turn and SIGKILL it if needed."""
-    for e in engines:
-        e.terminate()
-    for e in engines:
-        e.stop(grace_s)
 
 
 @contextmanager

@@ -38,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from wsync.v1 import generation_pb2, generation_pb2_grpc
 
 from wsync_grpc.core.checksums import tensor_sha256
-from wsync_grpc.testing import EngineProcess, spawn_engine, stop_all, wait_all
+from wsync_grpc.launch import EngineProcess, spawn_engine, stop_all, wait_all
 from wsync_grpc.trainer import SyncProgress, TrainerClient
 
 log = logging.getLogger("wsync.demo")

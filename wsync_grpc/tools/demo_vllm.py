@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from wsync_grpc.core.dtypes import parse_dtype
-from wsync_grpc.testing import EngineProcess, free_port, stop_all, wait_all
-from wsync_grpc.testing_vllm import spawn_vllm_engine
+from wsync_grpc.group.process_group import free_port
+from wsync_grpc.launch import EngineProcess, spawn_vllm_engine, stop_all, wait_all
 from wsync_grpc.tools.demo import PROMPT, training_batch
 from wsync_grpc.trainer import TrainerClient
 
