@@ -573,6 +573,20 @@ class TrainerClient:
             on_phase=on_phase,
         )
         source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
+        return self.run_update(source, request, policy=policy)
+
+    def run_update(
+        self, source: WeightSource, request: BroadcastRequest, *, policy: FleetPolicy | None = None
+    ) -> SyncResult:
+        """Run one broadcast update built beforehand: :meth:`sync` once its arguments are converted.
+
+        For trainers that build the :class:`~wsync_grpc.trainer.request.BroadcastRequest` themselves, e.g. a
+        sharded trainer's rank 0 with its send topology (:class:`~wsync_grpc.core.topology.SendTopology`,
+        which this client's sender must serve).
+
+        Raises:
+            as :meth:`sync`.
+        """
         with self._exclusive():
             return self._roster.run(policy or self._policy, request, lambda r: self._runner.broadcast(source, r))
 

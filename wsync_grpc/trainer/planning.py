@@ -21,6 +21,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.core.planning import PieceMeta, TensorMeta, plan_metadata, plan_pieces
+from wsync_grpc.core.topology import ONE_PROCESS, SendTopology
 from wsync_grpc.wire.convert import batch_bucket_specs, bucket_spec, digest_to_proto
 
 
@@ -62,16 +63,18 @@ class Planner:
         bucket_bytes: int,
         dtype: torch.dtype | None,
         layout: Layout,
+        topology: SendTopology = ONE_PROCESS,
     ) -> tuple[list[Bucket], list[pb.PrepareRequest]]:
         """Plan the buckets and their Prepare messages, reusing the last plan when nothing it depends on changed.
 
         Args:
-            metas: the tensors to send, in order, each once (global shapes); or every trainer rank's
-                pieces of them (:class:`~wsync_grpc.core.planning.PieceMeta`, a sharded trainer's
-                direct send: :func:`~wsync_grpc.core.planning.plan_pieces`).
+            metas: the tensors to send, in order, each once (global shapes); or, where ``topology`` plans
+                by pieces (a sharded trainer's direct send), every trainer rank's pieces of them
+                (:class:`~wsync_grpc.core.planning.PieceMeta`: :func:`~wsync_grpc.core.planning.plan_pieces`).
             bucket_bytes: bucket capacity, in bytes.
             dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
             layout: the bucket layout (tensors of at least ``solo_bytes`` travel alone in the flattened one).
+            topology: which trainer ranks send (default one process).
 
         Returns:
             The buckets, and the Prepare messages that describe them (after the header).
@@ -80,13 +83,13 @@ class Planner:
             ValueError: a planning error.
         """
         s = self._settings
-        signature = (bucket_bytes, s.alignment, dtype, s.ramp_bytes, s.solo_bytes, layout, list(metas))
+        signature = (bucket_bytes, s.alignment, dtype, s.ramp_bytes, s.solo_bytes, layout, topology, list(metas))
         cached = self._cache
         if cached is not None and cached[0] == signature:
             return cached[1], cached[2]
         solo = s.solo_bytes if layout is Layout.FLATTENED else 0  # individual: every tensor is alone
         limits = {"ramp_bytes": s.ramp_bytes, "solo_bytes": solo}
-        if metas and isinstance(metas[0], PieceMeta):
+        if topology.by_pieces:
             buckets = plan_pieces(cast(Sequence[PieceMeta], metas), bucket_bytes, s.alignment, dtype, **limits)
         else:
             buckets = plan_metadata(cast(Sequence[TensorMeta], metas), bucket_bytes, s.alignment, dtype, **limits)

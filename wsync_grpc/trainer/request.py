@@ -27,6 +27,7 @@ import torch
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.lora import LoraSpec
+from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.trainer.options import apply_mode_of, check_version, layout_of
 from wsync_grpc.trainer.results import SyncProgress
 
@@ -98,6 +99,8 @@ class BroadcastRequest(UpdateRequest):
         dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
         progress: called after every bucket, or ``None``.
         adapter: the live LoRA adapter whose tensors are sent (name and shape); ``None`` for base weights.
+        topology: which trainer ranks send which bytes (default one process; a sharded trainer's
+            ``gather`` or ``direct`` over its ranks); the trainer's alone, never on the wire.
     """
 
     transport: ClassVar[Transport] = Transport.BROADCAST
@@ -106,6 +109,7 @@ class BroadcastRequest(UpdateRequest):
     dtype: torch.dtype | None = None
     progress: Callable[[SyncProgress], None] | None = None
     adapter: LoraSpec | None = None
+    topology: SendTopology = field(default_factory=SendTopology)
 
     @classmethod
     def create(
@@ -121,6 +125,7 @@ class BroadcastRequest(UpdateRequest):
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
         adapter: LoraSpec | None = None,
+        topology: SendTopology | None = None,
     ) -> BroadcastRequest:
         """A broadcast update from the caller's arguments.
 
@@ -128,6 +133,7 @@ class BroadcastRequest(UpdateRequest):
             layout, apply_mode: the caller's strings (:data:`~wsync_grpc.trainer.options.Layout`,
                 :data:`~wsync_grpc.trainer.options.ApplyMode`), converted here once.
             update_id: ``None`` = a fresh UUID (hex).
+            topology: ``None`` = one process.
             others: as the attributes.
 
         Raises:
@@ -145,6 +151,7 @@ class BroadcastRequest(UpdateRequest):
             update_id=update_id or uuid.uuid4().hex,
             on_phase=on_phase,
             adapter=adapter,
+            topology=topology or SendTopology(),
         )
 
     @property

@@ -28,16 +28,16 @@ Units: sizes in bytes, times in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, total_wire_bytes
-from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.digests import DigestCourier
 from wsync_grpc.trainer.options import apply_mode_name, layout_name
 from wsync_grpc.trainer.planning import Planner, set_spec_digests
@@ -47,6 +47,7 @@ from wsync_grpc.trainer.results import TRAINER, Commit, EngineFailure, SyncProgr
 from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.source import WeightSource
+from wsync_grpc.transports.broadcast.sender import SendJob
 
 
 @dataclass(frozen=True)
@@ -140,21 +141,22 @@ class UpdateRunner:
         calls = self._calls
         t_plan = time.monotonic()
         calls.phase("plan")
-        buckets, messages = self._planner.plan(source.metadata(), request.bucket_bytes, request.dtype, request.layout)
+        buckets, messages = self._planner.plan(
+            source.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology
+        )
         if not buckets:
             raise ValueError("nothing to sync: no tensors given")
         wire_bytes = total_wire_bytes(buckets, request.layout)
         plan_s = time.monotonic() - t_plan
         request.report("planned")
         init_s, group = calls.ensure_group(request)
-        up_front = self._digests_before_send(request, buckets, source) if self._settings.digests else {}
+        job = SendJob(group, buckets, request.layout, source.bucket_tensors, request.topology, self._cancel_event)
+        up_front = self._digests_before_send(request, job) if self._settings.digests else {}
         set_spec_digests(messages, up_front or {})
         courier = calls.digest_courier(request) if up_front is None else None
         header = request.header(len(buckets), wire_bytes, digests_follow=courier is not None)
         prepared = calls.prepare(request, header, messages)
-        commit = calls.transfer_and_commit(
-            request, prepared, lambda: self._send(request, group, buckets, source, wire_bytes, courier)
-        )
+        commit = calls.transfer_and_commit(request, prepared, lambda: self._send(request, job, wire_bytes, courier))
         shape = Shape(
             bucket_count=len(buckets),
             tensor_count=sum(len(b.tensors) for b in buckets),
@@ -177,31 +179,21 @@ class UpdateRunner:
 
     # ------------------------------------------------------------------ a broadcast's send
 
-    def _digests_before_send(
-        self, request: BroadcastRequest, buckets: Sequence[Bucket], source: WeightSource
-    ) -> Mapping[int, Digest] | None:
+    def _digests_before_send(self, request: BroadcastRequest, job: SendJob) -> Mapping[int, Digest] | None:
         """The digests the sender computed before Prepare (:meth:`Sender.digests_before_send`); ``None``: they follow.
 
         Raises:
             SyncError: a trainer rank failed while hashing (stage ``"prepare"``; no byte was sent).
         """
         try:
-            return self._sender.digests_before_send(buckets, request.layout, source)
+            return self._sender.digests_before_send(job)
         except Exception as exc:
             trainer = EngineFailure.from_exception(TRAINER, "digests", exc)
             raise self._calls.abandon(request, "prepare", {TRAINER: trainer}) from exc
 
-    def _send(
-        self,
-        request: BroadcastRequest,
-        group: WeightSyncGroup,
-        buckets: Sequence[Bucket],
-        source: WeightSource,
-        wire_bytes: int,
-        courier: DigestCourier | None,
-    ) -> float:
-        """Send every bucket in the request's layout (``courier``: declaring each digest as it is hashed);
-        returns the time spent packing, in seconds.
+    def _send(self, request: BroadcastRequest, job: SendJob, wire_bytes: int, courier: DigestCourier | None) -> float:
+        """Send every bucket of ``job`` (``courier``: declaring each digest as it is hashed, ``request.progress``
+        told of each bucket on every engine); returns the time spent packing, in seconds.
 
         Raises:
             SyncError: the trainer's send failed or was cancelled, or an engine refused a digest (stage
@@ -209,15 +201,15 @@ class UpdateRunner:
         """
         on_sent = None
         if request.progress is not None:
-            progress, start = request.progress, time.monotonic()
+            progress, start, n = request.progress, time.monotonic(), len(job.buckets)
 
             def on_sent(b: Bucket, sent: int) -> None:
                 elapsed = time.monotonic() - start
-                progress(SyncProgress(request.update_id, b.index + 1, len(buckets), sent, wire_bytes, elapsed))
+                progress(SyncProgress(request.update_id, b.index + 1, n, sent, wire_bytes, elapsed))
 
         on_digest = courier.add if courier is not None else None
         try:
-            pack_s = self._sender.send(group, buckets, request.layout, source, on_sent, self._cancel_event, on_digest)
+            pack_s = self._sender.send(dataclasses.replace(job, on_sent=on_sent, on_digest=on_digest))
         except Exception as exc:
             trainer = EngineFailure.from_exception(TRAINER, "broadcast", exc)
             raise self._calls.abandon(request, "broadcast", {TRAINER: trainer}, broadcast_started=True) from exc

@@ -3,8 +3,10 @@
 The weight-sync group's ranks are the trainer's first (``0 .. trainer_ranks - 1``), then every
 engine's workers in target order: the membership asks the sender how many ranks the trainer holds
 and which one this process joins as, so that no other part assumes the trainer is one process.
-A sender then moves one update's buckets over the group, reading their tensors from the update's
-:class:`~wsync_grpc.trainer.source.WeightSource` one bucket at a time.
+A sender then moves one update's buckets over the group (one
+:class:`~wsync_grpc.transports.broadcast.sender.SendJob`), reading their tensors from the update's
+:class:`~wsync_grpc.trainer.source.WeightSource` one bucket at a time, from the trainer ranks the
+job's :class:`~wsync_grpc.core.topology.SendTopology` names.
 
 :class:`BroadcastSender` is the first sender: one trainer process at group rank 0 broadcasting
 every bucket whole (:class:`~wsync_grpc.transports.broadcast.sender.Broadcast`), the contract's
@@ -17,15 +19,11 @@ Units: sizes in bytes, times in seconds.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Protocol
 
 from wsync_grpc.core.digests import Digest
-from wsync_grpc.core.layout import Bucket, Layout
-from wsync_grpc.group.process_group import WeightSyncGroup
-from wsync_grpc.trainer.source import WeightSource
-from wsync_grpc.transports.broadcast.sender import Broadcast, Corruption, PackBuffers
+from wsync_grpc.transports.broadcast.sender import Broadcast, Corruption, PackBuffers, SendJob
 
 SENDING_RANK = 0
 """The group rank of a single trainer process, which sends every bucket (the contract's rank 0)."""
@@ -52,39 +50,18 @@ class Sender(Protocol):
         """
         ...
 
-    def digests_before_send(
-        self, buckets: Sequence[Bucket], layout: Layout, source: WeightSource
-    ) -> Mapping[int, Digest] | None:
-        """Every bucket's digest, computed before the update is prepared; ``None``: the sender hashes each bucket
-        as it sends it (:meth:`send`'s ``on_digest``), and the digests follow the Prepare.
+    def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
+        """Every bucket's digest of ``job``, computed before the update is prepared; ``None``: the sender hashes
+        each bucket as it sends it (:meth:`send` calls ``job.on_digest``), and the digests follow the Prepare.
 
         Raises:
             Exception: a trainer rank failed or is gone (the update is abandoned before Prepare).
         """
         ...
 
-    def send(
-        self,
-        group: WeightSyncGroup,
-        buckets: Sequence[Bucket],
-        layout: Layout,
-        source: WeightSource,
-        on_sent: Callable[[Bucket, int], None] | None,
-        cancel: threading.Event,
-        on_digest: Callable[[Bucket, Digest], None] | None = None,
-    ) -> float:
-        """Send every bucket of one update, in index order, in ``layout``.
-
-        Args:
-            group: this process's membership of the weight-sync group.
-            buckets: the update's planned buckets.
-            layout: how buckets travel (one collective per bucket, or one per tensor).
-            source: the update's tensors, asked for one bucket at a time.
-            on_sent: called from this thread once a bucket is on every engine, with the bucket
-                and the bytes on every engine so far (bytes); ``None`` for none.
-            cancel: set to stop at the next wait.
-            on_digest: called with each bucket and its digest as soon as it was hashed (while it is on
-                the wire); ``None``: nothing is hashed while sending.
+    def send(self, job: SendJob) -> float:
+        """Send every bucket of one update (``job``), in index order, in ``job.layout``, from the ranks
+        ``job.topology`` names.
 
         Returns:
             The time spent packing or preparing tensors, in seconds (overlapped with the wire).
@@ -121,32 +98,18 @@ class BroadcastSender:
     def forming(self, port: int, world_size: int) -> None:
         """See :meth:`Sender.forming`: nothing, this process is the trainer's only rank."""
 
-    def send(
-        self,
-        group: WeightSyncGroup,
-        buckets: Sequence[Bucket],
-        layout: Layout,
-        source: WeightSource,
-        on_sent: Callable[[Bucket, int], None] | None,
-        cancel: threading.Event,
-        on_digest: Callable[[Bucket, Digest], None] | None = None,
-    ) -> float:
-        """See :meth:`Sender.send`: a broadcast from rank 0 per bucket (flattened) or per tensor (individual)."""
-        job = Broadcast(
-            group,
-            buckets,
-            source.bucket_tensors,
-            on_sent,
-            cancel,
-            src=SENDING_RANK,
-            on_digest=on_digest,
-            corrupt=self._corrupt,
-        )
-        return job.run(layout, self._buffers)
+    def send(self, job: SendJob) -> float:
+        """See :meth:`Sender.send`: a broadcast from rank 0 per bucket (flattened) or per tensor (individual).
 
-    def digests_before_send(
-        self, buckets: Sequence[Bucket], layout: Layout, source: WeightSource
-    ) -> Mapping[int, Digest] | None:
+        Raises:
+            ValueError: ``job.topology`` is not a single process's.
+            Exception: as for :meth:`Sender.send`.
+        """
+        if job.topology.kind != "single":
+            raise ValueError(f"one trainer process cannot send a {job.topology.kind!r} topology")
+        return Broadcast.of(job, SENDING_RANK, corrupt=self._corrupt).run(job.layout, self._buffers)
+
+    def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
         """See :meth:`Sender.digests_before_send`: none, this process hashes each bucket as it sends it."""
         return None
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
+from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.options import ApplyMode, Layout
 from wsync_grpc.trainer.planning import Planner
@@ -55,7 +56,7 @@ from wsync_grpc.trainer.sharded.sender import (
 from wsync_grpc.trainer.sharded.source import DirectSource, LockstepSource, ShardedTensors
 from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.trainer.views import Checksums, EngineStatus
-from wsync_grpc.transports.broadcast.sender import PackBuffers
+from wsync_grpc.transports.broadcast.sender import PackBuffers, SendJob
 
 __all__ = ["SendMode", "ShardedTrainerClient"]
 
@@ -211,8 +212,17 @@ class ShardedTrainerClient:
         try:  # a bad argument is agreed on too: it fails every rank, not this one alone
             if mode not in SEND_MODES:
                 raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
+            topology = SendTopology(mode, self._ranks.size)
             request = BroadcastRequest.create(
-                weight_version, layout, apply_mode, bucket_bytes or c.bucket_bytes, dtype=dtype
+                weight_version,
+                layout,
+                apply_mode,
+                bucket_bytes or c.bucket_bytes,
+                dtype=dtype,
+                flush_cache=flush_cache,
+                progress=progress,
+                on_phase=on_phase,
+                topology=topology,
             )
             metas = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
         except ValueError as e:
@@ -235,35 +245,14 @@ class ShardedTrainerClient:
         elif self._ranks.leader:
             sending = LockstepSource(source, self._ranks)
         if self._ranks.leader:
-            self._sender.mode = mode
-            return self._lead(sending, weight_version, layout, apply_mode, request, flush_cache, progress, on_phase)
+            return self._lead(sending, request)
         return self._follow(source, sending, request)
 
-    def _lead(
-        self,
-        source: WeightSource,
-        weight_version: str,
-        layout: Layout,
-        apply_mode: ApplyMode,
-        request: BroadcastRequest,
-        flush_cache: bool,
-        progress: Callable[[SyncProgress], None] | None,
-        on_phase: Callable[[str], None] | None,
-    ) -> SyncResult:
-        """Rank 0: the update itself (its buckets gathered in lockstep, or sent by every rank); then the
-        outcome to every rank."""
+    def _lead(self, source: WeightSource, request: BroadcastRequest) -> SyncResult:
+        """Rank 0: the update itself (its buckets gathered in lockstep, or sent by every rank, as
+        ``request.topology`` says); then the outcome to every rank."""
         try:
-            result = self._client.sync(
-                source,
-                weight_version,
-                layout=layout,
-                apply_mode=apply_mode,
-                bucket_bytes=request.bucket_bytes,
-                dtype=request.dtype,
-                flush_cache=flush_cache,
-                progress=progress,
-                on_phase=on_phase,
-            )
+            result = self._client.run_update(source, request)
         except BaseException as e:
             try:
                 self._settle()
@@ -284,7 +273,7 @@ class ShardedTrainerClient:
     def _follow(self, source: ShardedTensors, sending: WeightSource, request: BroadcastRequest) -> SyncResult:
         """A rank other than 0: do what rank 0 asks, round by round, until it shares the outcome."""
         buckets, _messages = Planner(self._client).plan(
-            sending.metadata(), request.bucket_bytes, request.dtype, request.layout
+            sending.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology
         )
         error: BaseException | None = None
         while True:
@@ -295,7 +284,10 @@ class ShardedTrainerClient:
                 stop = threading.Event()
                 watch = self._ranks.watch_leader(stop)
                 try:
-                    send_own(self._group.group(), buckets, request.layout, sending, None, stop, self._buffers)
+                    job = SendJob(
+                        self._group.group(), buckets, request.layout, sending.bucket_tensors, request.topology, stop
+                    )
+                    send_own(job, self._buffers)
                     watch.join(self._ranks.timeout_s)  # rank 0's word that its own sends ended
                 except Exception as e:  # rank 0 gone or failed (stop set), or this rank's own failure
                     watch.join(self._ranks.timeout_s)
@@ -307,7 +299,9 @@ class ShardedTrainerClient:
             elif command is Command.DIGESTS:
                 mine = b""
                 try:
-                    mine = encode_digests(own_digests(buckets, request.layout, sending, self._ranks.rank))
+                    mine = encode_digests(
+                        own_digests(buckets, request.layout, sending.bucket_tensors, self._ranks.rank)
+                    )
                 except Exception as e:  # rank 0 names this rank as the one whose digests are missing
                     log.exception("trainer rank %d: hashing its buckets failed", self._ranks.rank)
                     error = error or e

@@ -6,7 +6,8 @@ group is one broadcast group per trainer rank (:mod:`wsync_grpc.group.process_gr
 has the other ranks join beside it (a :data:`~wsync_grpc.trainer.sharded.ranks.Command.JOIN` round,
 then :class:`FollowerGroup` on each of them) while the engines' Init calls are in flight.
 
-Per sync the sender works in one of two modes:
+Per sync the job's :class:`~wsync_grpc.core.topology.SendTopology` (``kind``, the send mode the caller
+chose) says how the bytes leave the ranks:
 
 - ``"gather"``: rank 0 broadcasts every bucket whole; the ranks gather each bucket together first
   (:class:`~wsync_grpc.trainer.sharded.source.LockstepSource`). Rank 0 hashes each bucket as it sends
@@ -29,19 +30,21 @@ Units: sizes in bytes, times in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
+import torch
+
 from wsync_grpc.core.digests import Digest, DigestAlgorithm
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.group.process_group import WeightSyncGroup, join_group
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.sharded.ranks import Command, TrainerRankFailed, TrainerRanks
-from wsync_grpc.trainer.source import WeightSource
-from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers, bucket_digest
+from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers, SendJob, bucket_digest
 
 __all__ = [
     "SEND_MODES",
@@ -74,16 +77,8 @@ class _Either(threading.Event):
         return super().is_set() or self._other.is_set()
 
 
-def send_own(
-    group: WeightSyncGroup,
-    buckets: Sequence[Bucket],
-    layout: Layout,
-    source: WeightSource,
-    on_sent: Callable[[Bucket, int], None] | None,
-    cancel: threading.Event,
-    buffers: PackBuffers,
-) -> float:
-    """Broadcast the buckets of ``buckets`` whose sender is this group rank, in index order.
+def send_own(job: SendJob, buffers: PackBuffers) -> float:
+    """Broadcast the buckets of ``job`` whose sender is this process's group rank, in index order.
 
     Returns:
         The time spent packing, in seconds.
@@ -91,21 +86,25 @@ def send_own(
     Raises:
         Exception: the group's (a timeout, a peer gone) or :class:`~wsync_grpc.core.errors.Cancelled`.
     """
-    own = [b for b in buckets if b.src == group.rank]
-    return Broadcast(group, own, source.bucket_tensors, on_sent, cancel, src=group.rank).run(layout, buffers)
+    rank = job.group.rank
+    return Broadcast.of(job.own(rank), rank).run(job.layout, buffers)
 
 
 _DIGEST_ENTRY = struct.Struct(">I16s")
 """One digest in a rank's share of the :data:`Command.DIGESTS` exchange: bucket index, XXH3-128 value."""
 
 
-def own_digests(buckets: Sequence[Bucket], layout: Layout, source: WeightSource, rank: int) -> dict[int, Digest]:
-    """The digests of the buckets of ``buckets`` that group rank ``rank`` sends, hashed from its own pieces.
+def own_digests(
+    buckets: Sequence[Bucket], layout: Layout, tensors: Callable[[Bucket], Mapping[str, torch.Tensor]], rank: int
+) -> dict[int, Digest]:
+    """The digests of the buckets of ``buckets`` that group rank ``rank`` sends, hashed from its own pieces
+    (``tensors(bucket)``, e.g. a :meth:`WeightSource.bucket_tensors
+    <wsync_grpc.trainer.source.WeightSource.bucket_tensors>`).
 
     Raises:
         Exception: reading a piece failed.
     """
-    return {b.index: bucket_digest(b, source.bucket_tensors(b), layout) for b in buckets if b.src == rank}
+    return {b.index: bucket_digest(b, tensors(b), layout) for b in buckets if b.src == rank}
 
 
 def encode_digests(digests: Mapping[int, Digest]) -> bytes:
@@ -147,18 +146,17 @@ class _SentRound:
 class ShardedSender:
     """Trainer rank 0's :class:`~wsync_grpc.trainer.sender.Sender`: one group rank per trainer rank.
 
+    Each update's job says how its bytes leave the ranks (``job.topology``: gathered for rank 0, or
+    sent by every rank).
+
     Args:
         ranks: the trainer's ranks (this process is rank 0).
         buffers: rank 0's two pack buffers.
-
-    Attributes:
-        mode: the send mode of the next sync (set by the sharded client before each).
     """
 
     def __init__(self, ranks: TrainerRanks, buffers: PackBuffers) -> None:
         self._ranks = ranks
         self._buffers = buffers
-        self.mode: SendMode = "gather"
         self._sent: _SentRound | None = None
 
     @property
@@ -179,23 +177,21 @@ class ShardedSender:
         """
         self._ranks.lead(Command.JOIN, port, world_size)
 
-    def digests_before_send(
-        self, buckets: Sequence[Bucket], layout: Layout, source: WeightSource
-    ) -> Mapping[int, Digest] | None:
-        """See :meth:`Sender.digests_before_send`. Gather mode: none (rank 0 hashes what it sends). Direct mode:
-        a :data:`Command.DIGESTS` round, every rank hashing its own buckets.
+    def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
+        """See :meth:`Sender.digests_before_send`. Gathered (``job.topology.kind == "gather"``): none (rank 0
+        hashes what it sends). Direct: a :data:`Command.DIGESTS` round, every rank hashing its own buckets.
 
         Raises:
             TrainerRankLost: the round or the exchange failed.
             TrainerRankFailed: a rank could not hash its buckets (it reported failure), or a rank failed
                 its part of the previous command.
         """
-        if self.mode == "gather":
+        if job.topology.kind != "direct":
             return None
         self._ranks.lead(Command.DIGESTS)
         error: Exception | None = None
         try:
-            mine = encode_digests(own_digests(buckets, layout, source, self.rank))
+            mine = encode_digests(own_digests(job.buckets, job.layout, job.tensors, self.rank))
         except Exception as e:  # the exchange is collective: take part, then fail
             error, mine = e, b""
         shares = self._ranks.exchange(mine, "exchanging the buckets' digests")
@@ -204,48 +200,33 @@ class ShardedSender:
         digests: dict[int, Digest] = {}
         for share in shares:
             digests.update(decode_digests(share))
-        missing = sorted({b.src for b in buckets if b.index not in digests})
+        missing = sorted({b.src for b in job.buckets if b.index not in digests})
         if missing:
             raise TrainerRankFailed(
                 f"trainer rank {', '.join(map(str, missing))} could not hash its buckets (see its own error)", missing
             )
         return digests
 
-    def send(
-        self,
-        group: WeightSyncGroup,
-        buckets: Sequence[Bucket],
-        layout: Layout,
-        source: WeightSource,
-        on_sent: Callable[[Bucket, int], None] | None,
-        cancel: threading.Event,
-        on_digest: Callable[[Bucket, Digest], None] | None = None,
-    ) -> float:
-        """See :meth:`Sender.send`. Direct mode: this rank's buckets, while the others send theirs (their digests
-        went with Prepare: ``on_digest`` is not called).
+    def send(self, job: SendJob) -> float:
+        """See :meth:`Sender.send`. Gathered: rank 0 broadcasts every bucket, gathered in lockstep. Direct: this
+        rank's buckets, while the others send theirs (their digests went with Prepare: ``job.on_digest`` is
+        not called).
 
         Raises:
             TrainerRankLost, TrainerRankFailed: another rank died or its sends failed (rank 0's own
                 sends stop at once).
+            ValueError: a single process's topology.
             Exception: as for :meth:`Sender.send`.
         """
-        if self.mode == "gather":
-            job = Broadcast(
-                group,
-                buckets,
-                source.bucket_tensors,
-                on_sent,
-                cancel,
-                src=self.rank,
-                materialises=True,
-                on_digest=on_digest,
-            )
-            return job.run(layout, self._buffers)
-        stop = _Either(cancel)
+        if job.topology.kind == "single" or job.topology.ranks != self.trainer_ranks:
+            raise ValueError(f"a sharded trainer of {self.trainer_ranks} ranks cannot send {job.topology}")
+        if job.topology.kind == "gather":
+            return Broadcast.of(job, self.rank, materialises=True).run(job.layout, self._buffers)
+        stop = _Either(job.cancel)
         self._ranks.lead(Command.SEND)
         sent = self._sent = _SentRound(self._ranks, stop)
         try:
-            pack_s = send_own(group, buckets, layout, source, on_sent, stop, self._buffers)
+            pack_s = send_own(dataclasses.replace(job, cancel=stop), self._buffers)
         except BaseException as e:
             self._ranks.release_followers(ok=False)  # their sends stop too
             if sent.error is not None and isinstance(e, Exception):  # another rank's failure stopped this one

@@ -25,6 +25,7 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ import torch
 from wsync_grpc.core.digests import BucketHasher, Digest, digest_of
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import bucket_bytes_view, pack_bucket, wire_tensor
+from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.group.waits import wait_all, wait_work
 
@@ -118,6 +120,40 @@ def bucket_digest(b: Bucket, by_name: Mapping[str, torch.Tensor], layout: Layout
     return h.digest()
 
 
+@dataclass(frozen=True)
+class SendJob:
+    """One update's send, as the trainer hands it to its sender (:meth:`Sender.send
+    <wsync_grpc.trainer.sender.Sender.send>`): what to send, how, and how to report it.
+
+    Attributes:
+        group: this process's membership of the weight-sync group.
+        buckets: the update's planned buckets, in index order (each with its sending rank, ``src``).
+        layout: how buckets travel (one collective per bucket, or one per tensor).
+        tensors: a bucket's tensors by slot name, asked for once per bucket when it is packed, posted or
+            hashed (e.g. a :meth:`WeightSource.bucket_tensors
+            <wsync_grpc.trainer.source.WeightSource.bucket_tensors>`).
+        topology: which trainer ranks send which bytes (:class:`~wsync_grpc.core.topology.SendTopology`).
+        cancel: set to stop at the next wait.
+        on_sent: called from the sending thread once a bucket is on every engine, with the bucket and the
+            bytes on every engine so far (bytes); ``None`` for none.
+        on_digest: called with each bucket and its digest as soon as it was hashed (while it is on the
+            wire); ``None``: nothing is hashed while sending.
+    """
+
+    group: WeightSyncGroup
+    buckets: Sequence[Bucket]
+    layout: Layout
+    tensors: Callable[[Bucket], Mapping[str, torch.Tensor]]
+    topology: SendTopology
+    cancel: threading.Event
+    on_sent: Callable[[Bucket, int], None] | None = None
+    on_digest: Callable[[Bucket, Digest], None] | None = None
+
+    def own(self, rank: int) -> SendJob:
+        """The same job restricted to the buckets group rank ``rank`` sends (a sharded trainer's direct send)."""
+        return dataclasses.replace(self, buckets=[b for b in self.buckets if b.src == rank])
+
+
 @dataclass
 class Broadcast:
     """One update's broadcasts from the sending rank (group rank ``src``), and the progress they report.
@@ -152,6 +188,21 @@ class Broadcast:
     """Bytes on every engine so far, in bytes."""
     on_digest: Callable[[Bucket, Digest], None] | None = None
     corrupt: Corruption | None = None
+
+    @classmethod
+    def of(cls, job: SendJob, src: int, *, materialises: bool = False, corrupt: Corruption | None = None) -> Broadcast:
+        """The broadcasts of ``job``'s buckets from group rank ``src`` (see the attributes)."""
+        return cls(
+            job.group,
+            job.buckets,
+            job.tensors,
+            job.on_sent,
+            job.cancel,
+            src=src,
+            materialises=materialises,
+            on_digest=job.on_digest,
+            corrupt=corrupt,
+        )
 
     def run(self, layout: Layout, buffers: PackBuffers) -> float:
         """Every bucket in ``layout``: :meth:`flattened` (packing into ``buffers``) or :meth:`individual`.
