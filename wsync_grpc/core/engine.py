@@ -23,16 +23,15 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.membership import GroupParams
-
-if TYPE_CHECKING:  # core.update reaches this module through core.lora
-    from wsync_grpc.core.update import ReceivePlan
+from wsync_grpc.core.params import ParamSpec as ParamSpec  # the specs an engine serves: part of its interface
+from wsync_grpc.core.update import ReceivePlan
 
 
 class PauseMode(enum.Enum):
@@ -47,34 +46,6 @@ class PauseMode(enum.Enum):
     """Let requests in flight finish; admit no new ones."""
     KEEP = "keep"
     """Freeze requests in flight between two decode steps; continue on resume."""
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One named tensor an update may carry.
-
-    Attributes:
-        name: canonical parameter name (Hugging Face naming).
-        dtype: the dtype the engine serves it in.
-        shape: its full (unsharded) shape, as the trainer sends it.
-    """
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        """Size in the served dtype, in bytes."""
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 import re2
 import torch
 
-from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument
+from wsync_grpc.core.params import ParamSpec
 
 PEFT_PREFIX = "base_model.model."
 """The prefix of every tensor name in a PEFT LoRA state dict (``PeftModel`` wraps the base model)."""

@@ -29,11 +29,11 @@ from typing import Protocol
 import torch
 
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
-from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.header import UpdateHeader, check_adapter_header, transport_unimplemented
 from wsync_grpc.core.layout import Bucket, Piece, TensorSlot, Transport
 from wsync_grpc.core.lora import LoraSpec
+from wsync_grpc.core.params import ParamSpec
 from wsync_grpc.core.update import TransportRules
 
 PADDING_PER_TENSOR = 4096

@@ -15,6 +15,7 @@ from wsync_grpc.core.errors import FailedPrecondition
 from wsync_grpc.core.lifecycle import Rpc
 from wsync_grpc.core.lora import LoraAdapters, check_name
 from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.session import UpdateSession
 
 
 def list_adapters(engine: Engine) -> pb.ListAdaptersResponse:
@@ -35,7 +36,7 @@ def list_adapters(engine: Engine) -> pb.ListAdaptersResponse:
 
 
 def unload_adapter(
-    state: EngineState, request: pb.UnloadAdapterRequest, credential: str = ""
+    state: EngineState[UpdateSession], request: pb.UnloadAdapterRequest, credential: str = ""
 ) -> pb.UnloadAdapterResponse:
     """Remove adapter ``request.name`` under the engine's weights lock; idempotent (``credential``: the caller's
     lease credential).

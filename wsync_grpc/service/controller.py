@@ -127,7 +127,7 @@ class UpdateController:
         self.checkpoint_roots = CheckpointRoots(checkpoint_roots)
         self.allowed_masters = MasterAllowList(allowed_masters)
         self.prepare_timeout_s = prepare_timeout_s
-        self.state = EngineState(engine, keep_buffers)
+        self.state: EngineState[UpdateSession] = EngineState(engine, keep_buffers)
         self.bounds = bounds if bounds is not None else ServerBounds()
         self._lock = self.state.lock
         self._preparing: PrepareReader | None = None  # the Prepare stream being read, in PREPARING

@@ -4,31 +4,68 @@
 (:class:`~wsync_grpc.service.session.UpdateSession`) and guarded by one
 re-entrant lock. Locking order: that lock first, then the engine's own
 (admission, weights lock); never the other way round.
+
+The update session depends on this state, never the other way round: the
+state names only what it reads of the update in flight (:class:`InFlight`),
+and the session records its outcome through the state's methods
+(:meth:`EngineState.start_update`, :meth:`EngineState.record_applied`,
+:meth:`EngineState.record_failed`, :meth:`EngineState.mark_dirty`) instead of
+writing the state's fields.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from wsync_grpc.core.engine import Engine, PauseMode, PauseOutcome, RemoteWorkers
 from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
-from wsync_grpc.core.lifecycle import Lifecycle, State
+from wsync_grpc.core.header import UpdateHeader
+from wsync_grpc.core.lifecycle import Event, Lifecycle, State
 from wsync_grpc.core.ownership import Lease, Ownership, OwnerView
+from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S
 from wsync_grpc.service.membership import Membership
 from wsync_grpc.service.metrics import EngineMetrics
-from wsync_grpc.service.status import EngineFacts, ErrorRecord, StatusSnapshot
+from wsync_grpc.service.status import EngineFacts, ErrorRecord, Progress, StatusSnapshot
 from wsync_grpc.worker.buffers import BufferPool
-
-if TYPE_CHECKING:
-    from wsync_grpc.service.session import UpdateSession
 
 log = logging.getLogger(__name__)
 
 
-class EngineState:
+def may_step(engine: Engine) -> bool:
+    """Whether requests in flight may still run inference steps: serving, or paused in WAIT mode."""
+    return engine.pause_mode() in (None, PauseMode.WAIT)
+
+
+class InFlight(Protocol):
+    """What the engine-wide state reads of the update in flight (:class:`~wsync_grpc.service.session.UpdateSession`).
+
+    Attributes:
+        header: the update's validated header.
+        error: why the update failed; ``None`` while it has not.
+        auto_paused: the update paused the engine (a streaming update) and resumes it afterwards; an
+            operator's pause clears it.
+    """
+
+    header: UpdateHeader
+    error: WsyncError | None
+    auto_paused: bool
+
+    def progress(self) -> Progress:
+        """Where the update stands (GetStatus). Lock held."""
+        ...
+
+
+UpdateT = TypeVar("UpdateT", bound=InFlight)
+"""The type of the update in flight (the servicer's: :class:`~wsync_grpc.service.session.UpdateSession`)."""
+
+
+class EngineState(Generic[UpdateT]):
     """The engine-wide state of the weight-sync service, guarded by :attr:`lock`.
+
+    Generic in the type of the update in flight, of which it reads only :class:`InFlight`: the servicer's
+    is ``EngineState[UpdateSession]``, and hands back its :class:`~wsync_grpc.service.session.UpdateSession`.
 
     Args:
         engine: the engine.
@@ -68,8 +105,8 @@ class EngineState:
         self.dirty_paused = False
         self.updates_completed = 0
         self.last_error: ErrorRecord | None = None
-        self.update: UpdateSession | None = None
-        self.failed_update: UpdateSession | None = None
+        self.update: UpdateT | None = None
+        self.failed_update: UpdateT | None = None
         self.ownership = Ownership()
         self.metrics = EngineMetrics()
         self.metrics.watch_state(self.snapshot, lambda: self.receive_buffer_bytes)
@@ -105,7 +142,7 @@ class EngineState:
         """Remember ``err`` as the last error (GetStatus reports it)."""
         self.last_error = ErrorRecord.of(err, update_id)
 
-    def current(self, update_id: str) -> UpdateSession:
+    def current(self, update_id: str) -> UpdateT:
         """The update in flight, which ``update_id`` must name.
 
         Raises:
@@ -120,6 +157,45 @@ class EngineState:
                 f"update_id {update_id!r} does not name the update in flight ({upd.header.update_id!r})",
             )
         return upd
+
+    def start_update(self, update: UpdateT) -> None:
+        """``update`` becomes the update in flight (its receivers are about to start). Lock held."""
+        self.update = update
+
+    def record_applied(self, update: UpdateT, base: bool) -> None:
+        """The update in flight was applied: count it, move to READY, resume the engine when it paused for it.
+
+        ``base``: it carried base weights, whose version it publishes and which it leaves clean (an adapter
+        neither changes nor cleans them). Lock held.
+        """
+        if base:
+            self.weight_version = update.header.weight_version
+            self.dirty = False
+        self.updates_completed += 1
+        self.update = None
+        self.lifecycle.fire(Event.APPLIED)
+        if update.auto_paused or (base and self.dirty_paused):
+            self.engine.resume()
+        self.dirty_paused = self.dirty_paused and not base
+
+    def record_failed(self, update: UpdateT, err: WsyncError) -> None:
+        """The update in flight failed with ``err``: leave the group, move to FAILED, remember the update (until
+        the next Init: Complete reports its error) and the error (GetStatus). Lock held."""
+        self.membership.leave()  # remote workers abandon their receive as they leave
+        self.lifecycle.fire(Event.FAIL)
+        self.update = None
+        self.failed_update = update
+        self.record_error(err, update.header.update_id)
+
+    def mark_dirty(self, auto_paused: bool) -> None:
+        """Flag half-updated weights and keep the engine paused until an update succeeds (``auto_paused``: the
+        failed update had paused the engine itself). Lock held."""
+        self.dirty = True
+        if may_step(self.engine):  # serving, or a WAIT pause whose requests still run
+            self.dirty_paused = not self.engine.is_paused()
+            self.engine.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
+        elif auto_paused:
+            self.dirty_paused = True  # the update's own freeze now holds because of the dirt
 
     def failed_error(self, update_id: str) -> WsyncError | None:
         """The error that ended update ``update_id``, when it is the last update and it failed; else ``None``."""

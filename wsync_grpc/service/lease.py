@@ -22,6 +22,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core.errors import FailedPrecondition, clip
 from wsync_grpc.core.ownership import Lease, describe
 from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.service.status import owner_info
 from wsync_grpc.wire.convert import state_to_proto
 from wsync_grpc.wire.lease import presented
@@ -41,7 +42,9 @@ def credential_of(context: grpc.ServicerContext) -> str:
     return presented(context.invocation_metadata())
 
 
-def open_keepalive(engine: EngineState, owner: str, credential: str, context: grpc.ServicerContext) -> Lease:
+def open_keepalive(
+    engine: EngineState[UpdateSession], owner: str, credential: str, context: grpc.ServicerContext
+) -> Lease:
     """Hold the lease the caller presents (``credential``), or claim the engine for ``owner`` when it presents
     none and the engine has no live owner; count this call, whose end releases the lease. Lock not held.
 
@@ -70,7 +73,7 @@ def open_keepalive(engine: EngineState, owner: str, credential: str, context: gr
 
 
 def keepalive_stream(
-    engine: EngineState, owner: str, lease: Lease, interval_s: float, context: grpc.ServicerContext
+    engine: EngineState[UpdateSession], owner: str, lease: Lease, interval_s: float, context: grpc.ServicerContext
 ) -> Iterator[pb.KeepAliveResponse]:
     """One message at once (with the lease's credential) and one every ``interval_s`` seconds while the
     caller (``owner``) holds the engine.

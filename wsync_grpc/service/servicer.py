@@ -33,6 +33,7 @@ from wsync_grpc.service.controller import CancelOutcome, UpdateController
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.lease import DEFAULT_KEEPALIVE_INTERVAL_S, credential_of, keepalive_stream, open_keepalive
 from wsync_grpc.service.prepare import BucketsMessage, HeaderMessage, PrepareMessage, StreamBroken
+from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.service.status import owner_info, status_response
 from wsync_grpc.service.tracing import server_span
 from wsync_grpc.service.watch import DEFAULT_WATCH_INTERVAL_S, hold, watch_stream
@@ -89,7 +90,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         )
 
     @property
-    def engine(self) -> EngineState:
+    def engine(self) -> EngineState[UpdateSession]:
         """The engine-wide state (lifecycle, membership, ownership, metrics)."""
         return self.controller.state
 

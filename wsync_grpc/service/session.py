@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from opentelemetry.context import Context
 
 from wsync_grpc.core.digests import Digest
-from wsync_grpc.core.engine import Engine, PauseMode
+from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.errors import (
     Aborted,
     DeadlineExceeded,
@@ -57,7 +57,7 @@ from wsync_grpc.core.ownership import describe
 from wsync_grpc.core.timeouts import DEFAULT_PAUSE_TIMEOUT_S, DEFAULT_UPDATE_IDLE_S, Deadline
 from wsync_grpc.core.update import Payload, PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import BucketSpecFields, UpdateValidator
-from wsync_grpc.service.engine_state import EngineState
+from wsync_grpc.service.engine_state import EngineState, may_step
 from wsync_grpc.service.outcome import CompleteResult, PrepareResult, last_arrival
 from wsync_grpc.service.status import Progress
 from wsync_grpc.service.tracing import record_span
@@ -70,11 +70,6 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 1.0
 """Longest time between two looks at an update's progress by its idle watch, in seconds."""
-
-
-def may_step(engine: Engine) -> bool:
-    """Whether requests in flight may still run inference steps: serving, or paused in WAIT mode."""
-    return engine.pause_mode() in (None, PauseMode.WAIT)
 
 
 class UpdateSession:
@@ -110,7 +105,7 @@ class UpdateSession:
 
     def __init__(
         self,
-        state: EngineState,
+        state: EngineState[UpdateSession],
         planned: PlannedUpdate,
         transport: TransportPart,
         validator: UpdateValidator,
@@ -158,7 +153,7 @@ class UpdateSession:
             # requests it is draining (or failed to drain): freeze them too.
             self.auto_paused = not eng.engine.is_paused()
             eng.engine.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
-        eng.update = self
+        eng.start_update(self)
         h = self.header
         plan = ReceivePlan(
             transport=h.transport,
@@ -404,22 +399,13 @@ class UpdateSession:
                 self.fail(err)
                 if not self.header.streaming and self.payload is Payload.WEIGHTS:
                     # A staged apply that broke half-way is as dirty as a streaming one.
-                    self._mark_dirty()
+                    eng.mark_dirty(self.auto_paused)
             raise err from e
         done = time.monotonic()
         with eng.lock:
             for r in self.receivers:
                 r.release(reuse=True)
-            base = self.payload is Payload.WEIGHTS  # an adapter neither changes nor cleans the base weights
-            if base:
-                eng.weight_version = self.header.weight_version
-                eng.dirty = False
-            eng.updates_completed += 1
-            eng.update = None
-            eng.lifecycle.fire(Event.APPLIED)
-            if self.auto_paused or (base and eng.dirty_paused):
-                eng.engine.resume()
-            eng.dirty_paused = eng.dirty_paused and not base
+            eng.record_applied(self, base=self.payload is Payload.WEIGHTS)
             self.ended.set()
         result = self._applied_result(t0, done, flush_cache)
         self._record_applied(result)
@@ -598,11 +584,7 @@ class UpdateSession:
             for r in self.receivers:
                 # A receive may still be posted into these buffers: never reuse them.
                 r.release(reuse=r.done.is_set() and r.error is None)
-            eng.membership.leave()  # remote workers abandon their receive as they leave
-            eng.lifecycle.fire(Event.FAIL)
-            eng.update = None
-            eng.failed_update = self
-            eng.record_error(err, self.header.update_id)
+            eng.record_failed(self, err)
             self.ended.set()
             self._record_failed(err)
             log.warning(
@@ -613,20 +595,10 @@ class UpdateSession:
                 clip(err.message),
             )
             if self.header.streaming and applied:
-                self._mark_dirty()
+                eng.mark_dirty(self.auto_paused)
                 log.error("streaming update failed half-way: weights are dirty, the engine stays paused")
             elif self.auto_paused:
                 eng.engine.resume()
-
-    def _mark_dirty(self) -> None:
-        """Flag half-updated weights and keep the engine paused until an update succeeds. Lock held."""
-        eng = self.state
-        eng.dirty = True
-        if may_step(eng.engine):  # serving, or a WAIT pause whose requests still run
-            eng.dirty_paused = not eng.engine.is_paused()
-            eng.engine.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
-        elif self.auto_paused:
-            eng.dirty_paused = True  # our own freeze now holds because of the dirt
 
     def _on_receiver_event(self, r: Receiver) -> None:
         """A receiver got a bucket or ended: fail the update on an error, move to RECEIVED once all arrived."""

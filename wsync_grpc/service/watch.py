@@ -97,7 +97,7 @@ def _peer_lost(session: UpdateSession) -> None:
 
 
 def watch_stream(
-    engine: EngineState, session: UpdateSession, interval_s: float, context: grpc.ServicerContext
+    engine: EngineState[UpdateSession], session: UpdateSession, interval_s: float, context: grpc.ServicerContext
 ) -> Iterator[pb.WatchResponse]:
     """One message at once, one every ``interval_s`` seconds, a last one (``ended``) once ``session`` ended.
 

@@ -12,10 +12,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from wsync_grpc.engines.reference.admission import Admission
+from typing import Any, Protocol
 
 DEFAULT_MAX_NEW_TOKENS = 32
 """Tokens generated when a request does not say (``GenerateRequest.max_new_tokens`` = 0)."""
@@ -108,13 +105,29 @@ class PendingRequest:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class RequestQueue(Protocol):
+    """What a :class:`GenerationHandle` uses of the engine's request queue
+    (:class:`~wsync_grpc.engines.reference.admission.Admission`)."""
+
+    cond: threading.Condition
+    """The state condition every request field is guarded by."""
+
+    def cancel(self, req: PendingRequest) -> bool:
+        """End ``req`` now with finish reason ABORTED; ``False`` if it had already ended."""
+        ...
+
+    def expire(self, req: PendingRequest) -> None:
+        """End ``req`` with :class:`GenerationTimeout` (its timeout passed)."""
+        ...
+
+
 class GenerationHandle:
     """A submitted request (like a ``concurrent.futures.Future``).
 
     Obtained from :meth:`ReferenceEngine.submit`.
     """
 
-    def __init__(self, admission: Admission, request: PendingRequest) -> None:
+    def __init__(self, admission: RequestQueue, request: PendingRequest) -> None:
         self._admission = admission
         self._req = request
 
