@@ -3,7 +3,9 @@
 Every rank of the trainer's process group builds one and calls the same methods in the same order
 with the same arguments (its own shards of the same parameters). Trainer rank 0 holds the engines'
 ownership and talks to them through a :class:`~wsync_grpc.trainer.client.TrainerClient`; the other
-ranks follow it round by round (:class:`~wsync_grpc.trainer.sharded.ranks.TrainerRanks`), so that:
+ranks follow it round by round (:mod:`wsync_grpc.trainer.sharded.rounds`, every round's two halves, over
+:class:`~wsync_grpc.trainer.sharded.ranks.TrainerRanks`), each with its settings, its membership of the
+weight-sync group and its buffers (:class:`~wsync_grpc.trainer.sharded.follower.Follower`), so that:
 
 - the ranks agree on the call before anything moves: different names, dtypes, global shapes,
   versions, options or call order raise :class:`~wsync_grpc.trainer.sharded.ranks.RanksDisagree` on
@@ -26,7 +28,6 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -38,25 +39,17 @@ from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.options import ApplyMode, Layout
-from wsync_grpc.trainer.planning import Planner
 from wsync_grpc.trainer.request import BroadcastRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS
-from wsync_grpc.trainer.sharded.outcome import decode_outcome, encode_error, encode_result
-from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
-from wsync_grpc.trainer.sharded.sender import (
-    SEND_MODES,
-    FollowerGroup,
-    SendMode,
-    ShardedSender,
-    encode_digests,
-    own_digests,
-    send_own,
-)
+from wsync_grpc.trainer.sharded.follower import Follower
+from wsync_grpc.trainer.sharded.ranks import TrainerRanks
+from wsync_grpc.trainer.sharded.rounds import OUTCOME, follow
+from wsync_grpc.trainer.sharded.sender import SEND_MODES, SendMode, ShardedSender
 from wsync_grpc.trainer.sharded.source import DirectSource, LockstepSource, ShardedTensors
 from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.trainer.views import Checksums, EngineStatus
-from wsync_grpc.transports.broadcast.sender import PackBuffers, SendJob
+from wsync_grpc.transports.broadcast.sender import PackBuffers
 
 __all__ = ["SendMode", "ShardedTrainerClient"]
 
@@ -104,10 +97,11 @@ class ShardedTrainerClient:
 
         self._client = TrainerClient(targets, sender=sender, **client_options)
         self._sender = senders[0]
-        self._group = FollowerGroup(self._client, self._ranks)
-        """A follower's membership of the weight-sync group (rank 0's is its client's)."""
-        self._buffers = PackBuffers(client_options.get("keep_buffers"), self._client.device)
-        """A follower's pack buffers for its direct sends."""
+        self._follower: Follower | None = None
+        """A rank other than 0: its settings, membership of the weight-sync group and pack buffers (rank 0's
+        are its client's). The rounds it follows read these, never the client: they share its settings."""
+        if not self._ranks.leader:
+            self._follower = Follower(self._ranks, self._client._settings, client_options.get("keep_buffers"))
         self._calls = 0
 
     @property
@@ -244,9 +238,9 @@ class ShardedTrainerClient:
             sending = DirectSource(source, self._ranks)  # collective: the ranks' pieces, exchanged
         elif self._ranks.leader:
             sending = LockstepSource(source, self._ranks)
-        if self._ranks.leader:
+        if self._follower is None:
             return self._lead(sending, request)
-        return self._follow(source, sending, request)
+        return follow(self._follower.call(sending, request))  # every round, until rank 0 shares the outcome
 
     def _lead(self, source: WeightSource, request: BroadcastRequest) -> SyncResult:
         """Rank 0: the update itself (its buckets gathered in lockstep, or sent by every rank, as
@@ -256,11 +250,11 @@ class ShardedTrainerClient:
         except BaseException as e:
             try:
                 self._settle()
-                self._ranks.share(encode_error(e))
+                OUTCOME.lead(self._ranks, e)
             except Exception as share_error:  # a rank is gone: the update's own error says more
                 log.warning("could not tell the other trainer ranks that the sync failed: %s", share_error)
             raise
-        self._ranks.share(encode_result(result))
+        OUTCOME.lead(self._ranks, result)
         return result
 
     def _settle(self) -> None:
@@ -270,67 +264,12 @@ class ShardedTrainerClient:
         except Exception as e:
             log.warning("another trainer rank's sends failed too: %s", e)
 
-    def _follow(self, source: ShardedTensors, sending: WeightSource, request: BroadcastRequest) -> SyncResult:
-        """A rank other than 0: do what rank 0 asks, round by round, until it shares the outcome."""
-        buckets, _messages = Planner(self._client).plan(
-            sending.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology
-        )
-        error: BaseException | None = None
-        while True:
-            command, arg, arg2 = self._ranks.follow()
-            if command is Command.JOIN:
-                self._group.join(arg, arg2)
-            elif command is Command.SEND:
-                stop = threading.Event()
-                watch = self._ranks.watch_leader(stop)
-                try:
-                    job = SendJob(
-                        self._group.group(), buckets, request.layout, sending.bucket_tensors, request.topology, stop
-                    )
-                    send_own(job, self._buffers)
-                    watch.join(self._ranks.timeout_s)  # rank 0's word that its own sends ended
-                except Exception as e:  # rank 0 gone or failed (stop set), or this rank's own failure
-                    watch.join(self._ranks.timeout_s)
-                    log.warning("trainer rank %d: sending its buckets failed: %s", self._ranks.rank, e)
-                    error = error or e
-                    self._ranks.report_failure()
-            elif command is Command.SENT:
-                continue  # this rank's status went with the round
-            elif command is Command.DIGESTS:
-                mine = b""
-                try:
-                    mine = encode_digests(
-                        own_digests(buckets, request.layout, sending.bucket_tensors, self._ranks.rank)
-                    )
-                except Exception as e:  # rank 0 names this rank as the one whose digests are missing
-                    log.exception("trainer rank %d: hashing its buckets failed", self._ranks.rank)
-                    error = error or e
-                self._ranks.exchange(mine, "exchanging the buckets' digests")
-            elif command is Command.GATHER:
-                try:
-                    source.bucket_tensors(buckets[arg])  # collective with every rank; dropped at once
-                except Exception as e:
-                    log.exception("trainer rank %d: gathering bucket %d failed", self._ranks.rank, arg)
-                    error = error or e
-                    self._ranks.report_failure()
-            elif command is Command.OUTCOME:
-                payload = self._ranks.receive_shared(arg)
-                try:
-                    result = decode_outcome(payload)  # rank 0's error, when the sync failed, says the most
-                except Exception as outcome:
-                    raise outcome from error
-                if error is not None:
-                    raise error
-                return result
-            else:
-                raise AssertionError(f"unexpected command {command!r} from trainer rank 0")
-
     def close(self) -> None:
         """Close this rank's client (rank 0: the engines and the trainer leave the group), its membership
         of the weight-sync group and the control group. Not collective; idempotent."""
         self._client.close()
-        self._group.close()
-        self._buffers.release()
+        if self._follower is not None:
+            self._follower.close()
         self._ranks.close()
 
     def __enter__(self) -> ShardedTrainerClient:

@@ -5,7 +5,9 @@ client collectively. Trainer rank 0 talks to the engines; the other ranks follow
 what was called before anything moves (:meth:`TrainerRanks.agree`), then rank 0 leads one *round*
 at a time (:meth:`TrainerRanks.lead`): a round is one ``all_gather`` of a short ``int64`` vector in
 which rank 0 names a command (gather bucket k, the outcome) and every other
-rank reports whether its part of the previous command failed. The rounds run on a process group of
+rank reports whether its part of the previous command failed. What each round does, on rank 0 and
+on the others, is declared in :mod:`wsync_grpc.trainer.sharded.rounds`; this module is the means
+(the control group's collectives), not the protocol. The rounds run on a process group of
 their own (``torch.distributed.new_group(backend="gloo")`` over the trainer group's ranks), never on
 the group the model trains on, so they neither interleave with the model's collectives nor depend on
 its backend, and they fail on the group timeout the client was given, not the training group's.
@@ -50,7 +52,8 @@ _RELEASE_TAG = 4242
 
 
 class Command(enum.IntEnum):
-    """What trainer rank 0 asks of the others in one round."""
+    """What trainer rank 0 asks of the others in one round (each command's round, both halves:
+    :data:`wsync_grpc.trainer.sharded.rounds.ROUNDS`)."""
 
     NONE = 0
     """A follower's slot: it commands nothing."""
@@ -320,34 +323,9 @@ class TrainerRanks:
             except RuntimeError as e:
                 log.warning("could not tell trainer rank %d that rank 0's sends ended: %s", r, e)
 
-    def share(self, payload: bytes) -> None:
-        """Rank 0: end the call, giving every other rank ``payload`` (its outcome).
-
-        One :data:`Command.OUTCOME` round (whose argument is the length), then a broadcast of the
-        bytes; the followers take them with :meth:`receive_shared`.
-
-        Raises:
-            TrainerRankLost: the round or the broadcast failed.
-        """
-        assert self.leader
-        with contextlib.suppress(TrainerRankFailed):  # the outcome tells; a follower's own error is raised on it
-            self.lead(Command.OUTCOME, len(payload))
-        if payload:
-            self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-
-    def receive_shared(self, length: int) -> bytes:
-        """A follower: the ``length`` bytes rank 0 shares after an :data:`Command.OUTCOME` command.
-
-        Raises:
-            TrainerRankLost: the broadcast failed.
-        """
-        data = torch.empty(length, dtype=torch.uint8)
-        if length:
-            self._broadcast(data)
-        return bytes(data.numpy().tobytes())
-
-    def _broadcast(self, data: torch.Tensor) -> None:
-        """Broadcast ``data`` from trainer rank 0 over the control group, in place.
+    def broadcast(self, data: torch.Tensor, what: str) -> None:
+        """Broadcast ``data`` from trainer rank 0 over the control group, in place (collective: every rank
+        calls it, the followers with a tensor of the same size to receive into).
 
         Raises:
             TrainerRankLost: the broadcast failed.
@@ -355,7 +333,7 @@ class TrainerRanks:
         try:
             dist.broadcast(data, group=self._ctl, group_src=0)
         except RuntimeError as e:
-            raise self.broken("sharing the outcome", e) from e
+            raise self.broken(what, e) from e
 
     def close(self) -> None:
         """Destroy the control group (idempotent; not collective)."""

@@ -5,7 +5,7 @@ the unsharded one), so planning gathers nothing and every rank plans the same bu
 one bucket at a time: ``full_tensor()`` of the bucket's ``DTensor`` s (an all-gather over the
 parameter's device mesh, so every rank must ask for the same bucket at the same time) and the plain
 tensors as they are. :class:`LockstepSource` is what trainer rank 0 sends from: before each bucket's
-gather it tells the other ranks (one :class:`~wsync_grpc.trainer.sharded.ranks.TrainerRanks` round),
+gather it tells the other ranks (the :data:`~wsync_grpc.trainer.sharded.rounds.GATHER` round),
 which then gather the same bucket with it and drop it. That is vLLM's ``WeightSource`` way (metadata
 by global shape; ``full_tensor()`` lazily, one group at a time, in lockstep on every rank; rank 0
 sends), with the lockstep driven by rank 0 so that a failure on any rank stops every rank at the next
@@ -35,7 +35,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from wsync_grpc.core.layout import Bucket, Piece
 from wsync_grpc.core.planning import PieceMeta, TensorMeta
-from wsync_grpc.trainer.sharded.ranks import Command, TrainerRanks
+from wsync_grpc.trainer.sharded.ranks import TrainerRanks
+from wsync_grpc.trainer.sharded.rounds import GATHER
 from wsync_grpc.trainer.source import NamedTensors
 
 __all__ = ["DirectSource", "LockstepSource", "ShardedTensors", "full", "local"]
@@ -214,10 +215,8 @@ def _pieces(metas: Sequence[TensorMeta], per_rank: Sequence[Sequence[Sequence[ob
 class LockstepSource:
     """Trainer rank 0's source in the gather mode: every bucket gathered on every rank at once.
 
-    Before gathering bucket k it leads a :data:`~wsync_grpc.trainer.sharded.ranks.Command.GATHER`
-    round, in which the other ranks (in
-    :meth:`ShardedTrainerClient._follow <wsync_grpc.trainer.sharded.client.ShardedTrainerClient>`)
-    learn to gather bucket k too and report whether their last gather failed.
+    Before gathering bucket k it leads the :data:`~wsync_grpc.trainer.sharded.rounds.GATHER` round, in
+    which the other ranks learn to gather bucket k too and report whether their last gather failed.
 
     Args:
         source: this rank's tensors.
@@ -239,8 +238,4 @@ class LockstepSource:
             TrainerRankFailed: a rank's last gather failed.
             TrainerRankLost: a rank is gone.
         """
-        self._ranks.lead(Command.GATHER, bucket.index)
-        try:
-            return self._source.bucket_tensors(bucket)
-        except RuntimeError as e:  # the all-gather broke: a rank gone mid-gather is named
-            raise self._ranks.broken(f"gathering bucket {bucket.index}", e) from e
+        return GATHER.lead(self._ranks, self._source, bucket)
