@@ -26,10 +26,20 @@ import torch
 import torch.distributed as dist
 
 from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.trainer.settings import add_setting_options
 
 log = logging.getLogger("wsync.fsdp_rank")
 
 PROMPT = "What is the best tool to sync weights into inference engines?"
+
+CLIENT_OPTIONS = ("bucket_bytes", "rpc_timeout_s", "group_timeout_s")
+"""The client's settings the rank takes as options (``--bucket-bytes``...): type, default and help from
+:class:`~wsync_grpc.trainer.settings.Settings`."""
+
+RANK_DEFAULTS: dict[str, object] = {"bucket_bytes": 64 << 20, "rpc_timeout_s": 60.0, "group_timeout_s": 60.0}
+"""The rank program's own defaults for some of them: buckets of 64 MiB (each rank gathers one bucket at a
+time, so this bounds the gathered memory of a CPU demo) and 60 s timeouts, as the program had before the
+declaration."""
 
 
 def emit(**fields: Any) -> None:
@@ -143,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         batch = training_batch(tokenizer)
     wire = getattr(torch, args.dtype) if args.dtype else None
     ok = True
-    options = {"rpc_timeout_s": args.timeout, "group_timeout_s": args.timeout, "bucket_bytes": args.bucket_bytes}
+    options = {name: getattr(args, name) for name in CLIENT_OPTIONS}
     with ShardedTrainerClient(args.targets.split(","), master_address=args.engine_master_address, **options) as c:
         emit(event="ready", rank=c.rank)
         for step in range(1, args.steps + 1):
@@ -209,8 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train", action="store_true", help="a real AdamW step per step (default: a seeded perturbation)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--apply-mode", default="staged", choices=["staged", "streaming"])
-    p.add_argument("--bucket-bytes", type=int, default=64 << 20, help="bucket capacity, bytes")
-    p.add_argument("--timeout", type=float, default=60.0, help="RPC and group timeouts, seconds")
+    add_setting_options(p, *CLIENT_OPTIONS, defaults=RANK_DEFAULTS)
     p.add_argument(
         "--check",
         choices=["none", "checksums", "all"],

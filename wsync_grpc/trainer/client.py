@@ -18,23 +18,21 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar, cast, overload
+from typing import Any, TypeVar
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.planning import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, DEFAULT_RAMP_BYTES, DEFAULT_SOLO_BYTES
-from wsync_grpc.group.process_group import DEFAULT_GROUP_NAME, WeightSyncGroup
+from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.adapters import adapter_tensors
+from wsync_grpc.trainer.deadline import CancelSignal
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
 from wsync_grpc.trainer.metrics import TrainerMetrics
 from wsync_grpc.trainer.options import (
-    DEFAULT_GROUP_TIMEOUT_S,
-    DEFAULT_RPC_TIMEOUT_S,
     ApplyMode,
     BackendName,
     Layout,
@@ -48,7 +46,7 @@ from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Member, Roster
 from wsync_grpc.trainer.runner import UpdateRunner
 from wsync_grpc.trainer.sender import BroadcastSender, Sender
-from wsync_grpc.trainer.settings import ClientSettings, client_settings
+from wsync_grpc.trainer.settings import Settings, client_settings, setting_attributes, setting_keywords
 from wsync_grpc.trainer.source import NamedTensors, WeightSource
 from wsync_grpc.trainer.views import (
     CancelResult,
@@ -67,7 +65,6 @@ __all__ = ["TrainerClient"]
 
 R = TypeVar("R")
 V = TypeVar("V")
-T = TypeVar("T")
 
 
 def _per_target(replies: Mapping[str, R], view: Callable[[R], V]) -> dict[str, V]:
@@ -75,32 +72,8 @@ def _per_target(replies: Mapping[str, R], view: Callable[[R], V]) -> dict[str, V
     return {t: view(r) for t, r in replies.items()}
 
 
-class _HasSettings(Protocol):
-    _settings: ClientSettings
-
-
-class Setting(Generic[T]):
-    """A public attribute of :class:`TrainerClient`: reads and writes the same-named field of its ``ClientSettings``."""
-
-    def __set_name__(self, owner: type[Any], name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, obj: None, owner: type[Any] | None = None) -> Setting[T]: ...
-
-    @overload
-    def __get__(self, obj: _HasSettings, owner: type[Any] | None = None) -> T: ...
-
-    def __get__(self, obj: _HasSettings | None, owner: type[Any] | None = None) -> Setting[T] | T:
-        if obj is None:
-            return self
-        return cast(T, getattr(obj._settings, self._name))
-
-    def __set__(self, obj: _HasSettings, value: T) -> None:
-        setattr(obj._settings, self._name, value)
-
-
-class TrainerClient:
+@setting_attributes
+class TrainerClient(Settings):
     """Drives one or more engines from the trainer, whose one process is rank 0 of the weight-sync group.
 
     Nothing touches the network in the constructor; the group is formed by
@@ -118,46 +91,14 @@ class TrainerClient:
     :meth:`checksums` may be called from other threads at any time, and
     :meth:`cancel` interrupts a ``sync`` in flight.
 
+    The keywords from ``master_address`` to ``digests`` are the client's settings, each declared once (type,
+    default, unit and meaning) in :class:`~wsync_grpc.trainer.settings.Settings`, in the same order; each is also
+    a public attribute of the client (``workers`` as the read-only ``fixed_workers``): assigning one applies
+    from the next call.
+
     Args:
         targets: the engines' control addresses, ``"host:port"``; the order
             fixes their rank offsets.
-        master_address: the address engines reach the trainer's TCP store at
-            (rank 0 serves it, listening on this address only: it must be an
-            address of this host). Default ``127.0.0.1`` (engines on this host).
-            ``"auto"``: at every group formation, the local address of the
-            route to the first engine (:func:`~wsync_grpc.group.routes.route_address`),
-            i.e. the interface the engines are reached on; engines on another
-            network than the first one's need an explicit address.
-        master_port: the store's TCP port; ``None`` (default) picks a free
-            port at every (re-)initialization.
-        group_name: the group's name (store prefix), as in SGLang's
-            ``InitWeightsUpdateGroupReqInput.group_name``. Default
-            ``"weight_sync_group"``.
-        backend: ``"gloo"``, ``"nccl"`` or ``""`` (default: NCCL when
-            ``device`` is CUDA, gloo otherwise; engines choose by their
-            devices the same way).
-        device: where the trainer's collectives run; default CPU, or the
-            current CUDA device for ``backend="nccl"``.
-        workers: workers per engine, in target order; ``None`` (default) asks
-            every engine (``GetStatus().engine.workers``).
-        rpc_timeout_s: deadline of the control RPCs, in seconds (default 60).
-        group_timeout_s: group join and per-collective timeout, in seconds
-            (default 120); a broadcast blocked on a dead engine fails after it.
-        bucket_bytes: default bucket capacity of :meth:`sync`, in bytes
-            (default :data:`~wsync_grpc.core.planning.DEFAULT_BUCKET_BYTES`).
-        alignment: byte alignment of tensors inside flat buckets (default 256).
-        ramp_bytes: size of the first and last buckets, in bytes; buckets
-            double from it up to ``bucket_bytes`` and halve back down to it at
-            the end, so that the first pack and the last apply, which overlap
-            nothing, are short (default
-            :data:`~wsync_grpc.core.planning.DEFAULT_RAMP_BYTES`, 32 MiB; 0 fills
-            every bucket up to ``bucket_bytes``).
-        solo_bytes: flattened layout: a tensor of at least this many bytes
-            travels in a bucket of its own, broadcast from the tensor itself
-            (no packing) and, with streaming apply on an engine that allows
-            it, received straight into the served tensor (no unpacking)
-            (default :data:`~wsync_grpc.core.planning.DEFAULT_SOLO_BYTES`; 0 packs
-            every tensor).
         token: shared secret sent as ``authorization: Bearer <token>`` with
             every call (the engines' ``--token``); ``None`` sends none. Without
             ``credentials`` it may only go to loopback targets (127.0.0.0/8, ::1,
@@ -185,16 +126,6 @@ class TrainerClient:
             ``NOT_OWNER`` from ``init``/``sync``.
         metrics_registry: where the client's Prometheus metrics go (:mod:`wsync_grpc.trainer.metrics`);
             ``None`` = a registry of its own (:attr:`metrics_registry`), for the caller to serve.
-        digests: send each bucket's digest (XXH3-128 of its bytes on the wire), which every engine
-            worker checks before it stages or applies the bucket: a bucket corrupted or replaced on
-            the way fails the update (``DATA_LOSS BUCKET_DIGEST_MISMATCH``) and nothing of it is
-            used. The trainer hashes each bucket while it is on the wire and declares the digest
-            with an ``Update`` right after (a sharded trainer's direct send: before Prepare, every
-            rank hashing its own buckets). Hashing reads every byte once more on each side, on the
-            host, and an engine receives a verified bucket into a buffer, never straight into the
-            served tensor. ``None`` (default): on when ``device`` is the CPU (gloo), off for CUDA
-            buckets (NCCL), which would first be copied to the host on both sides. ``True``/``False``:
-            always/never. Unverified buckets give ``EngineSyncResult.buckets_verified == 0``.
         sender: builds the client's :class:`~wsync_grpc.trainer.sender.Sender` (which trainer ranks
             send which bytes) from its two pack buffers; ``None`` = one process at group rank 0
             (:class:`~wsync_grpc.trainer.sender.BroadcastSender`). A sharded trainer's client
@@ -212,37 +143,23 @@ class TrainerClient:
             ``credentials`` for a target that is not a loopback address.
     """
 
-    # The constructor's settings, shared with the client's parts: assigning one applies from the next call.
-    master_address = Setting[str]()
-    master_port = Setting[int | None]()
-    group_name = Setting[str]()
-    device = Setting[torch.device]()
-    backend = Setting[BackendName]()
-    """The backend in use, resolved from ``device`` (sent explicitly to every engine)."""
-    rpc_timeout_s = Setting[float]()
-    group_timeout_s = Setting[float]()
-    bucket_bytes = Setting[int]()
-    alignment = Setting[int]()
-    ramp_bytes = Setting[int]()
-    solo_bytes = Setting[int]()
-    digests = Setting[bool]()
-
     def __init__(
         self,
         targets: Sequence[str],
         *,
-        master_address: str = "127.0.0.1",
-        master_port: int | None = None,
-        group_name: str = DEFAULT_GROUP_NAME,
-        backend: BackendName = "",
+        master_address: str = Settings.master_address,
+        master_port: int | None = Settings.master_port,
+        group_name: str = Settings.group_name,
         device: torch.device | str | None = None,
+        backend: BackendName = "",
         workers: Sequence[int] | None = None,
-        rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-        group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        alignment: int = DEFAULT_ALIGNMENT,
-        ramp_bytes: int = DEFAULT_RAMP_BYTES,
-        solo_bytes: int = DEFAULT_SOLO_BYTES,
+        rpc_timeout_s: float = Settings.rpc_timeout_s,
+        group_timeout_s: float = Settings.group_timeout_s,
+        bucket_bytes: int = Settings.bucket_bytes,
+        alignment: int = Settings.alignment,
+        ramp_bytes: int = Settings.ramp_bytes,
+        solo_bytes: int = Settings.solo_bytes,
+        digests: bool | None = None,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
@@ -250,31 +167,15 @@ class TrainerClient:
         keep_buffers: bool | None = None,
         owner: str | None = None,
         metrics_registry: CollectorRegistry | None = None,
-        digests: bool | None = None,
         sender: Callable[[PackBuffers], Sender] | None = None,
         policy: FleetPolicy | None = None,
     ) -> None:
         targets = list(targets)
-        self._settings = client_settings(
-            targets,
-            master_address=master_address,
-            master_port=master_port,
-            group_name=group_name,
-            backend=backend,
-            device=device,
-            workers=workers,
-            rpc_timeout_s=rpc_timeout_s,
-            group_timeout_s=group_timeout_s,
-            bucket_bytes=bucket_bytes,
-            alignment=alignment,
-            ramp_bytes=ramp_bytes,
-            solo_bytes=solo_bytes,
-            digests=digests,
-        )
+        self._settings = client_settings(targets, **setting_keywords(locals()))
         owner = owner if owner is not None else f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._fleet = Fleet(targets, self._settings, token, credentials, channel_options, owner, keepalive)
         self._op_lock = threading.Lock()
-        self._cancel_event = threading.Event()
+        self._cancel_event = CancelSignal()
         self._leases = Leases(self._fleet)
         buffers = PackBuffers(keep_buffers, self._settings.device)
         self._sender: Sender = sender(buffers) if sender is not None else BroadcastSender(buffers)
@@ -500,6 +401,7 @@ class TrainerClient:
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
         policy: FleetPolicy | None = None,
+        timeout_s: float | None = None,
     ) -> SyncResult:
         """Push ``named_tensors`` to every engine as ``weight_version``.
 
@@ -549,13 +451,18 @@ class TrainerClient:
                 ``exclude``, engines that do not answer or fail before the commit decision are left
                 out (the update runs again over the others) and the result names them
                 (:mod:`wsync_grpc.trainer.roster`).
+            timeout_s: the whole sync's deadline, in seconds; ``None`` (default): none beyond each call's
+                own timeouts. By it the sync ends: stopped at its next wait and abandoned everywhere
+                (published nowhere; :class:`SyncError` at the stage it reached, ``failures[TRAINER]`` with
+                reason ``DEADLINE_EXCEEDED``), unless every engine had verified it: the applying
+                ``Complete`` is the commit and is never cut short (:mod:`wsync_grpc.trainer.deadline`).
 
         Returns:
             A :class:`SyncResult` with per-engine results and trainer-side timings.
 
         Raises:
             ValueError: empty ``weight_version``, nothing to send, a bad
-                ``layout``/``apply_mode``, or a planning error.
+                ``layout``/``apply_mode``, a ``timeout_s`` not above 0, or a planning error.
             SyncError: the update failed (see above); the message names every
                 failed engine with its code, reason and message.
             RuntimeError: another ``sync`` is running in this client.
@@ -573,10 +480,15 @@ class TrainerClient:
             on_phase=on_phase,
         )
         source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
-        return self.run_update(source, request, policy=policy)
+        return self.run_update(source, request, policy=policy, timeout_s=timeout_s)
 
     def run_update(
-        self, source: WeightSource, request: BroadcastRequest, *, policy: FleetPolicy | None = None
+        self,
+        source: WeightSource,
+        request: BroadcastRequest,
+        *,
+        policy: FleetPolicy | None = None,
+        timeout_s: float | None = None,
     ) -> SyncResult:
         """Run one broadcast update built beforehand: :meth:`sync` once its arguments are converted.
 
@@ -587,7 +499,7 @@ class TrainerClient:
         Raises:
             as :meth:`sync`.
         """
-        with self._exclusive():
+        with self._exclusive(timeout_s):
             return self._roster.run(policy or self._policy, request, lambda r: self._runner.broadcast(source, r))
 
     def sync_from_disk(
@@ -600,6 +512,7 @@ class TrainerClient:
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
         policy: FleetPolicy | None = None,
+        timeout_s: float | None = None,
     ) -> SyncResult:
         """Have every engine load the safetensors checkpoint at ``checkpoint_path`` as ``weight_version``.
 
@@ -617,7 +530,7 @@ class TrainerClient:
                 or ``*.safetensors`` files) or one ``.safetensors`` file, as the
                 engines see it; relative paths are taken under each engine's
                 first checkpoint root.
-            weight_version, apply_mode, flush_cache, update_id, on_phase, policy: as for :meth:`sync`
+            weight_version, apply_mode, flush_cache, update_id, on_phase, policy, timeout_s: as for :meth:`sync`
                 (``on_phase`` gets ``"prepared"``, ``"verified"``, ``"applied"``). The client remembers
                 the checkpoint: :meth:`catch_up` reads it on engines that fall behind.
 
@@ -634,7 +547,7 @@ class TrainerClient:
         request = DiskRequest.create(
             checkpoint_path, weight_version, apply_mode, flush_cache=flush_cache, update_id=update_id, on_phase=on_phase
         )
-        with self._exclusive():
+        with self._exclusive(timeout_s):
             return self._roster.run(policy or self._policy, request, self._runner.disk)
 
     def save_and_sync(
@@ -805,11 +718,22 @@ class TrainerClient:
             return self._roster.only(late, lambda: self._runner.broadcast(source, request))
 
     @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """Hold the client's op lock for one sync; a second concurrent one raises :class:`RuntimeError`."""
+    def _exclusive(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Hold the client's op lock for one sync (of ``timeout_s`` seconds at most, ``None``: no deadline of its
+        own); a second concurrent one raises :class:`RuntimeError`.
+
+        Raises:
+            ValueError: ``timeout_s`` is not above 0.
+        """
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be above 0 seconds, got {timeout_s}")
         if not self._op_lock.acquire(blocking=False):
             raise RuntimeError("another sync (or init/leave) is running on this client")
         try:
-            yield
+            self._cancel_event.start(timeout_s)
+            try:
+                yield
+            finally:
+                self._cancel_event.end()
         finally:
             self._op_lock.release()

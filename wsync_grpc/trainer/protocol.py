@@ -28,7 +28,6 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode
 from wsync_grpc.group.process_group import WeightSyncGroup
+from wsync_grpc.trainer.deadline import CancelSignal
 from wsync_grpc.trainer.digests import DigestCourier
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.liveness import Holds
@@ -96,7 +96,7 @@ class UpdateProtocol:
         fleet: Fleet,
         membership: Membership,
         settings: ClientSettings,
-        cancel_event: threading.Event,
+        cancel_event: CancelSignal,
         sender: Sender,
         metrics: TrainerMetrics,
     ) -> None:
@@ -194,11 +194,13 @@ class UpdateProtocol:
         metadata = self._trace.metadata(self._fleet.metadata)
         replies, failures = self._fleet.gather(
             "Prepare",
-            lambda e: self._fleet.aio(e).Prepare(stream(), timeout=self._settings.rpc_timeout_s, metadata=metadata),
+            lambda e: self._fleet.aio(e).Prepare(
+                stream(), timeout=self._cancel_event.bound(self._settings.rpc_timeout_s), metadata=metadata
+            ),
         )
         prepare_s = time.monotonic() - t0
         if not failures and self._cancel_event.is_set():
-            failures[TRAINER] = EngineFailure(TRAINER, "Prepare", None, "CANCELLED", "cancel() was called")
+            failures[TRAINER] = self._cancel_event.failure("Prepare")
         if failures:
             raise self.abandon(request, "prepare", failures)
         return Prepared(replies, t0, prepare_s)
@@ -256,7 +258,7 @@ class UpdateProtocol:
         """
         _, failures = self._complete_everywhere(request, verify_only=True)
         if not failures and self._cancel_event.is_set():
-            failures[TRAINER] = EngineFailure(TRAINER, "verify", None, "CANCELLED", "cancel() was called")
+            failures[TRAINER] = self._cancel_event.failure("verify")
         if failures:
             raise self.abandon(request, "verify", failures, broadcast_started=True)
 
@@ -281,18 +283,26 @@ class UpdateProtocol:
     def _complete_everywhere(
         self, request: UpdateRequest, *, verify_only: bool
     ) -> tuple[dict[str, pb.CompleteResponse], dict[str, EngineFailure]]:
-        """One ``Complete`` per engine, concurrently, carrying the current phase's trace context."""
+        """One ``Complete`` per engine, concurrently, carrying the current phase's trace context.
+
+        A verifying Complete (and a streaming update's only one) ends by the sync's deadline
+        (:meth:`CancelSignal.bound <wsync_grpc.trainer.deadline.CancelSignal.bound>`); the applying Complete
+        of a staged update that every engine verified is the commit and gets its whole timeouts.
+        """
+        commit = not verify_only and request.apply_mode is ApplyMode.STAGED
+        engine_s, call_s = self._settings.group_timeout_s, self._settings.timeouts.group_rpc_s
+        if not commit:
+            engine_s, call_s = self._cancel_event.bound(engine_s), self._cancel_event.bound(call_s)
         req = pb.CompleteRequest(
             update_id=request.update_id,
             flush_cache=request.flush_cache and not verify_only,
-            timeout=duration(self._settings.group_timeout_s),
+            timeout=duration(engine_s),
             owner=self._fleet.owner,
             verify_only=verify_only,
         )
         metadata = self._trace.metadata(self._fleet.metadata)
         return self._fleet.gather(
-            "Complete",
-            lambda e: self._fleet.aio(e).Complete(req, timeout=self._settings.timeouts.group_rpc_s, metadata=metadata),
+            "Complete", lambda e: self._fleet.aio(e).Complete(req, timeout=call_s, metadata=metadata)
         )
 
     # ------------------------------------------------------------------ the failure protocol

@@ -29,7 +29,6 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, total_wire_bytes
+from wsync_grpc.trainer.deadline import CancelSignal
 from wsync_grpc.trainer.digests import DigestCourier
 from wsync_grpc.trainer.options import apply_mode_name, layout_name
 from wsync_grpc.trainer.planning import Planner, set_spec_digests
@@ -104,11 +104,12 @@ class UpdateRunner:
         calls: the update's calls over the engines and its failure protocol.
         settings: the client's settings (the planner and the digests read them at every update).
         sender: which trainer rank sends which bytes (broadcasts).
-        cancel_event: the client's cancel signal; set, it stops the send at its next wait.
+        cancel_event: the client's cancel signal (a cancel, or the sync's deadline); set, it stops the send
+            at its next wait.
     """
 
     def __init__(
-        self, calls: UpdateProtocol, settings: ClientSettings, sender: Sender, cancel_event: threading.Event
+        self, calls: UpdateProtocol, settings: ClientSettings, sender: Sender, cancel_event: CancelSignal
     ) -> None:
         self._calls = calls
         self._settings = settings
@@ -212,6 +213,8 @@ class UpdateRunner:
             pack_s = self._sender.send(dataclasses.replace(job, on_sent=on_sent, on_digest=on_digest))
         except Exception as exc:
             trainer = EngineFailure.from_exception(TRAINER, "broadcast", exc)
+            if self._cancel_event.expired:  # the deadline stopped the send: say so, not "cancelled"
+                trainer = self._cancel_event.failure("broadcast")
             raise self._calls.abandon(request, "broadcast", {TRAINER: trainer}, broadcast_started=True) from exc
         except BaseException:  # KeyboardInterrupt and the like: clean up, then let it go
             self._calls.abandon(request, "broadcast", {}, broadcast_started=True)

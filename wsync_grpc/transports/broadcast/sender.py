@@ -8,9 +8,9 @@ Two pipelines, one per bucket layout: :meth:`Broadcast.flattened` (one
 broadcast per bucket, the next bucket packed while the current one is on the
 wire, into one of the two reusable buffers of :class:`PackBuffers`) and
 :meth:`Broadcast.individual` (one broadcast per tensor, up to two buckets in
-flight). Both wait with the group's timeout and stop at the next wait when
-the client's cancel signal is set; both call the ``progress`` callback once
-a bucket is on every engine.
+flight). Both wait with the group's timeout and stop at the next wait, or
+before the next bucket, when the client's cancel signal is set; both call the
+``progress`` callback once a bucket is on every engine.
 
 Digests (:mod:`wsync_grpc.core.digests`): given an ``on_digest`` callback, each bucket's bytes
 are hashed once its broadcast is posted, while it is on the wire (the buffer is only read), and
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from wsync_grpc.core.digests import BucketHasher, Digest, digest_of
+from wsync_grpc.core.errors import Cancelled
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import bucket_bytes_view, pack_bucket, wire_tensor
 from wsync_grpc.core.topology import SendTopology
@@ -216,6 +217,16 @@ class Broadcast:
     def _deadline(self) -> float:
         return time.monotonic() + self.group.timeout_s
 
+    def _check_cancel(self) -> None:
+        """Stop before the next bucket is asked for once ``cancel`` is set (a wire that keeps up never waits, so
+        the waits alone would not see it before the last bucket).
+
+        Raises:
+            Cancelled: ``cancel`` is set.
+        """
+        if self.cancel.is_set():
+            raise Cancelled("the update was cancelled")
+
     def _report(self, b: Bucket) -> None:
         if self.on_sent is not None:
             self.on_sent(b, self.sent)
@@ -251,6 +262,7 @@ class Broadcast:
                 finish()
 
         for b in self.buckets:
+            self._check_cancel()
             t = time.monotonic()
             if self.materialises:  # the built tensors of a lone bucket in flight go before more are built
                 free(-1)
@@ -319,6 +331,7 @@ class Broadcast:
                     self._report(b)
 
         for b in self.buckets:
+            self._check_cancel()
             t = time.monotonic()
             by_name = self.tensors(b)
             wires = [wire_tensor(pt, by_name[pt.name], group.device) for pt in b.tensors]
