@@ -102,10 +102,7 @@ def positive_int(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an integer, or below 1.
     """
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer of 1 or more")
-    return value
+    return _integer_from(text, 1)
 
 
 def count(text: str) -> int:
@@ -114,10 +111,7 @@ def count(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an integer, or below 0.
     """
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer of 0 or more")
-    return value
+    return _integer_from(text, 0)
 
 
 def file_path(text: str) -> Path:
@@ -259,6 +253,13 @@ def _integer(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text} is not an integer") from None
+
+
+def _integer_from(text: str, least: int) -> int:
+    value = _integer(text)
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text} is not an integer of {least} or more")
+    return value
 
 
 def _number(text: str) -> float:

@@ -78,6 +78,30 @@ class UpdateRequest:
         """
         raise NotImplementedError
 
+    def _header(
+        self,
+        layout: Layout,
+        bucket_count: int,
+        total_bytes: int,
+        digests_follow: bool,
+        checkpoint_path: str = "",
+        adapter: LoraSpec | None = None,
+    ) -> UpdateHeader:
+        """The header of this kind's transport with the fields every update shares."""
+        return UpdateHeader(
+            update_id=self.update_id,
+            weight_version=self.weight_version,
+            layout=layout,
+            apply_mode=self.apply_mode,
+            bucket_count=bucket_count,
+            total_bytes=total_bytes,
+            incremental=False,
+            transport=self.transport,
+            checkpoint_path=checkpoint_path,
+            adapter=adapter,
+            digests_follow=digests_follow,
+        )
+
     def report(self, phase: str) -> None:
         """Tell ``on_phase`` that ``phase`` ended; an exception it raises is logged, not raised."""
         if self.on_phase is None:
@@ -161,18 +185,7 @@ class BroadcastRequest(UpdateRequest):
 
     def header(self, bucket_count: int = 0, total_bytes: int = 0, digests_follow: bool = False) -> UpdateHeader:
         """The header of a broadcast: the buckets the Prepare stream declares and their wire bytes."""
-        return UpdateHeader(
-            update_id=self.update_id,
-            weight_version=self.weight_version,
-            layout=self.layout,
-            apply_mode=self.apply_mode,
-            bucket_count=bucket_count,
-            total_bytes=total_bytes,
-            incremental=False,
-            transport=Transport.BROADCAST,
-            adapter=self.adapter,
-            digests_follow=digests_follow,
-        )
+        return self._header(self.layout, bucket_count, total_bytes, digests_follow, adapter=self.adapter)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,16 +256,5 @@ class DiskRequest(UpdateRequest):
         """The header of a disk update: no buckets declared (each engine plans its own), read tensor by tensor
         (``Layout.INDIVIDUAL``); an adapter by name only (the wire's ``LoraSpec`` with rank 0: the engine reads
         the rest from the directory)."""
-        return UpdateHeader(
-            update_id=self.update_id,
-            weight_version=self.weight_version,
-            layout=Layout.INDIVIDUAL,
-            apply_mode=self.apply_mode,
-            bucket_count=bucket_count,
-            total_bytes=total_bytes,
-            incremental=False,
-            transport=Transport.DISK,
-            checkpoint_path=self.checkpoint_path,
-            adapter=LoraSpec(self.adapter, 0, 0.0) if self.adapter else None,
-            digests_follow=digests_follow,
-        )
+        adapter = LoraSpec(self.adapter, 0, 0.0) if self.adapter else None
+        return self._header(Layout.INDIVIDUAL, bucket_count, total_bytes, digests_follow, self.checkpoint_path, adapter)
