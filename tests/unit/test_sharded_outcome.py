@@ -19,6 +19,16 @@ def test_a_result_comes_back_equal() -> None:
     assert decode_outcome(encode_result(result)) == result
 
 
+def test_a_result_of_a_fleet_that_left_engines_out_comes_back_equal_and_nothing_to_do_is_none() -> None:
+    dead = EngineFailure("127.0.0.1:3", "GetStatus", grpc.StatusCode.UNAVAILABLE, "", "connection refused")
+    result = SyncResult(
+        "u2", "v2", "flattened", "staged", 3, 272, 538_000_000, 538_000_128, 0.0, 0.01, 0.1, 0.5, 0.02, 0.3, 0.1,
+        0.9, {ENGINE.target: ENGINE}, excluded={dead.target: dead}, rejoined=[], attempts=2,
+    )  # fmt: skip
+    assert decode_outcome(encode_result(result)) == result
+    assert decode_outcome(encode_result(None)) is None
+
+
 def test_a_sync_error_comes_back_with_its_stage_failures_and_results() -> None:
     lost = EngineFailure("127.0.0.1:2", "Complete", grpc.StatusCode.UNAVAILABLE, "PEER_LOST", "gone", {"a": "b"})
     rank = EngineFailure("trainer", "broadcast", None, "TrainerRankLost", "trainer rank 1 is gone")

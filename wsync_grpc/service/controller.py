@@ -40,6 +40,7 @@ from wsync_grpc.service.outcome import CompleteResult, PrepareResult
 from wsync_grpc.service.prepare import PrepareMessage, PrepareReader, cancelled_while_preparing
 from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.transports import transport_for
+from wsync_grpc.transports.context import PlanContext
 from wsync_grpc.transports.disk.roots import CheckpointRoots
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,7 @@ class UpdateController:
             transport = transport_for(header.transport)
             if transport.needs_group and st.lifecycle.origin is not State.READY:
                 raise WrongState(Rpc.PREPARE, st.lifecycle.origin, "a broadcast needs the group: call Init first")
-            planned = transport.plan(header, validator, buckets, self.checkpoint_roots, reader.cancel)
+            planned = transport.plan(header, validator, buckets, PlanContext(self.checkpoint_roots, reader.cancel))
             try:
                 with self._lock:
                     if reader.cancel.is_set():

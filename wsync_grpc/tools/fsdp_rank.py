@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,9 +82,16 @@ def _train_step(
     return float(out.loss.item())
 
 
-def _check(client: Any, model: torch.nn.Module, version: str, wire: torch.dtype | None, local: Any) -> list[str]:
-    """Rank 0: every engine serves ``version`` with exactly the gathered weights (in the wire dtype ``wire``)
-    and, with a ``local`` copy of the policy, the same greedy answer.
+def _check(
+    client: Any,
+    model: torch.nn.Module,
+    version: str,
+    wire: torch.dtype | None,
+    local: Any,
+    targets: list[str] | None = None,
+) -> list[str]:
+    """Rank 0: every engine of ``targets`` (default: every member) serves ``version`` with exactly the gathered
+    weights (in the wire dtype ``wire``) and, with a ``local`` copy of the policy, the same greedy answer.
 
     Collective (every rank gathers); only rank 0 compares. Returns the failures.
     """
@@ -94,7 +102,13 @@ def _check(client: Any, model: torch.nn.Module, version: str, wire: torch.dtype 
         return []
     failures = []
     want = {n: tensor_sha256(t.detach().to(wire) if wire is not None else t.detach()) for n, t in whole.items()}
-    for target, sums in client.client.checksums().items():
+    from wsync.v1 import weight_sync_pb2 as pb
+
+    stubs = client.client.stubs
+    for target in targets if targets is not None else client.client.targets:
+        sums = stubs[target].GetWeightChecksums(
+            pb.GetWeightChecksumsRequest(), timeout=60, metadata=client.client.call_metadata
+        )
         got = {c.name: c.sha256 for c in sums.checksums}
         bad = [n for n, s in want.items() if got.get(n) != s]
         if sums.weight_version != version or bad:
@@ -109,7 +123,7 @@ def _check(client: Any, model: torch.nn.Module, version: str, wire: torch.dtype 
     mine = local.generate(PROMPT, 16).text
     from wsync_grpc.tools.demo import generate_on
 
-    for target in client.client.targets:
+    for target in targets if targets is not None else client.client.targets:
         r = generate_on(target, PROMPT, 16)
         if r.text != mine or list(r.weight_versions) != [version]:
             failures.append(f"{target} answered {r.text!r} ({list(r.weight_versions)}), the trainer {mine!r}")
@@ -117,19 +131,32 @@ def _check(client: Any, model: torch.nn.Module, version: str, wire: torch.dtype 
     return failures
 
 
-def _progress(version: str) -> Any:
-    """A progress callback (rank 0 only) printing one ``bucket`` event per bucket on every engine."""
+def _progress(version: str, delay_s: float = 0.0) -> Any:
+    """A progress callback (rank 0 only) printing one ``bucket`` event per bucket on every engine, then
+    sleeping ``delay_s`` seconds (a slower trainer, so that tests can act mid-sync)."""
 
     def report(p: Any) -> None:
         emit(event="bucket", version=version, sent=p.buckets_sent, of=p.bucket_count)
+        if delay_s:
+            time.sleep(delay_s)
 
     return report
+
+
+def _wait_for_file(path: Path, timeout_s: float = 300.0) -> None:
+    """Wait until ``path`` exists (a test's word to go on), polling every 0.1 s, at most ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:g} s")
+        time.sleep(0.1)
 
 
 def run(args: argparse.Namespace) -> int:
     """One rank's whole run; returns its exit status."""
     from wsync_grpc.engines.models import load_causal_lm
     from wsync_grpc.trainer.results import ClientError
+    from wsync_grpc.trainer.roster import FleetPolicy
     from wsync_grpc.trainer.sharded import ShardedTrainerClient, TrainerRankLost
 
     os.environ.setdefault("MASTER_ADDR", args.master_address)
@@ -153,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
         batch = training_batch(tokenizer)
     wire = getattr(torch, args.dtype) if args.dtype else None
     ok = True
-    options = {name: getattr(args, name) for name in CLIENT_OPTIONS}
+    options: dict[str, Any] = {name: getattr(args, name) for name in CLIENT_OPTIONS}
+    if args.min_engines:
+        options["policy"] = FleetPolicy.exclude(min_engines=args.min_engines)
     with ShardedTrainerClient(args.targets.split(","), master_address=args.engine_master_address, **options) as c:
         emit(event="ready", rank=c.rank)
         for step in range(1, args.steps + 1):
@@ -173,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                         mode=mode,  # type: ignore[arg-type]
                         apply_mode=args.apply_mode,
                         dtype=wire,
-                        progress=_progress(version) if args.progress else None,
+                        progress=_progress(version, args.bucket_delay) if args.progress else None,
                     )
                 except (ClientError, ValueError) as e:  # RanksDisagree is a ValueError
                     lost = e.lost if isinstance(e, TrainerRankLost) else []
@@ -197,10 +226,22 @@ def run(args: argparse.Namespace) -> int:
                     buckets=r.bucket_count,
                     wire_bytes=r.wire_bytes,
                     verified=min(e.buckets_verified for e in r.engines.values()),
+                    engines=sorted(r.engines),
+                    excluded=sorted(r.excluded),
+                    attempts=r.attempts,
                 )
                 if args.check != "none":
-                    failures = _check(c, model, version, wire, local if args.check == "all" else None)
+                    local_copy = local if args.check == "all" else None
+                    failures = _check(c, model, version, wire, local_copy, sorted(r.engines))
                     ok = ok and not failures
+        if args.catch_up_after is not None:
+            _wait_for_file(args.catch_up_after)
+            mode = args.modes.split(",")[0]
+            caught = c.catch_up(model.named_parameters(), mode=mode)  # type: ignore[arg-type]
+            emit(event="caught_up", rank=c.rank, engines=sorted(caught.engines) if caught else [])
+            if args.check != "none" and caught is not None:
+                failures = _check(c, model, caught.weight_version, wire, None)
+                ok = ok and not failures
     dist.destroy_process_group()
     return 0 if ok else 1
 
@@ -231,6 +272,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress", action="store_true", help="rank 0 prints a 'bucket' event per bucket sent")
     p.add_argument("--version-suffix", default="", help="appended to every version (tests: ranks that disagree)")
     p.add_argument("--model", default=None, help="local Hugging Face directory (default SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--min-engines",
+        type=int,
+        default=0,
+        help="sync under the exclude fleet policy with at least this many engines (default 0: the fail policy)",
+    )
+    p.add_argument(
+        "--bucket-delay", type=float, default=0.0, help="with --progress, rank 0 sleeps this long per bucket, seconds"
+    )
+    p.add_argument(
+        "--catch-up-after",
+        type=Path,
+        default=None,
+        help="after the steps, wait for this file, then catch the engines behind up (collectively)",
+    )
     return p.parse_args(argv)
 
 

@@ -25,6 +25,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from wsync.v1 import weight_sync_pb2_grpc
 
+from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.adapters import adapter_tensors
 from wsync_grpc.trainer.deadline import CancelSignal
@@ -41,7 +42,7 @@ from wsync_grpc.trainer.options import (
     pause_mode_of,
 )
 from wsync_grpc.trainer.protocol import UpdateProtocol
-from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest
+from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest, catch_up_request
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Member, Roster
 from wsync_grpc.trainer.runner import UpdateRunner
@@ -673,6 +674,7 @@ class TrainerClient(Settings):
         named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightSource | None = None,
         *,
         apply_mode: ApplyMode = "staged",
+        topology: SendTopology | None = None,
     ) -> SyncResult | None:
         """Bring every member that answers but serves another version than the fleet's to the fleet's version.
 
@@ -687,6 +689,9 @@ class TrainerClient(Settings):
             named_tensors: the current version's tensors, as for :meth:`sync`; needed only when the
                 current version was not read from a checkpoint.
             apply_mode: as for :meth:`sync`.
+            topology: which trainer ranks send the tensors (``None``: this process); a sharded trainer's
+                rank 0 passes its own (:meth:`ShardedTrainerClient.catch_up
+                <wsync_grpc.trainer.sharded.ShardedTrainerClient.catch_up>`).
 
         Returns:
             The catch-up's :class:`SyncResult` (over the members that caught up); ``None`` when no
@@ -714,7 +719,7 @@ class TrainerClient(Settings):
                     "pass its tensors to catch_up"
                 )
             source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
-            request = BroadcastRequest.create(version, "flattened", apply_mode, self._settings.bucket_bytes)
+            request = catch_up_request(version, apply_mode, self._settings.bucket_bytes, topology)
             return self._roster.only(late, lambda: self._runner.broadcast(source, request))
 
     @contextlib.contextmanager

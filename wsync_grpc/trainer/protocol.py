@@ -164,6 +164,15 @@ class UpdateProtocol:
         self._cancel_event.clear()
         self._membership.hold_leases()
 
+    def repeating(self) -> None:
+        """The update that failed runs again over fewer engines: the trainer's other ranks follow it
+        (:meth:`Sender.repeating <wsync_grpc.trainer.sender.Sender.repeating>`).
+
+        Raises:
+            Exception: a trainer rank is gone.
+        """
+        self._sender.repeating()
+
     def applied(self, request: UpdateRequest, result: SyncResult) -> SyncResult:
         """Record a successful update and report its last phase; returns ``result``."""
         self._metrics.sync_applied(result)

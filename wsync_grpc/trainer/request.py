@@ -258,3 +258,16 @@ class DiskRequest(UpdateRequest):
         the rest from the directory)."""
         adapter = LoraSpec(self.adapter, 0, 0.0) if self.adapter else None
         return self._header(Layout.INDIVIDUAL, bucket_count, total_bytes, digests_follow, self.checkpoint_path, adapter)
+
+
+def catch_up_request(
+    weight_version: str, apply_mode: str, bucket_bytes: int, topology: SendTopology | None = None
+) -> BroadcastRequest:
+    """The broadcast of a catch-up (``TrainerClient.catch_up``): the fleet's current tensors to the members
+    behind, flattened, in the client's bucket size; the one place it is built, so that a sharded trainer's
+    other ranks plan the same buckets as rank 0.
+
+    Raises:
+        ValueError: an empty ``weight_version``, an unknown ``apply_mode``.
+    """
+    return BroadcastRequest.create(weight_version, "flattened", apply_mode, bucket_bytes, topology=topology)

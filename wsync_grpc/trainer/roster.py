@@ -250,8 +250,6 @@ class Roster:
             :attr:`~SyncResult.attempts` filled in.
 
         Raises:
-            ValueError: ``exclude`` with a trainer of several ranks (a sharded trainer's followers
-                cannot repeat an attempt).
             SyncError: the update failed (``fail``), failed after the commit decision, was cancelled
                 by the caller, or would be published on fewer engines than the policy requires (nothing
                 published anywhere then).
@@ -259,8 +257,6 @@ class Roster:
         self.cancelled = False
         excluded: dict[str, EngineFailure] = {}
         if policy.excludes:
-            if self._membership.trainer_ranks > 1:
-                raise ValueError("the exclude policy needs a trainer of one process (not a sharded trainer)")
             excluded.update(self._probe(policy, request))
         else:
             for e in self._fleet.members:
@@ -279,6 +275,7 @@ class Roster:
                         raise
                     excluded.update(left_out)
                     self._check_minimum(policy, request, err.stage, excluded)
+                    self._calls.repeating()  # a sharded trainer's other ranks follow the next attempt
                     attempts += 1
                     request = dataclasses.replace(request, update_id=uuid.uuid4().hex)
                     log.warning(

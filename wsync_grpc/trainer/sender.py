@@ -76,6 +76,15 @@ class Sender(Protocol):
         """Drop what the sender keeps between updates (its pack buffers); an abandoned send may still read them."""
         ...
 
+    def repeating(self) -> None:
+        """The update that just failed runs again over fewer engines (a fleet policy left some out): the
+        trainer's other ranks, if any, must follow the next attempt.
+
+        Raises:
+            Exception: a trainer rank is gone (the update is not run again).
+        """
+        ...
+
 
 class BroadcastSender:
     """One trainer process at group rank 0 broadcasting every bucket whole.
@@ -116,3 +125,6 @@ class BroadcastSender:
     def release(self) -> None:
         """See :meth:`Sender.release`."""
         self._buffers.release()
+
+    def repeating(self) -> None:
+        """See :meth:`Sender.repeating`: nothing, this process is the trainer's only rank."""

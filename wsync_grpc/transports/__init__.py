@@ -23,7 +23,6 @@ Adding a transport: a module (or package) with its ``PART`` and one line in
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -31,7 +30,7 @@ from wsync_grpc.core.header import UpdateHeader, transport_unimplemented
 from wsync_grpc.core.layout import Bucket, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan, TransportRules
 from wsync_grpc.core.validation import UpdateValidator
-from wsync_grpc.transports.disk.roots import CheckpointRoots
+from wsync_grpc.transports.context import PlanContext
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 TRANSPORTS: Mapping[Transport, str] = {
@@ -54,12 +53,7 @@ class TransportPart(TransportRules, Protocol):
         ...
 
     def plan(
-        self,
-        header: UpdateHeader,
-        validator: UpdateValidator,
-        buckets: list[Bucket],
-        roots: CheckpointRoots,
-        cancel: threading.Event,
+        self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], context: PlanContext
     ) -> PlannedUpdate:
         """What Prepare settles once the stream was read and validated: the header, buckets and their source.
 
@@ -67,8 +61,7 @@ class TransportPart(TransportRules, Protocol):
             header: the validated header.
             validator: the update's validator (it holds what the stream declared).
             buckets: the buckets the stream declared (none when the engine builds them).
-            roots: where the engine may read sources from (``wsync serve --checkpoint-root``).
-            cancel: set by a Cancel while the update is planned; a long planning stops at its next check.
+            context: what the engine gives the planning (its checkpoint roots, the update's cancel signal).
 
         Raises:
             WsyncError: the source cannot be read or does not fit the model (PERMISSION_DENIED, NOT_FOUND,

@@ -8,14 +8,13 @@ is built, every Prepare and Update that names it is answered UNIMPLEMENTED
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from wsync_grpc.core.header import UpdateHeader, transport_unimplemented
 from wsync_grpc.core.layout import Bucket, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import UpdateValidator
-from wsync_grpc.transports.disk.roots import CheckpointRoots
+from wsync_grpc.transports.context import PlanContext
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 
@@ -44,12 +43,7 @@ class CudaIpcTransport:
         raise transport_unimplemented(self.kind)
 
     def plan(
-        self,
-        header: UpdateHeader,
-        validator: UpdateValidator,
-        buckets: list[Bucket],
-        roots: CheckpointRoots,
-        cancel: threading.Event,
+        self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], context: PlanContext
     ) -> PlannedUpdate:
         """Never reached: :meth:`check_header` refused the update."""
         raise transport_unimplemented(self.kind)

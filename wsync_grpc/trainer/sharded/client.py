@@ -39,8 +39,9 @@ from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.options import ApplyMode, Layout
-from wsync_grpc.trainer.request import BroadcastRequest
+from wsync_grpc.trainer.request import BroadcastRequest, catch_up_request
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
+from wsync_grpc.trainer.roster import FleetPolicy, Member
 from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS
 from wsync_grpc.trainer.sharded.follower import Follower
 from wsync_grpc.trainer.sharded.ranks import TrainerRanks
@@ -48,7 +49,7 @@ from wsync_grpc.trainer.sharded.rounds import OUTCOME, follow
 from wsync_grpc.trainer.sharded.sender import SEND_MODES, SendMode, ShardedSender
 from wsync_grpc.trainer.sharded.source import DirectSource, LockstepSource, ShardedTensors
 from wsync_grpc.trainer.source import WeightSource
-from wsync_grpc.trainer.views import Checksums, EngineStatus
+from wsync_grpc.trainer.views import Checksums, EngineStatus, LeaveResult
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 
 __all__ = ["SendMode", "ShardedTrainerClient"]
@@ -239,14 +240,69 @@ class ShardedTrainerClient:
         elif self._ranks.leader:
             sending = LockstepSource(source, self._ranks)
         if self._follower is None:
-            return self._lead(sending, request)
-        return follow(self._follower.call(sending, request))  # every round, until rank 0 shares the outcome
+            result = self._lead(lambda: self._client.run_update(sending, request))
+        else:
+            result = follow(self._follower.call(sending, request))  # every round, until rank 0's outcome
+        assert result is not None  # a sync always has an outcome
+        return result
 
-    def _lead(self, source: WeightSource, request: BroadcastRequest) -> SyncResult:
-        """Rank 0: the update itself (its buckets gathered in lockstep, or sent by every rank, as
-        ``request.topology`` says); then the outcome to every rank."""
+    def catch_up(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+        *,
+        mode: SendMode = "gather",
+        apply_mode: ApplyMode = "staged",
+    ) -> SyncResult | None:
+        """Bring every engine behind (excluded from earlier syncs, restarted, added) to the fleet's version:
+        collective, on every rank, as :meth:`sync` is; rank 0's :meth:`TrainerClient.catch_up`.
+
+        Rank 0 finds the engines behind; when the fleet's version came from no checkpoint, the ranks send
+        them ``named_tensors`` (this trainer's current weights, as for :meth:`sync`, in ``mode``) in a group
+        formed for them alone; the others keep serving, untouched.
+
+        Args:
+            named_tensors: as for :meth:`sync`, the same on every rank; ``None`` when the fleet's version
+                came from a checkpoint.
+            mode, apply_mode: as for :meth:`sync`.
+
+        Returns:
+            Rank 0's :class:`SyncResult` of the catch-up, on every rank; ``None`` when no engine was behind.
+
+        Raises:
+            as :meth:`sync`; ValueError (on every rank): engines are behind, the fleet's version came from
+            no checkpoint and no ``named_tensors`` were given.
+        """
+        source = ShardedTensors(named_tensors if named_tensors is not None else [])
+        problem, metas, request = "", [], None
         try:
-            result = self._client.run_update(source, request)
+            if mode not in SEND_MODES:
+                raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
+            topology = SendTopology(mode, self._ranks.size)
+            request = catch_up_request("catch-up", apply_mode, self._client.bucket_bytes, topology)
+            metas = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
+        except ValueError as e:
+            problem = str(e)
+        self._agree(
+            "catch_up",
+            {"options": [mode, apply_mode], "tensors (names, dtypes, global shapes)": metas, "checks": problem},
+        )
+        if problem or request is None:
+            raise ValueError(problem)
+        sending: WeightSource = source
+        if mode == "direct" and metas:
+            sending = DirectSource(source, self._ranks)  # collective: the ranks' pieces, exchanged
+        elif self._ranks.leader:
+            sending = LockstepSource(source, self._ranks)
+        if self._follower is None:
+            given = sending if named_tensors is not None else None
+            return self._lead(lambda: self._client.catch_up(given, apply_mode=apply_mode, topology=topology))
+        return follow(self._follower.call(sending, request))
+
+    def _lead(self, update: Callable[[], SyncResult | None]) -> SyncResult | None:
+        """Rank 0: the call itself (its buckets gathered in lockstep, or sent by every rank, as its request's
+        topology says); then the outcome to every rank."""
+        try:
+            result = update()
         except BaseException as e:
             try:
                 self._settle()
@@ -263,6 +319,53 @@ class ShardedTrainerClient:
             self._sender.settle()
         except Exception as e:
             log.warning("another trainer rank's sends failed too: %s", e)
+
+    # ------------------------------------------------------------------ the fleet (rank 0's)
+
+    @property
+    def policy(self) -> FleetPolicy:
+        """The fleet policy of every sync (rank 0's :attr:`TrainerClient.policy`; under ``exclude`` an engine
+        that fails before the commit decision is left out and every rank runs the update again over the
+        others); assignable, the same on every rank."""
+        return self._client.policy
+
+    @policy.setter
+    def policy(self, value: FleetPolicy) -> None:
+        self._client.policy = value
+
+    def members(self) -> dict[str, Member]:
+        """Rank 0: target -> :class:`~wsync_grpc.trainer.roster.Member` (in sync, behind or excluded), as
+        :meth:`TrainerClient.members`. No call is made.
+
+        Raises:
+            RuntimeError: on another rank (the roster is rank 0's).
+        """
+        return self._rank_zero("members").members()
+
+    def add_engine(self, target: str, *, workers: int | None = None) -> Member:
+        """Rank 0: make the engine at ``target`` a member from the next sync (:meth:`TrainerClient.add_engine`;
+        every rank joins the group re-formed for it at that sync); :meth:`catch_up` brings it to the
+        fleet's version at once.
+
+        Raises:
+            RuntimeError: on another rank (the roster is rank 0's), or a sync is running.
+            ValueError: it is a member already.
+        """
+        return self._rank_zero("add_engine").add_engine(target, workers=workers)
+
+    def remove_engine(self, target: str) -> LeaveResult | None:
+        """Rank 0: forget the member at ``target`` (:meth:`TrainerClient.remove_engine`).
+
+        Raises:
+            RuntimeError: on another rank (the roster is rank 0's), or a sync is running.
+            KeyError: it is not a member.
+        """
+        return self._rank_zero("remove_engine").remove_engine(target)
+
+    def _rank_zero(self, call: str) -> TrainerClient:
+        if not self._ranks.leader:
+            raise RuntimeError(f"{call}() is rank 0's: the fleet's roster lives on trainer rank 0")
+        return self._client
 
     def close(self) -> None:
         """Close this rank's client (rank 0: the engines and the trainer leave the group), its membership

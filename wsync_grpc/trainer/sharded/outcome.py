@@ -19,9 +19,14 @@ from wsync_grpc.trainer.results import ClientError, EngineFailure, EngineSyncRes
 __all__ = ["decode_outcome", "encode_error", "encode_result"]
 
 
-def encode_result(result: SyncResult) -> bytes:
-    """``result`` as the JSON bytes :func:`decode_outcome` turns back into it."""
-    return json.dumps({"ok": True, "result": dataclasses.asdict(result)}).encode()
+def encode_result(result: SyncResult | None) -> bytes:
+    """``result`` (``None``: the call had nothing to do, e.g. a catch-up with no engine behind) as the JSON
+    bytes :func:`decode_outcome` turns back into it."""
+    if result is None:
+        return json.dumps({"ok": True, "result": None}).encode()
+    fields = dataclasses.asdict(dataclasses.replace(result, excluded={}))
+    fields["excluded"] = {t: _failure(f) for t, f in result.excluded.items()}
+    return json.dumps({"ok": True, "result": fields}).encode()
 
 
 def _failure(f: EngineFailure) -> dict[str, Any]:
@@ -56,8 +61,12 @@ def encode_error(exc: BaseException) -> bytes:
     return json.dumps({"ok": False, "kind": kind, "message": f"{type(exc).__name__}: {exc}"}).encode()
 
 
-def decode_outcome(payload: bytes) -> SyncResult:
-    """The result rank 0 shared, or its error raised here.
+def _decode_failure(f: dict[str, Any]) -> EngineFailure:
+    return EngineFailure(**{**f, "code": grpc.StatusCode[f["code"]] if f["code"] else None})
+
+
+def decode_outcome(payload: bytes) -> SyncResult | None:
+    """The result rank 0 shared (``None``: the call had nothing to do), or its error raised here.
 
     Raises:
         SyncError: rank 0's update failed (as rank 0 raised it).
@@ -67,13 +76,13 @@ def decode_outcome(payload: bytes) -> SyncResult:
     d = json.loads(payload)
     if d["ok"]:
         r = d["result"]
+        if r is None:
+            return None
         engines = {t: EngineSyncResult(**e) for t, e in r.pop("engines").items()}
-        return SyncResult(**r, engines=engines)
+        excluded = {t: _decode_failure(f) for t, f in r.pop("excluded").items()}
+        return SyncResult(**r, engines=engines, excluded=excluded)
     if d["kind"] == "SyncError":
-        failures = {
-            t: EngineFailure(**{**f, "code": grpc.StatusCode[f["code"]] if f["code"] else None})
-            for t, f in d["failures"].items()
-        }
+        failures = {t: _decode_failure(f) for t, f in d["failures"].items()}
         raise SyncError(
             f"trainer rank 0: {d['message']}",
             stage=d["stage"],

@@ -69,6 +69,8 @@ class Command(enum.IntEnum):
     """Direct mode: every rank has sent its buckets (each reports whether its sends failed)."""
     DIGESTS = 6
     """Direct mode, before Prepare: hash your own buckets and exchange their digests."""
+    AGAIN = 7
+    """The update runs again over fewer engines (a fleet policy left some out): forget this call's failures."""
 
 
 class TrainerRankLost(ClientError):

@@ -16,6 +16,8 @@ reading one round is reading one class and the two halves cannot drift apart:
   the ranks exchange the digests.
 - :data:`SEND` (led by the sender, direct mode): every rank sends its own buckets; rank 0 meanwhile
   leads :data:`SENT` in a helper thread, in which every rank reports its sends done.
+- :data:`AGAIN` (led by the sender when rank 0's fleet policy runs a failed update again over fewer
+  engines): every rank forgets the failed attempt's failures and follows the next attempt.
 - :data:`OUTCOME` (led by :class:`~wsync_grpc.trainer.sharded.client.ShardedTrainerClient` at the end of
   every call): rank 0's result or error, as JSON, to every rank.
 
@@ -45,6 +47,7 @@ from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers, SendJob, bucket_digest
 
 __all__ = [
+    "AGAIN",
     "DIGESTS",
     "GATHER",
     "JOIN",
@@ -52,6 +55,7 @@ __all__ = [
     "ROUNDS",
     "SEND",
     "SENT",
+    "Ended",
     "Round",
     "SentWait",
     "decode_digests",
@@ -81,12 +85,19 @@ class Round(abc.ABC):
             raise TypeError(f"round {cls.__name__} lacks {', '.join(missing)}")
 
     @abc.abstractmethod
-    def follow(self, call: FollowedCall, arg: int, arg2: int) -> SyncResult | None:
+    def follow(self, call: FollowedCall, arg: int, arg2: int) -> Ended | None:
         """A rank other than 0: its part of the round, with the round's two arguments.
 
         Returns:
-            Rank 0's result when the round ends the call; ``None`` to wait for the next round.
+            The call's end (rank 0's result) when the round ends the call; ``None`` to wait for the next round.
         """
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """A call ended by rank 0's outcome: its result (``None``: the call had nothing to do)."""
+
+    result: SyncResult | None
 
 
 # ---------------------------------------------------------------------- JOIN
@@ -249,6 +260,11 @@ class _Either(threading.Event):
         return super().is_set() or self._other.is_set()
 
 
+SENT_GRACE_S = 3.0
+"""How long rank 0, its own sends broken, waits for the :data:`SENT` round to name the rank that failed or
+died, in seconds (the other ranks' sends stop at once; a dead rank fails the round within moments)."""
+
+
 class SentWait:
     """Rank 0's :data:`SENT` round, in a helper thread, while it sends its own buckets.
 
@@ -273,6 +289,10 @@ class SentWait:
     def join(self) -> None:
         """Wait for the round (a rank that never reports fails it after the control group's timeout)."""
         self._thread.join()
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for the round at most ``timeout_s`` seconds (it goes on afterwards; :meth:`join` ends it)."""
+        self._thread.join(timeout_s)
 
 
 class SendRound(Round):
@@ -304,8 +324,12 @@ class SendRound(Round):
             pack_s = send_own(dataclasses.replace(job, cancel=stop), buffers)
         except BaseException as e:
             ranks.release_followers(ok=False)  # their sends stop too
-            if sent.error is not None and isinstance(e, Exception):  # another rank's failure stopped this one
-                raise sent.error from e
+            if isinstance(e, Exception):
+                # A rank that died breaks the group's broadcasts at once, and the round may name it a moment
+                # later: its word says more than the broken broadcast that stopped this rank's sends.
+                sent.wait(SENT_GRACE_S)
+                if sent.error is not None:
+                    raise sent.error from e
             raise
         ranks.release_followers(ok=True)
         return pack_s
@@ -352,7 +376,7 @@ class OutcomeRound(Round):
 
     command = Command.OUTCOME
 
-    def lead(self, ranks: TrainerRanks, outcome: SyncResult | BaseException) -> None:
+    def lead(self, ranks: TrainerRanks, outcome: SyncResult | BaseException | None) -> None:
         """Rank 0: end the call, giving every other rank ``outcome``: one round (whose argument is the
         length), then a broadcast of the bytes. A follower's failure of its own is not raised here: the
         follower raises it.
@@ -360,13 +384,13 @@ class OutcomeRound(Round):
         Raises:
             TrainerRankLost: the round or the broadcast failed.
         """
-        payload = encode_result(outcome) if isinstance(outcome, SyncResult) else encode_error(outcome)
+        payload = encode_error(outcome) if isinstance(outcome, BaseException) else encode_result(outcome)
         with contextlib.suppress(TrainerRankFailed):  # the outcome tells; a follower's own error is raised on it
             ranks.lead(Command.OUTCOME, len(payload))
         if payload:
             ranks.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), _SHARING)
 
-    def follow(self, call: FollowedCall, arg: int, arg2: int) -> SyncResult:
+    def follow(self, call: FollowedCall, arg: int, arg2: int) -> Ended:
         """Take the ``arg`` bytes rank 0 shares: its result, or its error raised here (this rank's own
         failure, if any, as its cause); then this rank's own failure, if any, is raised.
 
@@ -384,7 +408,40 @@ class OutcomeRound(Round):
             raise outcome from call.error
         if call.error is not None:
             raise call.error
-        return result
+        return Ended(result)
+
+
+# ---------------------------------------------------------------------- the table
+
+# ---------------------------------------------------------------------- AGAIN
+
+
+class AgainRound(Round):
+    """Rank 0's fleet policy left engines out of a failed attempt and runs the update again over the others
+    (:class:`~wsync_grpc.trainer.roster.Roster`): every rank forgets the failures of the attempt that
+    ended, which followed from it (a send into a broken group), and follows the next attempt's rounds."""
+
+    command = Command.AGAIN
+
+    def lead(self, ranks: TrainerRanks) -> None:
+        """Rank 0, before it runs the update again (its own and the other ranks' sends of the last attempt
+        ended). The other ranks' failures of the attempt are what it leaves behind: not raised.
+
+        Raises:
+            TrainerRankLost: the round failed (a rank gone).
+        """
+        with contextlib.suppress(TrainerRankFailed):
+            ranks.lead(Command.AGAIN)
+
+    def follow(self, call: FollowedCall, arg: int, arg2: int) -> None:
+        """Forget this call's failure so far (the attempt it came from was abandoned everywhere)."""
+        if call.error is not None:
+            log.info(
+                "trainer rank %d: the update runs again; the last attempt's failure is dropped: %s",
+                call.ranks.rank,
+                call.error,
+            )
+        call.error = None
 
 
 # ---------------------------------------------------------------------- the table
@@ -395,16 +452,17 @@ DIGESTS = DigestsRound()
 SEND = SendRound()
 SENT = SentRound()
 OUTCOME = OutcomeRound()
+AGAIN = AgainRound()
 
-ROUNDS: Mapping[Command, Round] = {r.command: r for r in (JOIN, GATHER, DIGESTS, SEND, SENT, OUTCOME)}
+ROUNDS: Mapping[Command, Round] = {r.command: r for r in (JOIN, GATHER, DIGESTS, SEND, SENT, OUTCOME, AGAIN)}
 """Every command rank 0 may name, and its round."""
 
 
-def follow(call: FollowedCall) -> SyncResult:
+def follow(call: FollowedCall) -> SyncResult | None:
     """A rank other than 0: do what rank 0 asks, round by round, until it shares the outcome.
 
     Returns:
-        Rank 0's result.
+        Rank 0's result (``None``: the call had nothing to do).
 
     Raises:
         as the rounds' follower halves (:meth:`OutcomeRound.follow` raises rank 0's error, or this rank's).
@@ -415,6 +473,6 @@ def follow(call: FollowedCall) -> SyncResult:
         r = ROUNDS.get(command)
         if r is None:
             raise AssertionError(f"unexpected command {command!r} from trainer rank 0")
-        result = r.follow(call, arg, arg2)
-        if result is not None:
-            return result
+        ended = r.follow(call, arg, arg2)
+        if ended is not None:
+            return ended.result

@@ -28,13 +28,16 @@ Units: sizes in bytes, times in seconds.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Literal
 
 from wsync_grpc.core.digests import Digest
-from wsync_grpc.trainer.sharded.ranks import TrainerRanks
-from wsync_grpc.trainer.sharded.rounds import DIGESTS, JOIN, SEND, SentWait
+from wsync_grpc.trainer.sharded.ranks import TrainerRankLost, TrainerRanks
+from wsync_grpc.trainer.sharded.rounds import AGAIN, DIGESTS, JOIN, SEND, SentWait
 from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers, SendJob
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SEND_MODES", "SendMode", "ShardedSender"]
 
@@ -132,6 +135,22 @@ class ShardedSender:
         sent.join()
         if sent.error is not None:
             raise sent.error
+
+    def repeating(self) -> None:
+        """See :meth:`Sender.repeating`: once the last attempt's sends ended on every rank (their failure is
+        the attempt's, logged), an :data:`~wsync_grpc.trainer.sharded.rounds.AGAIN` round: every rank forgets
+        it and follows the next attempt.
+
+        Raises:
+            TrainerRankLost: a trainer rank is gone.
+        """
+        try:
+            self.settle()
+        except TrainerRankLost:
+            raise
+        except Exception as e:
+            log.info("the last attempt's sends failed on another trainer rank too: %s", e)
+        AGAIN.lead(self._ranks)
 
     def release(self) -> None:
         """See :meth:`Sender.release`."""

@@ -10,7 +10,6 @@ an incremental update); the engine must have joined the group (Init).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from wsync_grpc.core.header import UpdateHeader
@@ -18,7 +17,7 @@ from wsync_grpc.core.layout import Bucket, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import UpdateValidator
 from wsync_grpc.transports.broadcast.receiver import BroadcastReceiver
-from wsync_grpc.transports.disk.roots import CheckpointRoots
+from wsync_grpc.transports.context import PlanContext
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 
@@ -38,12 +37,7 @@ class BroadcastTransport:
         """An incremental broadcast may declare further buckets."""
 
     def plan(
-        self,
-        header: UpdateHeader,
-        validator: UpdateValidator,
-        buckets: list[Bucket],
-        roots: CheckpointRoots,
-        cancel: threading.Event,
+        self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], context: PlanContext
     ) -> PlannedUpdate:
         """The stream's header and buckets as they are: the bytes come over the group."""
         return PlannedUpdate(header, buckets)

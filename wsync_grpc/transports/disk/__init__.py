@@ -15,7 +15,6 @@ through the same files. The trainer side writes checkpoints
 from __future__ import annotations
 
 import dataclasses
-import threading
 from dataclasses import dataclass
 
 from wsync_grpc.core.errors import InvalidArgument
@@ -23,9 +22,9 @@ from wsync_grpc.core.header import UpdateHeader, transport_unimplemented
 from wsync_grpc.core.layout import Bucket, Layout, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import UpdateValidator
+from wsync_grpc.transports.context import PlanContext
 from wsync_grpc.transports.disk.checkpoint import plan_disk_update
 from wsync_grpc.transports.disk.receiver import DiskReceiver
-from wsync_grpc.transports.disk.roots import CheckpointRoots
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 
@@ -64,19 +63,15 @@ class DiskTransport:
         raise transport_unimplemented(self.kind)
 
     def plan(
-        self,
-        header: UpdateHeader,
-        validator: UpdateValidator,
-        buckets: list[Bucket],
-        roots: CheckpointRoots,
-        cancel: threading.Event,
+        self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], context: PlanContext
     ) -> PlannedUpdate:
-        """The checkpoint opened beneath ``roots``, its buckets built from its headers and validated.
+        """The checkpoint opened beneath ``context.roots``, its buckets built from its headers and validated
+        (stopping at ``context.cancel``).
 
         Raises:
             see :func:`~wsync_grpc.transports.disk.checkpoint.plan_disk_update`.
         """
-        return plan_disk_update(roots, header, validator, cancel)
+        return plan_disk_update(context.roots, header, validator, context.cancel)
 
     def receiver(self, site: ReceiveSite, plan: ReceivePlan) -> Receiver:
         """A :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` reading ``plan.files``."""
