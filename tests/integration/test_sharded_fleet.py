@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fsdp_ranks import LONG, start_ranks
 from support import ENV, free_port
+
 from wsync_grpc.testing import EngineProcess, cli_command, spawn_process, stop_all
 
 # Kills an engine at a moment rank 0 reports: `make test` runs this module in its serial pass.
