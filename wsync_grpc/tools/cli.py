@@ -370,12 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(argv, parser)
     try:
-        options.check_paths(parser, args)
-    except UsageError as e:
-        print(f"wsync {args.command}: {e}", file=sys.stderr)
-        return 2
-    _configure_logging(args.log_level, args.log_format)
-    try:
+        options.check_paths(parser, args)  # before logging is set up or anything loads
+        _configure_logging(args.log_level, args.log_format)
         result: int = args.func(args)
     except UsageError as e:
         print(f"wsync {args.command}: {e}", file=sys.stderr)

@@ -54,10 +54,7 @@ def port(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an integer, or out of range.
     """
-    value = _integer(text)
-    if not 0 <= value <= MAX_PORT:
-        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (0-{MAX_PORT}; 0 picks a free one)")
-    return value
+    return _port_from(text, 0, f"a TCP port (0-{MAX_PORT}; 0 picks a free one)")
 
 
 def fixed_port(text: str) -> int:
@@ -66,10 +63,7 @@ def fixed_port(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an integer, or out of range.
     """
-    value = _integer(text)
-    if not 1 <= value <= MAX_PORT:
-        raise argparse.ArgumentTypeError(f"{text} is not a TCP port to serve on (1-{MAX_PORT})")
-    return value
+    return _port_from(text, 1, f"a TCP port to serve on (1-{MAX_PORT})")
 
 
 def seconds(text: str) -> float:
@@ -253,6 +247,13 @@ def _integer(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text} is not an integer") from None
+
+
+def _port_from(text: str, least: int, what: str) -> int:
+    value = _integer(text)
+    if not least <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{text} is not {what}")
+    return value
 
 
 def _integer_from(text: str, least: int) -> int:

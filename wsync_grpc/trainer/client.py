@@ -28,7 +28,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.adapters import adapter_tensors
-from wsync_grpc.trainer.deadline import CancelSignal
+from wsync_grpc.trainer.deadline import CancelSignal, check_timeout
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -730,8 +730,7 @@ class TrainerClient(Settings):
         Raises:
             ValueError: ``timeout_s`` is not above 0.
         """
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be above 0 seconds, got {timeout_s}")
+        check_timeout(timeout_s)  # before the lock: a bad timeout is refused whatever else runs
         if not self._op_lock.acquire(blocking=False):
             raise RuntimeError("another sync (or init/leave) is running on this client")
         try:

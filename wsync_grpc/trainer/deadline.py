@@ -24,6 +24,16 @@ MIN_CALL_S = 0.05
 """The shortest timeout :meth:`CancelSignal.bound` gives a call, in seconds (a call with none left fails at once)."""
 
 
+def check_timeout(timeout_s: float | None) -> None:
+    """Refuse a sync timeout that is not above 0 seconds (``None``: no deadline, accepted).
+
+    Raises:
+        ValueError: ``timeout_s`` is not above 0.
+    """
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be above 0 seconds, got {timeout_s}")
+
+
 class CancelSignal(threading.Event):
     """An event set by a cancel or by the running sync's deadline (the latter survives :meth:`clear`).
 
@@ -59,8 +69,7 @@ class CancelSignal(threading.Event):
         Raises:
             ValueError: ``timeout_s`` is not above 0.
         """
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be above 0 seconds, got {timeout_s}")
+        check_timeout(timeout_s)
         with self._lock:
             self._stop_timer()
             self._timeout_s = timeout_s

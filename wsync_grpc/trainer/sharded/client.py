@@ -278,6 +278,8 @@ class ShardedTrainerClient:
             if mode not in SEND_MODES:
                 raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
             topology = SendTopology(mode, self._ranks.size)
+            # The fleet's version is rank 0's to know: every rank plans with this request, whose version only
+            # rank 0's own request (built by TrainerClient.catch_up) sends.
             request = catch_up_request("catch-up", apply_mode, self._client.bucket_bytes, topology)
             metas = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
         except ValueError as e:
