@@ -38,6 +38,7 @@ NOT_SETTINGS = {
     "owner",
     "metrics_registry",
     "sender",
+    "peers",
     "policy",
 }
 """The constructor's parameters that are not settings (a new keyword is one or the other)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from wsync_grpc.group.process_group import free_port
 from wsync_grpc.tools.demo import engines
-from wsync_grpc.trainer.sharded.sender import SEND_MODES
+from wsync_grpc.trainer.sharded.peers import SEND_MODES
 
 
 def _relay(rank: int, proc: subprocess.Popen[str], failures: list[str]) -> None:

@@ -25,6 +25,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from wsync.v1 import weight_sync_pb2_grpc
 
+from wsync_grpc.core.layout import Transport
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.adapters import adapter_tensors
@@ -45,8 +46,8 @@ from wsync_grpc.trainer.protocol import UpdateProtocol
 from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest, catch_up_request
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Member, Roster
-from wsync_grpc.trainer.runner import UpdateRunner
-from wsync_grpc.trainer.sender import BroadcastSender, Sender
+from wsync_grpc.trainer.runner import Senders, UpdateRunner
+from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import Settings, client_settings, setting_attributes, setting_keywords
 from wsync_grpc.trainer.source import NamedTensors, WeightSource
 from wsync_grpc.trainer.views import (
@@ -60,6 +61,7 @@ from wsync_grpc.trainer.views import (
 )
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 from wsync_grpc.transports.disk.writer import save_checkpoint
+from wsync_grpc.transports.sending import ONE_PROCESS, SendSite, TrainerPeers, TransportSender
 from wsync_grpc.wire.keepalive import Keepalive
 
 __all__ = ["TrainerClient"]
@@ -127,10 +129,14 @@ class TrainerClient(Settings):
             ``NOT_OWNER`` from ``init``/``sync``.
         metrics_registry: where the client's Prometheus metrics go (:mod:`wsync_grpc.trainer.metrics`);
             ``None`` = a registry of its own (:attr:`metrics_registry`), for the caller to serve.
-        sender: builds the client's :class:`~wsync_grpc.trainer.sender.Sender` (which trainer ranks
-            send which bytes) from its two pack buffers; ``None`` = one process at group rank 0
-            (:class:`~wsync_grpc.trainer.sender.BroadcastSender`). A sharded trainer's client
-            passes its own (:class:`~wsync_grpc.trainer.sharded.ShardedTrainerClient`).
+        peers: the trainer's ranks in the weight-sync group
+            (:class:`~wsync_grpc.transports.sending.TrainerPeers`); ``None`` = one process at group rank 0.
+            A sharded trainer's client passes its own (:class:`~wsync_grpc.trainer.sharded.ShardedTrainerClient`).
+            Each transport's part builds the sender of its updates from them
+            (:meth:`TransportPart.sender <wsync_grpc.transports.TransportPart.sender>`).
+        sender: deprecated (for one release): builds, from the client's two pack buffers, one object that is
+            both the trainer's ranks and its broadcast sender (:class:`~wsync_grpc.trainer.sender.Sender`);
+            use ``peers``. Not with ``peers``.
         policy: what an update does when engines are unreachable or fail before the commit decision
             (:class:`~wsync_grpc.trainer.roster.FleetPolicy`); ``None`` (default) = ``FleetPolicy()``:
             the update fails, all or nothing across every engine. ``FleetPolicy.exclude(min_engines=k)``
@@ -170,6 +176,7 @@ class TrainerClient(Settings):
         metrics_registry: CollectorRegistry | None = None,
         sender: Callable[[PackBuffers], Sender] | None = None,
         policy: FleetPolicy | None = None,
+        peers: TrainerPeers | None = None,
     ) -> None:
         targets = list(targets)
         self._settings = client_settings(targets, **setting_keywords(locals()))
@@ -178,14 +185,25 @@ class TrainerClient(Settings):
         self._op_lock = threading.Lock()
         self._cancel_event = CancelSignal()
         self._leases = Leases(self._fleet)
-        buffers = PackBuffers(keep_buffers, self._settings.device)
-        self._sender: Sender = sender(buffers) if sender is not None else BroadcastSender(buffers)
-        self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases, self._sender)
+        given: dict[Transport, TransportSender] = {}
+        if sender is not None:  # deprecated: one object, the ranks and the broadcast
+            if peers is not None:
+                raise ValueError("pass peers or the deprecated sender, not both")
+            peers = given[Transport.BROADCAST] = sender(PackBuffers(keep_buffers, self._settings.device))
+        peers = peers if peers is not None else ONE_PROCESS
+        self._senders = Senders(SendSite(peers, self._settings.device, keep_buffers), given)
+        self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases, peers)
         self._metrics = TrainerMetrics(metrics_registry)
         calls = UpdateProtocol(
-            self._fleet, self._membership, self._settings, self._cancel_event, self._sender, self._metrics
+            self._fleet,
+            self._membership,
+            self._settings,
+            self._cancel_event,
+            peers,
+            self._senders.release,
+            self._metrics,
         )
-        self._runner = UpdateRunner(calls, self._settings, self._sender, self._cancel_event)
+        self._runner = UpdateRunner(calls, self._settings, self._senders, self._cancel_event)
         self._policy = policy if policy is not None else FleetPolicy()
         self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
 
@@ -352,7 +370,7 @@ class TrainerClient(Settings):
         self._membership.closed = True
         with self._op_lock:
             self._membership.leave_on_close()
-            self._sender.release()
+            self._senders.release()
         self._leases.close()  # the engines release the lease at once
         self._fleet.close()
 
@@ -501,7 +519,7 @@ class TrainerClient(Settings):
             as :meth:`sync`.
         """
         with self._exclusive(timeout_s):
-            return self._roster.run(policy or self._policy, request, lambda r: self._runner.broadcast(source, r))
+            return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
 
     def sync_from_disk(
         self,
@@ -549,7 +567,7 @@ class TrainerClient(Settings):
             checkpoint_path, weight_version, apply_mode, flush_cache=flush_cache, update_id=update_id, on_phase=on_phase
         )
         with self._exclusive(timeout_s):
-            return self._roster.run(policy or self._policy, request, self._runner.disk)
+            return self._roster.run(policy or self._policy, request, self._runner.run)
 
     def save_and_sync(
         self,
@@ -613,7 +631,7 @@ class TrainerClient(Settings):
                 adapter, version, "staged", update_id=update_id, on_phase=on_phase, adapter=name
             )
             with self._exclusive():
-                return self._roster.run(policy or self._policy, loaded, self._runner.disk)
+                return self._roster.run(policy or self._policy, loaded, self._runner.run)
         check_version(version)  # before reading the model
         spec, tensors = adapter_tensors(adapter, name)
         request = BroadcastRequest.create(
@@ -627,7 +645,7 @@ class TrainerClient(Settings):
         )
         source = NamedTensors(tensors.items())
         with self._exclusive():
-            return self._roster.run(policy or self._policy, request, lambda r: self._runner.broadcast(source, r))
+            return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
 
     # ------------------------------------------------------------------ membership between syncs
 
@@ -711,7 +729,7 @@ class TrainerClient(Settings):
             checkpoint = self._roster.checkpoint
             if checkpoint is not None:
                 disk = DiskRequest.create(checkpoint, version, apply_mode)
-                return self._roster.only(late, lambda: self._runner.disk(disk))
+                return self._roster.only(late, lambda: self._runner.run(disk))
             if named_tensors is None:
                 behind = ", ".join(e.target for e in late)
                 raise ValueError(
@@ -720,7 +738,7 @@ class TrainerClient(Settings):
                 )
             source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
             request = catch_up_request(version, apply_mode, self._settings.bucket_bytes, topology)
-            return self._roster.only(late, lambda: self._runner.broadcast(source, request))
+            return self._roster.only(late, lambda: self._runner.run(request, source))
 
     @contextlib.contextmanager
     def _exclusive(self, timeout_s: float | None = None) -> Iterator[None]:

@@ -2,8 +2,8 @@
 
 Forming the group (:meth:`Membership.form`): ask every engine for its worker
 count, compute rank offsets (the trainer's ranks first, as many as its
-:class:`~wsync_grpc.trainer.sender.Sender` says, ``M``; engine *i* from
-``M + sum(workers[:i])``; today's single sender: ``M = 1``, the trainer at
+:class:`~wsync_grpc.transports.sending.TrainerPeers` say, ``M``; engine *i* from
+``M + sum(workers[:i])``; a trainer that is one process: ``M = 1``, the trainer at
 rank 0), free engines still holding an old membership, choose the store's
 address (``master_address``; ``"auto"``: the local address of the route to
 the first engine, looked up at every formation), then send Init to every
@@ -43,8 +43,8 @@ from wsync_grpc.trainer.results import (
     InitError,
     failure_lines,
 )
-from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS, ClientSettings
+from wsync_grpc.transports.sending import TrainerPeers
 from wsync_grpc.wire.convert import backend_to_proto, duration
 
 log = logging.getLogger(__name__)
@@ -57,15 +57,15 @@ _ARMED = (pb.LIFECYCLE_STATE_PREPARING, pb.LIFECYCLE_STATE_RECEIVING, pb.LIFECYC
 
 
 class Membership:
-    """The trainer's side of the group (its sender's rank) and the Init replies it was formed with.
+    """The trainer's side of the group (its rank among the trainer's peers) and the Init replies it was formed with.
 
     Args:
         fleet: the engines.
         settings: the client's settings (read at every formation).
         cancel_event: the client's cancel signal, cleared when a formation starts.
         leases: the client's KeepAlive calls, (re)started by every formation.
-        sender: how many group ranks the trainer holds (engines' workers follow them) and which
-            one this process joins as.
+        peers: the trainer's ranks: how many group ranks it holds (engines' workers follow them) and
+            which one this process joins as.
 
     Attributes:
         group: the trainer's membership, ``None`` before a formation and after a drop.
@@ -73,10 +73,10 @@ class Membership:
     """
 
     def __init__(
-        self, fleet: Fleet, settings: ClientSettings, cancel_event: threading.Event, leases: Leases, sender: Sender
+        self, fleet: Fleet, settings: ClientSettings, cancel_event: threading.Event, leases: Leases, peers: TrainerPeers
     ) -> None:
         self._fleet = fleet
-        self._sender = sender
+        self._peers = peers
         self._leases = leases
         self._settings = settings
         self._cancel_event = cancel_event
@@ -107,13 +107,13 @@ class Membership:
 
     @property
     def trainer_ranks(self) -> int:
-        """How many group ranks the trainer holds (its sender's)."""
-        return self._sender.trainer_ranks
+        """How many group ranks the trainer holds (its peers')."""
+        return self._peers.trainer_ranks
 
     @property
     def world_size(self) -> int:
         """The trainer's ranks plus every engine's workers, as of the last formation (the trainer's alone before)."""
-        return self._sender.trainer_ranks + sum(e.workers for e in self._fleet.engines)
+        return self._peers.trainer_ranks + sum(e.workers for e in self._fleet.engines)
 
     @property
     def port(self) -> int | None:
@@ -158,7 +158,7 @@ class Membership:
         self._free_all(statuses)
         self.master_address = address = self._store_address()
         port = self._settings.master_port or free_port(address)
-        self._sender.forming(port, world_size)
+        self._peers.forming(port, world_size)
         replies = self._join_all(address, port, world_size)
         self._port_in_use = port
         self._init_replies = replies
@@ -202,7 +202,7 @@ class Membership:
         Raises:
             InitError: an engine reports no workers.
         """
-        offset = self._sender.trainer_ranks
+        offset = self._peers.trainer_ranks
         for e in self._fleet.engines:
             e.workers = e.fixed_workers if e.fixed_workers is not None else int(statuses[e.target].engine.workers)
             if e.workers < 1:
@@ -271,7 +271,7 @@ class Membership:
             raise InitError(f"cannot initialize: {failure_lines(failures)}", rpc="Init", failures=failures, results={})
 
     def _join_all(self, address: str, port: int, world_size: int) -> dict[str, pb.InitResponse]:
-        """Send Init to every engine, join as the sender's rank meanwhile, then collect the Init replies.
+        """Send Init to every engine, join as this process's rank meanwhile, then collect the Init replies.
 
         Raises:
             InitError: an Init or the trainer's join failed, or an engine joined at other ranks.
@@ -279,7 +279,7 @@ class Membership:
         events = threading.Event()  # set whenever a future or the join finishes
         futures, failures = self._start_inits(address, port, world_size, events)
         # The trainer joins in a helper thread so that a fast Init failure is noticed at once.
-        join = _TrainerJoin(self._settings, self._sender, address, port, world_size, events)
+        join = _TrainerJoin(self._settings, self._peers, address, port, world_size, events)
         if not failures:
             join.run_until_done_or_failed(futures)
         if join.thread.is_alive() or failures:
@@ -332,7 +332,7 @@ class Membership:
                 backend=backend_to_proto(s.backend),
                 timeout=duration(s.group_timeout_s),
                 owner=self._fleet.owner,
-                trainer_ranks=self._sender.trainer_ranks,
+                trainer_ranks=self._peers.trainer_ranks,
             )
             try:
                 call = self._fleet.submit(functools.partial(self._start_init, e, req, rpc_deadline))
@@ -418,7 +418,7 @@ class Membership:
 
 
 class _TrainerJoin:
-    """The trainer's own join (at its sender's rank), in a helper thread, while the engines' Init calls are in flight.
+    """The trainer's own join (at its rank), in a helper thread, while the engines' Init calls are in flight.
 
     Attributes:
         thread: the helper thread (started by :meth:`run_until_done_or_failed`).
@@ -430,7 +430,7 @@ class _TrainerJoin:
     def __init__(
         self,
         settings: ClientSettings,
-        sender: Sender,
+        peers: TrainerPeers,
         address: str,
         port: int,
         world_size: int,
@@ -438,8 +438,8 @@ class _TrainerJoin:
     ) -> None:
         self._settings = settings
         self._address = address
-        self._rank = sender.rank
-        self._trainer_ranks = sender.trainer_ranks
+        self._rank = peers.rank
+        self._trainer_ranks = peers.trainer_ranks
         self._port = port
         self._world_size = world_size
         self._events = events

@@ -56,9 +56,9 @@ from wsync_grpc.trainer.results import (
     engine_result,
     failure_lines,
 )
-from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.tracing import SyncTrace
+from wsync_grpc.transports.sending import TrainerPeers
 from wsync_grpc.wire.convert import duration, header_to_proto
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class UpdateProtocol:
         membership: the trainer's group membership (re-formed when stale, left when an update fails).
         settings: the client's settings (timeouts are read at every update).
         cancel_event: the client's cancel signal; set, it stops the update at its next wait.
-        sender: the trainer's sender (its kept buffers are released when an update is abandoned).
+        peers: the trainer's ranks (they follow an update run again).
+        release: drops what the trainer's senders keep between updates (called when an update is abandoned).
         metrics: the client's Prometheus metrics.
     """
 
@@ -97,14 +98,16 @@ class UpdateProtocol:
         membership: Membership,
         settings: ClientSettings,
         cancel_event: CancelSignal,
-        sender: Sender,
+        peers: TrainerPeers,
+        release: Callable[[], None],
         metrics: TrainerMetrics,
     ) -> None:
         self._fleet = fleet
         self._membership = membership
         self._settings = settings
         self._cancel_event = cancel_event
-        self._sender = sender
+        self._peers = peers
+        self._release = release
         self._metrics = metrics
         self._holds: Holds | None = None
         self._trace: SyncTrace  # one per run
@@ -156,22 +159,24 @@ class UpdateProtocol:
         """A courier that declares ``request``'s bucket digests to every engine as they are hashed."""
         return DigestCourier(self._fleet, request.update_id, self._settings.rpc_timeout_s)
 
-    def hold_engines(self) -> None:
+    def hold_engines(self) -> tuple[float, None]:
         """For an update without a group (disk): clear the cancel signal and hold every engine's lease.
 
-        The leases are released at once when the client closes, as after an init.
+        The leases are released at once when the client closes, as after an init. Returns what
+        :meth:`ensure_group` does for an update without a group: no time spent on it, no group.
         """
         self._cancel_event.clear()
         self._membership.hold_leases()
+        return 0.0, None
 
     def repeating(self) -> None:
         """The update that failed runs again over fewer engines: the trainer's other ranks follow it
-        (:meth:`Sender.repeating <wsync_grpc.trainer.sender.Sender.repeating>`).
+        (:meth:`TrainerPeers.repeating <wsync_grpc.transports.sending.TrainerPeers.repeating>`).
 
         Raises:
             Exception: a trainer rank is gone.
         """
-        self._sender.repeating()
+        self._peers.repeating()
 
     def applied(self, request: UpdateRequest, result: SyncResult) -> SyncResult:
         """Record a successful update and report its last phase; returns ``result``."""
@@ -370,7 +375,7 @@ class UpdateProtocol:
             if broadcast_started:
                 self._name_ended(update_id, [t for t, c in cancelled.items() if not c], all_failures)
         self._membership.drop()
-        self._sender.release()  # a send abandoned half-way may still read its buffers
+        self._release()  # a send abandoned half-way may still read its buffers
         for t, f in cancel_failures.items():
             all_failures.setdefault(t, f)
         engine_failures = len([t for t in all_failures if t != TRAINER])

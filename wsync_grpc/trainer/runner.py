@@ -36,18 +36,18 @@ from dataclasses import dataclass
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.digests import Digest
-from wsync_grpc.core.layout import Bucket, total_wire_bytes
+from wsync_grpc.core.layout import Bucket, Transport, total_wire_bytes
 from wsync_grpc.trainer.deadline import CancelSignal
 from wsync_grpc.trainer.digests import DigestCourier
 from wsync_grpc.trainer.options import apply_mode_name, layout_name
 from wsync_grpc.trainer.planning import Planner, set_spec_digests
 from wsync_grpc.trainer.protocol import Prepared, UpdateProtocol
-from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest, UpdateRequest
+from wsync_grpc.trainer.request import BroadcastRequest, UpdateRequest
 from wsync_grpc.trainer.results import TRAINER, Commit, EngineFailure, SyncProgress, SyncResult
-from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.source import WeightSource
-from wsync_grpc.transports.broadcast.sender import SendJob
+from wsync_grpc.transports import TransportPart, transport_for
+from wsync_grpc.transports.sending import SendJob, SendSite, TransportSender
 
 
 @dataclass(frozen=True)
@@ -97,102 +97,162 @@ def sync_result(request: UpdateRequest, shape: Shape, prepared: Prepared, commit
     )
 
 
+class Senders:
+    """A trainer client's transport senders, one per transport it used, each built by its part on first use
+    (:meth:`TransportPart.sender <wsync_grpc.transports.TransportPart.sender>`) and kept across updates.
+
+    Args:
+        site: the trainer's ranks and device.
+        given: senders built by the caller, by transport (the deprecated ``TrainerClient(sender=...)``).
+    """
+
+    def __init__(self, site: SendSite, given: Mapping[Transport, TransportSender] | None = None) -> None:
+        self._site = site
+        self._senders: dict[Transport, TransportSender] = dict(given or {})
+
+    def of(self, part: TransportPart) -> TransportSender:
+        """``part``'s sender, built on first use.
+
+        Raises:
+            Unimplemented: TRANSPORT_UNIMPLEMENTED, the transport has no trainer half.
+        """
+        sender = self._senders.get(part.kind)
+        if sender is None:
+            sender = self._senders[part.kind] = part.sender(self._site)
+        return sender
+
+    def release(self) -> None:
+        """Drop what every sender keeps between updates (:meth:`TransportSender.release
+        <wsync_grpc.transports.sending.TransportSender.release>`)."""
+        for sender in self._senders.values():
+            sender.release()
+
+
 class UpdateRunner:
-    """Runs one update at a time, of any kind (the caller holds the client's op lock).
+    """Runs one update at a time, of any kind, over the transport its request names (the caller holds the
+    client's op lock).
 
     Args:
         calls: the update's calls over the engines and its failure protocol.
         settings: the client's settings (the planner and the digests read them at every update).
-        sender: which trainer rank sends which bytes (broadcasts).
+        senders: the client's transport senders (a trainer that sends the bytes hands its buckets to the
+            request's transport's).
         cancel_event: the client's cancel signal (a cancel, or the sync's deadline); set, it stops the send
             at its next wait.
     """
 
     def __init__(
-        self, calls: UpdateProtocol, settings: ClientSettings, sender: Sender, cancel_event: CancelSignal
+        self, calls: UpdateProtocol, settings: ClientSettings, senders: Senders, cancel_event: CancelSignal
     ) -> None:
         self._calls = calls
         self._settings = settings
-        self._sender = sender
+        self._senders = senders
         self._cancel_event = cancel_event
         self._planner = Planner(settings)
 
-    def broadcast(self, source: WeightSource, request: BroadcastRequest) -> SyncResult:
-        """Send ``source``'s tensors to every engine as ``request`` says, as one trace.
+    def run(self, request: UpdateRequest, source: WeightSource | None = None) -> SyncResult:
+        """Run ``request`` over its transport (:func:`~wsync_grpc.transports.transport_for`), as one trace:
+
+        the trainer plans ``source``'s buckets unless the transport's engines build them
+        (``engine_builds_buckets``); the group is (re-)formed only if the transport needs one
+        (``needs_group``; without one the engines' leases are held for the update); then Prepare, the
+        transport's send (none where the engines read the bytes), the commit.
 
         Raises:
-            ValueError: nothing to send, or a planning error.
+            ValueError: nothing to send, or a planning error; a ``source`` where the engines read the bytes
+                or none where the trainer sends them.
+            Unimplemented: TRANSPORT_UNIMPLEMENTED, no transport part serves the request's transport here.
             SyncError: the update failed; it was abandoned on every engine.
             ClientError: the client was closed.
         """
-        return self._calls.run(request, lambda: self._broadcast(source, request))
+        part = transport_for(request.transport)
+        if part.engine_builds_buckets != (source is None):
+            who = "the engines read" if part.engine_builds_buckets else "the trainer sends"
+            raise ValueError(f"{request.transport.name.lower()} updates are ones {who} the bytes of: source {source!r}")
+        return self._calls.run(request, lambda: self._run(part, request, source))
 
-    def disk(self, request: DiskRequest) -> SyncResult:
-        """Have every engine read ``request.checkpoint_path`` and commit it, as one trace.
+    # ------------------------------------------------------------------ the steps
+
+    def _run(self, part: TransportPart, request: UpdateRequest, source: WeightSource | None) -> SyncResult:
+        calls = self._calls
+        planned = self._plan(request, source) if source is not None else None
+        init_s, group = calls.ensure_group(request) if part.needs_group else calls.hold_engines()
+        if source is None or planned is None:
+            # A header-only Prepare: every engine replies once it validated its own plan (stage "prepare").
+            prepared = calls.prepare(request, request.header())
+            commit = calls.transfer_and_commit(request, prepared, None)  # the engines read the bytes themselves
+            reply: pb.PrepareResponse = next(iter(prepared.replies.values()))  # every engine planned the same
+            shape = Shape(reply.bucket_count, reply.tensor_count, reply.total_bytes, wire_bytes=0)
+            return calls.applied(request, sync_result(request, shape, prepared, commit))
+        sends, buckets, messages, shape = planned
+        shape = dataclasses.replace(shape, init_s=init_s)
+        job = SendJob(
+            group, buckets, sends.layout, source.bucket_tensors, sends.topology, self._cancel_event, request.update_id
+        )
+        sender = self._senders.of(part)
+        up_front = self._digests_before_send(sender, request, job) if self._settings.digests else {}
+        set_spec_digests(messages, up_front or {})
+        courier = calls.digest_courier(request) if up_front is None else None
+        header = sends.header(len(buckets), shape.wire_bytes, digests_follow=courier is not None)
+        prepared = calls.prepare(request, header, messages)
+        commit = calls.transfer_and_commit(
+            request, prepared, lambda: self._send(sender, sends, job, shape.wire_bytes, courier)
+        )
+        return calls.applied(request, sync_result(request, shape, prepared, commit))
+
+    def _plan(
+        self, request: UpdateRequest, source: WeightSource
+    ) -> tuple[BroadcastRequest, list[Bucket], list[pb.PrepareRequest], Shape]:
+        """Plan ``source``'s buckets for ``request`` (the trainer's bucket capacity, dtype, layout, topology).
 
         Raises:
-            SyncError: some engine refused or failed; the update was cancelled everywhere.
-            ClientError: the client was closed.
+            ValueError: ``request`` is not one the trainer sends (:class:`BroadcastRequest`), nothing to send,
+                or a planning error.
         """
-        return self._calls.run(request, lambda: self._disk(request))
-
-    # ------------------------------------------------------------------ each kind's steps
-
-    def _broadcast(self, source: WeightSource, request: BroadcastRequest) -> SyncResult:
-        calls = self._calls
+        if not isinstance(request, BroadcastRequest):
+            raise ValueError(f"the trainer plans only the updates it sends, not a {type(request).__name__}")
         t_plan = time.monotonic()
-        calls.phase("plan")
+        self._calls.phase("plan")
         buckets, messages = self._planner.plan(
             source.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology
         )
         if not buckets:
             raise ValueError("nothing to sync: no tensors given")
-        wire_bytes = total_wire_bytes(buckets, request.layout)
-        plan_s = time.monotonic() - t_plan
-        request.report("planned")
-        init_s, group = calls.ensure_group(request)
-        job = SendJob(group, buckets, request.layout, source.bucket_tensors, request.topology, self._cancel_event)
-        up_front = self._digests_before_send(request, job) if self._settings.digests else {}
-        set_spec_digests(messages, up_front or {})
-        courier = calls.digest_courier(request) if up_front is None else None
-        header = request.header(len(buckets), wire_bytes, digests_follow=courier is not None)
-        prepared = calls.prepare(request, header, messages)
-        commit = calls.transfer_and_commit(request, prepared, lambda: self._send(request, job, wire_bytes, courier))
         shape = Shape(
             bucket_count=len(buckets),
             tensor_count=sum(len(b.tensors) for b in buckets),
             payload_bytes=sum(b.payload_bytes for b in buckets),
-            wire_bytes=wire_bytes,
-            init_s=init_s,
-            plan_s=plan_s,
+            wire_bytes=total_wire_bytes(buckets, request.layout),
+            plan_s=time.monotonic() - t_plan,
         )
-        return calls.applied(request, sync_result(request, shape, prepared, commit))
-
-    def _disk(self, request: DiskRequest) -> SyncResult:
-        calls = self._calls
-        calls.hold_engines()
-        # A header-only Prepare: every engine replies once it validated the checkpoint (stage "prepare").
-        prepared = calls.prepare(request, request.header())
-        commit = calls.transfer_and_commit(request, prepared, None)  # the engines read the bytes themselves
-        planned: pb.PrepareResponse = next(iter(prepared.replies.values()))  # every engine planned the same
-        shape = Shape(planned.bucket_count, planned.tensor_count, planned.total_bytes, wire_bytes=0)
-        return calls.applied(request, sync_result(request, shape, prepared, commit))
+        request.report("planned")
+        return request, buckets, messages, shape
 
     # ------------------------------------------------------------------ a broadcast's send
 
-    def _digests_before_send(self, request: BroadcastRequest, job: SendJob) -> Mapping[int, Digest] | None:
-        """The digests the sender computed before Prepare (:meth:`Sender.digests_before_send`); ``None``: they follow.
+    def _digests_before_send(
+        self, sender: TransportSender, request: UpdateRequest, job: SendJob
+    ) -> Mapping[int, Digest] | None:
+        """The digests ``sender`` computed before Prepare (:meth:`TransportSender.digests_before_send
+        <wsync_grpc.transports.sending.TransportSender.digests_before_send>`); ``None``: they follow.
 
         Raises:
             SyncError: a trainer rank failed while hashing (stage ``"prepare"``; no byte was sent).
         """
         try:
-            return self._sender.digests_before_send(job)
+            return sender.digests_before_send(job)
         except Exception as exc:
             trainer = EngineFailure.from_exception(TRAINER, "digests", exc)
             raise self._calls.abandon(request, "prepare", {TRAINER: trainer}) from exc
 
-    def _send(self, request: BroadcastRequest, job: SendJob, wire_bytes: int, courier: DigestCourier | None) -> float:
+    def _send(
+        self,
+        sender: TransportSender,
+        request: BroadcastRequest,
+        job: SendJob,
+        wire_bytes: int,
+        courier: DigestCourier | None,
+    ) -> float:
         """Send every bucket of ``job`` (``courier``: declaring each digest as it is hashed, ``request.progress``
         told of each bucket on every engine); returns the time spent packing, in seconds.
 
@@ -210,7 +270,7 @@ class UpdateRunner:
 
         on_digest = courier.add if courier is not None else None
         try:
-            pack_s = self._sender.send(dataclasses.replace(job, on_sent=on_sent, on_digest=on_digest))
+            pack_s = sender.send(dataclasses.replace(job, on_sent=on_sent, on_digest=on_digest))
         except Exception as exc:
             trainer = EngineFailure.from_exception(TRAINER, "broadcast", exc)
             if self._cancel_event.expired:  # the deadline stopped the send: say so, not "cancelled"

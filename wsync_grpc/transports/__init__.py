@@ -7,17 +7,20 @@ for it:
 - ``broadcast`` (:mod:`wsync_grpc.transports.broadcast`): the trainer's rank 0
   broadcasts every bucket over the weight-sync group (flattened or individual
   layout); each worker's :class:`~wsync_grpc.transports.broadcast.receiver.BroadcastReceiver`
-  receives it; the sending side is :mod:`wsync_grpc.transports.broadcast.sender`;
+  receives it; the trainer's
+  :class:`~wsync_grpc.transports.broadcast.sender.BroadcastSender` sends it;
 - ``disk`` (:mod:`wsync_grpc.transports.disk`): the engine reads a safetensors
   checkpoint beneath its roots; the header names it, the engine builds the
   buckets from its headers, each worker's
   :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` reads it; the trainer
-  side writes it (:func:`~wsync_grpc.transports.disk.writer.save_checkpoint`);
+  sends nothing (:data:`~wsync_grpc.transports.sending.ENGINE_READS`), it may write the checkpoint first
+  (:func:`~wsync_grpc.transports.disk.writer.save_checkpoint`);
 - ``cuda_ipc`` (:mod:`wsync_grpc.transports.cuda_ipc`): reserved by the contract,
   answered UNIMPLEMENTED.
 
-Adding a transport: a module (or package) with its ``PART`` and one line in
-:data:`TRANSPORTS` (``docs/architecture.md``, "How to add a transport").
+Adding a transport: a module (or package) with its ``PART`` (both halves) and one line in
+:data:`TRANSPORTS` (``docs/architecture.md``, "How to add a transport"); a trainer picks it by the
+``transport`` of its update request (:mod:`wsync_grpc.trainer.request`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from wsync_grpc.core.layout import Bucket, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan, TransportRules
 from wsync_grpc.core.validation import UpdateValidator
 from wsync_grpc.transports.context import PlanContext
+from wsync_grpc.transports.sending import SendSite, TransportSender
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 TRANSPORTS: Mapping[Transport, str] = {
@@ -42,7 +46,14 @@ TRANSPORTS: Mapping[Transport, str] = {
 
 
 class TransportPart(TransportRules, Protocol):
-    """One transport: its rules (:class:`~wsync_grpc.core.update.TransportRules`), its Prepare, its receivers."""
+    """One transport, both halves: its rules (:class:`~wsync_grpc.core.update.TransportRules`: whether it needs the
+    weight-sync group, whether the engines build the buckets), its Prepare and receivers on the engine, its
+    sender on the trainer.
+
+    The trainer's update runner (:class:`~wsync_grpc.trainer.runner.UpdateRunner`) reads the same rules: it
+    plans the buckets unless the engines build them, forms the group only if the transport needs one,
+    and hands the buckets to :meth:`sender`'s sender.
+    """
 
     def check_update(self) -> None:
         """Whether ``Update`` may declare further buckets over this transport (an incremental update).
@@ -71,6 +82,14 @@ class TransportPart(TransportRules, Protocol):
 
     def receiver(self, site: ReceiveSite, plan: ReceivePlan) -> Receiver:
         """A receiver (not started) for one worker at ``site``."""
+        ...
+
+    def sender(self, site: SendSite) -> TransportSender:
+        """The trainer half: a sender for a trainer client at ``site``, kept by the client across its updates.
+
+        Raises:
+            Unimplemented: TRANSPORT_UNIMPLEMENTED, the transport has no trainer half here.
+        """
         ...
 
 

@@ -15,6 +15,7 @@ from wsync_grpc.core.layout import Bucket, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import UpdateValidator
 from wsync_grpc.transports.context import PlanContext
+from wsync_grpc.transports.sending import SendSite, TransportSender
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 
@@ -50,6 +51,14 @@ class CudaIpcTransport:
 
     def receiver(self, site: ReceiveSite, plan: ReceivePlan) -> Receiver:
         """Never reached: :meth:`check_header` refused the update."""
+        raise transport_unimplemented(self.kind)
+
+    def sender(self, site: SendSite) -> TransportSender:
+        """No trainer half yet.
+
+        Raises:
+            Unimplemented: TRANSPORT_UNIMPLEMENTED, always.
+        """
         raise transport_unimplemented(self.kind)
 
 

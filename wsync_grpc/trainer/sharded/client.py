@@ -12,7 +12,7 @@ weight-sync group and its buffers (:class:`~wsync_grpc.trainer.sharded.follower.
   every rank, within one round;
 - planning uses global shapes and gathers nothing (:class:`~wsync_grpc.trainer.sharded.source.ShardedTensors`);
 - every rank is a member of the weight-sync group (one broadcast group per trainer rank), joined
-  while rank 0 forms it (:mod:`wsync_grpc.trainer.sharded.sender`);
+  while rank 0 forms it (:mod:`wsync_grpc.trainer.sharded.peers`);
 - in the ``"gather"`` mode each bucket is materialised on every rank at once (``full_tensor()`` of its
   ``DTensor`` s) and rank 0 sends it; no rank holds more than the buckets in flight beyond its shards;
 - in the ``"direct"`` mode nothing is gathered: every rank sends the buckets of its own shards
@@ -44,13 +44,12 @@ from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Member
 from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS
 from wsync_grpc.trainer.sharded.follower import Follower
+from wsync_grpc.trainer.sharded.peers import SEND_MODES, SendMode, ShardedPeers
 from wsync_grpc.trainer.sharded.ranks import TrainerRanks
 from wsync_grpc.trainer.sharded.rounds import OUTCOME, follow
-from wsync_grpc.trainer.sharded.sender import SEND_MODES, SendMode, ShardedSender
 from wsync_grpc.trainer.sharded.source import DirectSource, LockstepSource, ShardedTensors
 from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.trainer.views import Checksums, EngineStatus, LeaveResult
-from wsync_grpc.transports.broadcast.sender import PackBuffers
 
 __all__ = ["SendMode", "ShardedTrainerClient"]
 
@@ -90,14 +89,8 @@ class ShardedTrainerClient:
                 "master_address='auto' is this rank's own route: every trainer rank needs rank 0's address "
                 "(e.g. wsync_grpc.group.routes.route_address(targets[0]) on rank 0, shared with the others)"
             )
-        senders: list[ShardedSender] = []
-
-        def sender(buffers: PackBuffers) -> ShardedSender:
-            senders.append(ShardedSender(self._ranks, buffers))
-            return senders[0]
-
-        self._client = TrainerClient(targets, sender=sender, **client_options)
-        self._sender = senders[0]
+        self._peers = ShardedPeers(self._ranks)
+        self._client = TrainerClient(targets, peers=self._peers, **client_options)
         self._follower: Follower | None = None
         """A rank other than 0: its settings, membership of the weight-sync group and pack buffers (rank 0's
         are its client's). The rounds it follows read these, never the client: they share its settings."""
@@ -318,7 +311,7 @@ class ShardedTrainerClient:
     def _settle(self) -> None:
         """Rank 0, after a failed sync: wait for the other ranks' direct sends to end (their error is logged)."""
         try:
-            self._sender.settle()
+            self._peers.settle()
         except Exception as e:
             log.warning("another trainer rank's sends failed too: %s", e)
 

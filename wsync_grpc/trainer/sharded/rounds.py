@@ -8,7 +8,7 @@ round's follower half. A round is declared here once, as a :class:`Round` with i
 rank 0 by whoever leads it) and its ``follow`` (called on every other rank by :func:`follow`), so that
 reading one round is reading one class and the two halves cannot drift apart:
 
-- :data:`JOIN` (led by :class:`~wsync_grpc.trainer.sharded.sender.ShardedSender` while rank 0 forms the
+- :data:`JOIN` (led by :class:`~wsync_grpc.trainer.sharded.peers.ShardedPeers` while rank 0 forms the
   weight-sync group): every other rank starts joining it.
 - :data:`GATHER` (led by :class:`~wsync_grpc.trainer.sharded.source.LockstepSource` before each bucket,
   gather mode): every rank gathers the bucket; rank 0 sends it, the others drop it.
@@ -245,7 +245,7 @@ def send_own(job: SendJob, buffers: PackBuffers) -> float:
     Raises:
         Exception: the group's (a timeout, a peer gone) or :class:`~wsync_grpc.core.errors.Cancelled`.
     """
-    rank = job.group.rank
+    rank = job.joined().rank
     return Broadcast.of(job.own(rank), rank).run(job.layout, buffers)
 
 

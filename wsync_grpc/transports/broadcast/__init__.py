@@ -1,7 +1,7 @@
 """The broadcast transport: every bucket broadcast over the weight-sync group, flattened or tensor by tensor.
 
 Sending side: :mod:`~wsync_grpc.transports.broadcast.sender` (the trainer's
-rank 0, double-buffered packing). Receiving side:
+rank 0, or every rank of a sharded trainer; double-buffered packing). Receiving side:
 :mod:`~wsync_grpc.transports.broadcast.receiver` (one thread per worker, two
 buckets posted ahead, in place or swapped where the engine allows). The
 buckets are declared by the trainer in the Prepare stream (and by Update for
@@ -17,7 +17,9 @@ from wsync_grpc.core.layout import Bucket, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import UpdateValidator
 from wsync_grpc.transports.broadcast.receiver import BroadcastReceiver
+from wsync_grpc.transports.broadcast.sender import BroadcastSender
 from wsync_grpc.transports.context import PlanContext
+from wsync_grpc.transports.sending import SendSite, TransportSender
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 
@@ -45,6 +47,10 @@ class BroadcastTransport:
     def receiver(self, site: ReceiveSite, plan: ReceivePlan) -> Receiver:
         """A :class:`~wsync_grpc.transports.broadcast.receiver.BroadcastReceiver` on ``site.group``."""
         return BroadcastReceiver(site, plan)
+
+    def sender(self, site: SendSite) -> TransportSender:
+        """A :class:`~wsync_grpc.transports.broadcast.sender.BroadcastSender` from ``site``'s ranks."""
+        return BroadcastSender(site)
 
 
 PART = BroadcastTransport()

@@ -25,11 +25,11 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -37,9 +37,19 @@ from wsync_grpc.core.digests import BucketHasher, Digest, digest_of
 from wsync_grpc.core.errors import Cancelled
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
 from wsync_grpc.core.packing import bucket_bytes_view, pack_bucket, wire_tensor
-from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.group.waits import wait_all, wait_work
+from wsync_grpc.transports.sending import SENDING_RANK, SendJob, SendSite, TrainerPeers
+
+__all__ = [
+    "Broadcast",
+    "BroadcastSender",
+    "Corruption",
+    "DirectSends",
+    "PackBuffers",
+    "SendJob",
+    "bucket_digest",
+]
 
 FLAT_WINDOW = 4
 """Flattened layout: bucket broadcasts the trainer keeps in flight (at most two of them packed)."""
@@ -57,9 +67,13 @@ class PackBuffers:
             refilling fresh buffers costs page faults; not on CUDA, where
             torch's caching allocator already reuses freed blocks.
         device: the trainer's device.
+
+    Attributes:
+        device: the trainer's device.
     """
 
     def __init__(self, keep: bool | None, device: torch.device) -> None:
+        self.device = device
         self._keep = device.type == "cpu" if keep is None else keep
         self._slots: list[torch.Tensor | None] = [None, None]
 
@@ -121,40 +135,6 @@ def bucket_digest(b: Bucket, by_name: Mapping[str, torch.Tensor], layout: Layout
     return h.digest()
 
 
-@dataclass(frozen=True)
-class SendJob:
-    """One update's send, as the trainer hands it to its sender (:meth:`Sender.send
-    <wsync_grpc.trainer.sender.Sender.send>`): what to send, how, and how to report it.
-
-    Attributes:
-        group: this process's membership of the weight-sync group.
-        buckets: the update's planned buckets, in index order (each with its sending rank, ``src``).
-        layout: how buckets travel (one collective per bucket, or one per tensor).
-        tensors: a bucket's tensors by slot name, asked for once per bucket when it is packed, posted or
-            hashed (e.g. a :meth:`WeightSource.bucket_tensors
-            <wsync_grpc.trainer.source.WeightSource.bucket_tensors>`).
-        topology: which trainer ranks send which bytes (:class:`~wsync_grpc.core.topology.SendTopology`).
-        cancel: set to stop at the next wait.
-        on_sent: called from the sending thread once a bucket is on every engine, with the bucket and the
-            bytes on every engine so far (bytes); ``None`` for none.
-        on_digest: called with each bucket and its digest as soon as it was hashed (while it is on the
-            wire); ``None``: nothing is hashed while sending.
-    """
-
-    group: WeightSyncGroup
-    buckets: Sequence[Bucket]
-    layout: Layout
-    tensors: Callable[[Bucket], Mapping[str, torch.Tensor]]
-    topology: SendTopology
-    cancel: threading.Event
-    on_sent: Callable[[Bucket, int], None] | None = None
-    on_digest: Callable[[Bucket, Digest], None] | None = None
-
-    def own(self, rank: int) -> SendJob:
-        """The same job restricted to the buckets group rank ``rank`` sends (a sharded trainer's direct send)."""
-        return dataclasses.replace(self, buckets=[b for b in self.buckets if b.src == rank])
-
-
 @dataclass
 class Broadcast:
     """One update's broadcasts from the sending rank (group rank ``src``), and the progress they report.
@@ -194,7 +174,7 @@ class Broadcast:
     def of(cls, job: SendJob, src: int, *, materialises: bool = False, corrupt: Corruption | None = None) -> Broadcast:
         """The broadcasts of ``job``'s buckets from group rank ``src`` (see the attributes)."""
         return cls(
-            job.group,
+            job.joined(),
             job.buckets,
             job.tensors,
             job.on_sent,
@@ -350,3 +330,96 @@ class Broadcast:
         finish(len(window))
         group.forget_completed()
         return pack_s
+
+
+@runtime_checkable
+class DirectSends(TrainerPeers, Protocol):
+    """The trainer's ranks, when every one of them sends its own buckets (a sharded trainer's ``direct``
+    topology): what the broadcast sender asks of them besides :class:`~wsync_grpc.transports.sending.TrainerPeers`.
+
+    The ranks' coordination is the trainer's (the rank rounds of :mod:`wsync_grpc.trainer.sharded.rounds`).
+    """
+
+    def direct_digests(self, job: SendJob) -> Mapping[int, Digest]:
+        """Every bucket's digest, each hashed by the rank that sends it, exchanged before Prepare.
+
+        Raises:
+            Exception: a rank failed to hash its buckets or is gone.
+        """
+        ...
+
+    def direct_send(self, job: SendJob, buffers: PackBuffers) -> float:
+        """Every rank broadcasts its own buckets of ``job`` (this one packing into ``buffers``); returns once
+        every rank's sends ended. Returns this rank's packing time, in seconds.
+
+        Raises:
+            Exception: a rank's sends failed or it is gone (this rank's own sends stop at once).
+        """
+        ...
+
+
+class BroadcastSender:
+    """The broadcast transport's trainer half (a :class:`~wsync_grpc.transports.sending.TransportSender`).
+
+    By the job's topology (:class:`~wsync_grpc.core.topology.SendTopology`):
+
+    - ``single``: this process, group rank 0, broadcasts every bucket whole;
+    - ``gather``: this rank broadcasts every bucket whole, its tensors gathered from every rank as the
+      bucket is packed (``job.tensors`` builds them: at most one bucket's gathered tensors live at a time);
+    - ``direct``: every rank broadcasts the buckets of its own pieces (``site.peers`` must be
+      :class:`DirectSends`), their digests exchanged before Prepare.
+
+    Args:
+        site: the trainer's ranks and device (:class:`~wsync_grpc.transports.sending.SendSite`).
+        buffers: the two flat pack buffers the flattened layout packs into; ``None``: built from ``site``.
+        corrupt: a test hook: flip a byte of one bucket after hashing it (:class:`Corruption`); ``None``
+            (always, outside tests).
+    """
+
+    def __init__(
+        self, site: SendSite, buffers: PackBuffers | None = None, *, corrupt: Corruption | None = None
+    ) -> None:
+        self._peers = site.peers
+        self._buffers = buffers if buffers is not None else PackBuffers(site.keep_buffers, site.device)
+        self._corrupt = corrupt
+
+    def _direct(self) -> DirectSends:
+        """The peers, as ranks that each send their own buckets.
+
+        Raises:
+            ValueError: they are one process (or cannot).
+        """
+        peers = self._peers
+        if not isinstance(peers, DirectSends):
+            raise ValueError(f"a trainer of {peers.trainer_ranks} rank(s) without direct sends cannot send 'direct'")
+        return peers
+
+    def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
+        """``direct``: every rank's digests (:meth:`DirectSends.direct_digests`); otherwise ``None`` (this rank
+        hashes each bucket as it sends it).
+
+        Raises:
+            Exception: as :meth:`DirectSends.direct_digests`.
+        """
+        if job.topology.kind != "direct":
+            return None
+        return self._direct().direct_digests(job)
+
+    def send(self, job: SendJob) -> float:
+        """Every bucket of ``job`` from the ranks its topology names (see the class).
+
+        Raises:
+            ValueError: a topology of another number of ranks than the trainer's.
+            Exception: as :meth:`TransportSender.send <wsync_grpc.transports.sending.TransportSender.send>`.
+        """
+        if job.topology.ranks != self._peers.trainer_ranks:
+            raise ValueError(f"a trainer of {self._peers.trainer_ranks} rank(s) cannot send {job.topology}")
+        if job.topology.kind == "direct":
+            return self._direct().direct_send(job, self._buffers)
+        gathered = job.topology.kind == "gather"
+        src = self._peers.rank if gathered else SENDING_RANK
+        return Broadcast.of(job, src, materialises=gathered, corrupt=self._corrupt).run(job.layout, self._buffers)
+
+    def release(self) -> None:
+        """Drop the pack buffers (see :class:`PackBuffers`)."""
+        self._buffers.release()

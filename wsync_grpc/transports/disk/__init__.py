@@ -25,6 +25,7 @@ from wsync_grpc.core.validation import UpdateValidator
 from wsync_grpc.transports.context import PlanContext
 from wsync_grpc.transports.disk.checkpoint import plan_disk_update
 from wsync_grpc.transports.disk.receiver import DiskReceiver
+from wsync_grpc.transports.sending import ENGINE_READS, SendSite, TransportSender
 from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 
@@ -76,6 +77,11 @@ class DiskTransport:
     def receiver(self, site: ReceiveSite, plan: ReceivePlan) -> Receiver:
         """A :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` reading ``plan.files``."""
         return DiskReceiver(site, plan)
+
+    def sender(self, site: SendSite) -> TransportSender:
+        """:data:`~wsync_grpc.transports.sending.ENGINE_READS`: the engines read the checkpoint, the trainer sends
+        nothing (it may have written the checkpoint: :func:`~wsync_grpc.transports.disk.writer.save_checkpoint`)."""
+        return ENGINE_READS
 
 
 PART = DiskTransport()
