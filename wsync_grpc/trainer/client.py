@@ -1,82 +1,57 @@
 """The trainer side of wsync: :class:`TrainerClient`, one facade over the parts of :mod:`wsync_grpc.trainer`.
 
-The client builds its parts explicitly (settings, fleet, leases, sender,
-membership, the update protocol and its two runners, metrics), holds the lock
-that runs init, sync and leave one at a time, and converts the caller's values
-once (option strings into the core's enums, replies into the typed views of
-:mod:`wsync_grpc.trainer.views`); every call is delegated to one part.
+The client builds its parts explicitly (:class:`~wsync_grpc.trainer.parts.ClientParts`: settings, fleet,
+leases, the transports' senders, membership, the update protocol and its runner, metrics), holds the lock
+that runs init, sync and leave one at a time, and converts the caller's values once (option strings into
+the core's enums, replies into the typed views of :mod:`wsync_grpc.trainer.views`); every call is
+delegated to one part. Its calls are grouped by what they are about: the updates here, the operator's
+calls (:class:`~wsync_grpc.trainer.operator.OperatorCalls`), the members and their group
+(:class:`~wsync_grpc.trainer.members.MemberCalls`).
 
 Units: sizes in bytes, times in seconds, throughputs in GB/s (10^9 bytes per second).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import threading
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry
-from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.layout import Transport
-from wsync_grpc.core.topology import SendTopology
-from wsync_grpc.group.process_group import WeightSyncGroup
 from wsync_grpc.trainer.adapters import adapter_tensors
-from wsync_grpc.trainer.deadline import CancelSignal, check_timeout
-from wsync_grpc.trainer.fleet import Fleet
-from wsync_grpc.trainer.lease import Leases
-from wsync_grpc.trainer.membership import Membership
-from wsync_grpc.trainer.metrics import TrainerMetrics
+from wsync_grpc.trainer.members import MemberCalls
+from wsync_grpc.trainer.operator import OperatorCalls, per_target
 from wsync_grpc.trainer.options import (
     ApplyMode,
     BackendName,
     Layout,
-    PauseModeName,
     check_version,
-    pause_mode_of,
 )
-from wsync_grpc.trainer.protocol import UpdateProtocol
-from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest, catch_up_request
+from wsync_grpc.trainer.parts import ClientParts
+from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
-from wsync_grpc.trainer.roster import FleetPolicy, Member, Roster
-from wsync_grpc.trainer.runner import Senders, UpdateRunner
+from wsync_grpc.trainer.roster import FleetPolicy
 from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import Settings, client_settings, setting_attributes, setting_keywords
 from wsync_grpc.trainer.source import NamedTensors, WeightSource
 from wsync_grpc.trainer.views import (
-    CancelResult,
-    Checksums,
-    EngineStatus,
     InitResult,
     LeaveResult,
-    PauseResult,
-    ResumeResult,
 )
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 from wsync_grpc.transports.disk.writer import save_checkpoint
-from wsync_grpc.transports.sending import ONE_PROCESS, SendSite, TrainerPeers, TransportSender
+from wsync_grpc.transports.sending import TrainerPeers
 from wsync_grpc.wire.keepalive import Keepalive
 
 __all__ = ["TrainerClient"]
 
-R = TypeVar("R")
-V = TypeVar("V")
-
-
-def _per_target(replies: Mapping[str, R], view: Callable[[R], V]) -> dict[str, V]:
-    """target -> ``view(reply)``, in the replies' (target) order."""
-    return {t: view(r) for t, r in replies.items()}
-
 
 @setting_attributes
-class TrainerClient(Settings):
+class TrainerClient(Settings, OperatorCalls, MemberCalls):
     """Drives one or more engines from the trainer, whose one process is rank 0 of the weight-sync group.
 
     Nothing touches the network in the constructor; the group is formed by
@@ -179,173 +154,27 @@ class TrainerClient(Settings):
         peers: TrainerPeers | None = None,
     ) -> None:
         targets = list(targets)
-        self._settings = client_settings(targets, **setting_keywords(locals()))
-        owner = owner if owner is not None else f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._fleet = Fleet(targets, self._settings, token, credentials, channel_options, owner, keepalive)
-        self._op_lock = threading.Lock()
-        self._cancel_event = CancelSignal()
-        self._leases = Leases(self._fleet)
-        given: dict[Transport, TransportSender] = {}
-        if sender is not None:  # deprecated: one object, the ranks and the broadcast
-            if peers is not None:
-                raise ValueError("pass peers or the deprecated sender, not both")
-            peers = given[Transport.BROADCAST] = sender(PackBuffers(keep_buffers, self._settings.device))
-        peers = peers if peers is not None else ONE_PROCESS
-        self._senders = Senders(SendSite(peers, self._settings.device, keep_buffers), given)
-        self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases, peers)
-        self._metrics = TrainerMetrics(metrics_registry)
-        calls = UpdateProtocol(
-            self._fleet,
-            self._membership,
-            self._settings,
-            self._cancel_event,
-            peers,
-            self._senders.release,
-            self._metrics,
+        settings = client_settings(targets, **setting_keywords(locals()))
+        ClientParts.__init__(
+            self,
+            targets,
+            settings,
+            token=token,
+            credentials=credentials,
+            channel_options=channel_options,
+            keepalive=keepalive,
+            keep_buffers=keep_buffers,
+            owner=owner,
+            metrics_registry=metrics_registry,
+            sender=sender,
+            policy=policy,
+            peers=peers,
         )
-        self._runner = UpdateRunner(calls, self._settings, self._senders, self._cancel_event)
-        self._policy = policy if policy is not None else FleetPolicy()
-        self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
-
-    # ------------------------------------------------------------------ what the client shows
-
-    @property
-    def targets(self) -> list[str]:
-        """Every engine's address (the client's members, excluded ones too), in rank order."""
-        return [e.target for e in self._fleet.members]
-
-    @property
-    def policy(self) -> FleetPolicy:
-        """The client's fleet policy (each sync may pass its own); assignable."""
-        return self._policy
-
-    @policy.setter
-    def policy(self, value: FleetPolicy) -> None:
-        self._policy = value
-
-    def members(self) -> dict[str, Member]:
-        """target -> :class:`~wsync_grpc.trainer.roster.Member` (in sync, behind or excluded, and why), in
-        rank order, as of the last update or status probe; no call is made."""
-        return self._roster.members()
 
     @property
     def metrics_registry(self) -> CollectorRegistry:
         """The registry of the client's Prometheus metrics (serve it with ``prometheus_client``)."""
         return self._metrics.registry
-
-    @property
-    def owner(self) -> str:
-        """The client's name as the engines' owner."""
-        return self._fleet.owner
-
-    @property
-    def stubs(self) -> dict[str, weight_sync_pb2_grpc.WeightSyncServiceStub]:
-        """target -> the generated stub on the client's channel, for calls the client does not wrap (raw protobuf)."""
-        return {e.target: e.stub for e in self._fleet.members}
-
-    @property
-    def call_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        """The metadata (token) to pass along with calls made on :attr:`stubs`."""
-        return self._fleet.metadata
-
-    @property
-    def needs_init(self) -> bool:
-        """Whether the next :meth:`sync` (re-)initializes the group first."""
-        return self._membership.needs_init
-
-    @property
-    def group(self) -> WeightSyncGroup | None:
-        """The trainer's membership of the weight-sync group (rank 0), ``None`` before :meth:`init`."""
-        return self._membership.group
-
-    @property
-    def workers(self) -> dict[str, int]:
-        """target -> workers, for the engines taking part, as of the last :meth:`init` (0 before it)."""
-        return {e.target: e.workers for e in self._fleet.engines}
-
-    @property
-    def rank_offsets(self) -> dict[str, int]:
-        """target -> group rank of the first worker of each engine taking part, as of the last :meth:`init`
-        (0 before it)."""
-        return {e.target: e.rank_offset for e in self._fleet.engines}
-
-    @property
-    def world_size(self) -> int:
-        """The trainer's rank (1) plus every engine's workers, as of the last :meth:`init` (1 before it)."""
-        return self._membership.world_size
-
-    @property
-    def port(self) -> int | None:
-        """The TCP port of the trainer's store in the current group; ``None`` when not joined."""
-        return self._membership.port
-
-    # ------------------------------------------------------------------ operator calls (any thread)
-
-    def status(self) -> dict[str, EngineStatus]:
-        """``GetStatus`` on every engine: target -> :class:`~wsync_grpc.trainer.views.EngineStatus`.
-
-        Raises:
-            EngineCallError: some engine did not answer.
-        """
-        return _per_target(self._fleet.status(), EngineStatus.from_proto)
-
-    def pause(self, mode: PauseModeName = "abort", timeout: float | None = None) -> dict[str, PauseResult]:
-        """``Pause`` every engine: target -> :class:`~wsync_grpc.trainer.views.PauseResult`
-        (how many requests were aborted/drained/frozen).
-
-        Args:
-            mode: ``"abort"`` (end requests in flight), ``"wait"`` (drain them) or ``"keep"``
-                (freeze them until resume), as vLLM's ``/pause?mode=``.
-            timeout: drain bound of ``"wait"``, in seconds; ``None`` = the engine's default (60 s).
-
-        Raises:
-            ValueError: unknown mode.
-            EngineCallError: some engine failed (e.g. DEADLINE_EXCEEDED when the drain timed out).
-        """
-        return _per_target(self._fleet.pause(pause_mode_of(mode), timeout), PauseResult.from_proto)
-
-    def resume(self, force: bool = False) -> dict[str, ResumeResult]:
-        """``Resume`` every engine: target -> :class:`~wsync_grpc.trainer.views.ResumeResult`.
-
-        Args:
-            force: resume even an engine whose weights a failed update left dirty (half-updated).
-
-        Raises:
-            EngineCallError: some engine refused (e.g. FAILED_PRECONDITION ENGINE_DIRTY).
-        """
-        return _per_target(self._fleet.resume(force), ResumeResult.from_proto)
-
-    def checksums(self, names: Iterable[str] = ()) -> dict[str, Checksums]:
-        """``GetWeightChecksums`` on every engine: target -> :class:`~wsync_grpc.trainer.views.Checksums`
-        (the SHA-256 of each served tensor).
-
-        Args:
-            names: tensors to digest; empty (default) = every tensor.
-
-        Raises:
-            EngineCallError: some engine failed (e.g. INVALID_ARGUMENT UNKNOWN_TENSOR).
-        """
-        return _per_target(self._fleet.checksums(names), Checksums.from_proto)
-
-    def cancel(self, reason: str = "cancelled by the trainer") -> dict[str, CancelResult]:
-        """Cancel whatever update is in flight on every engine, and interrupt a :meth:`sync` in flight.
-
-        Engines that had an update in flight abandon it, go to FAILED and leave the group (the client
-        re-initializes next). From another thread while ``sync`` runs: its broadcast stops at the next
-        wait and it raises :class:`SyncError`.
-
-        Args:
-            reason: recorded in the engines' ``last_error``.
-        Returns:
-            target -> :class:`~wsync_grpc.trainer.views.CancelResult` (``cancelled`` is False where
-            nothing was in flight).
-
-        Raises:
-            EngineCallError: some engine failed (e.g. FAILED_PRECONDITION while applying).
-        """
-        self._cancel_event.set()
-        self._roster.cancelled = True
-        return _per_target(self._membership.cancel_updates(reason), CancelResult.from_proto)
 
     def leave(self) -> dict[str, LeaveResult]:
         """Every engine leaves the group, and so does the trainer; the next :meth:`sync` re-inits.
@@ -358,7 +187,7 @@ class TrainerClient(Settings):
             EngineCallError: some engine failed (FAILED_PRECONDITION with an update in flight: cancel first).
         """
         with self._op_lock:
-            return _per_target(self._membership.leave(), LeaveResult.from_proto)
+            return per_target(self._membership.leave(), LeaveResult.from_proto)
 
     def close(self) -> None:
         """Leave the group (engines and trainer, best effort) and close the channels. Idempotent.
@@ -404,7 +233,7 @@ class TrainerClient(Settings):
             ClientError: the client was closed.
         """
         with self._op_lock:
-            return _per_target(self._membership.init(force), InitResult.from_proto)
+            return per_target(self._membership.init(force), InitResult.from_proto)
 
     def sync(
         self,
@@ -646,116 +475,3 @@ class TrainerClient(Settings):
         source = NamedTensors(tensors.items())
         with self._exclusive():
             return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
-
-    # ------------------------------------------------------------------ membership between syncs
-
-    def add_engine(self, target: str, *, workers: int | None = None) -> Member:
-        """Make the engine at ``target`` a member, after every other one (it gets the highest ranks).
-
-        It takes part from the next update (the group is re-formed for it), and is ``"behind"`` until
-        then: the next :meth:`sync` of the whole model brings it to the new version with every other
-        engine, or :meth:`catch_up` to the current one at once. Its lease is taken with the group.
-
-        Args:
-            target: its ``host:port``.
-            workers: its worker count; ``None`` asks it at the next init.
-
-        Returns:
-            Its :class:`~wsync_grpc.trainer.roster.Member` entry.
-
-        Raises:
-            ValueError: it is a member already, or ``workers`` is below 1.
-            RuntimeError: a sync is running on this client.
-        """
-        with self._exclusive():
-            return self._roster.add(target, workers)
-
-    def remove_engine(self, target: str) -> LeaveResult | None:
-        """Forget the member at ``target`` (e.g. one the fleet policy excluded for good).
-
-        It leaves the client's group (best effort, within 5 s) and its lease is released; the next
-        update re-forms the group without it.
-
-        Returns:
-            Its :class:`~wsync_grpc.trainer.views.LeaveResult`; ``None`` when it did not answer.
-
-        Raises:
-            KeyError: it is not a member.
-            RuntimeError: a sync is running on this client.
-        """
-        with self._exclusive():
-            reply = self._roster.remove(target)
-        return LeaveResult.from_proto(reply) if reply is not None else None
-
-    def catch_up(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightSource | None = None,
-        *,
-        apply_mode: ApplyMode = "staged",
-        topology: SendTopology | None = None,
-    ) -> SyncResult | None:
-        """Bring every member that answers but serves another version than the fleet's to the fleet's version.
-
-        Such members were excluded from earlier updates, restarted with their base weights, or were
-        added. They are found by asking every member for its status. When the fleet's version came
-        from a checkpoint (:meth:`sync_from_disk`, :meth:`save_and_sync`), they read that checkpoint;
-        otherwise ``named_tensors`` (the tensors of the fleet's current version) are broadcast to them
-        alone, in a group formed for them (the next :meth:`sync` re-forms it over everyone). The
-        others keep serving, untouched.
-
-        Args:
-            named_tensors: the current version's tensors, as for :meth:`sync`; needed only when the
-                current version was not read from a checkpoint.
-            apply_mode: as for :meth:`sync`.
-            topology: which trainer ranks send the tensors (``None``: this process); a sharded trainer's
-                rank 0 passes its own (:meth:`ShardedTrainerClient.catch_up
-                <wsync_grpc.trainer.sharded.ShardedTrainerClient.catch_up>`).
-
-        Returns:
-            The catch-up's :class:`SyncResult` (over the members that caught up); ``None`` when no
-            member was behind (or nothing was published yet).
-
-        Raises:
-            ValueError: members are behind, the current version came from no checkpoint, and no
-                ``named_tensors`` were given.
-            SyncError: the catch-up failed (the fleet's other engines are untouched).
-            RuntimeError: a sync is running on this client.
-        """
-        with self._exclusive():
-            late = self._roster.behind()
-            version = self._roster.version
-            if not late or version is None:
-                return None
-            checkpoint = self._roster.checkpoint
-            if checkpoint is not None:
-                disk = DiskRequest.create(checkpoint, version, apply_mode)
-                return self._roster.only(late, lambda: self._runner.run(disk))
-            if named_tensors is None:
-                behind = ", ".join(e.target for e in late)
-                raise ValueError(
-                    f"{behind} serve(s) another version than {version!r}, which came from no checkpoint: "
-                    "pass its tensors to catch_up"
-                )
-            source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
-            request = catch_up_request(version, apply_mode, self._settings.bucket_bytes, topology)
-            return self._roster.only(late, lambda: self._runner.run(request, source))
-
-    @contextlib.contextmanager
-    def _exclusive(self, timeout_s: float | None = None) -> Iterator[None]:
-        """Hold the client's op lock for one sync (of ``timeout_s`` seconds at most, ``None``: no deadline of its
-        own); a second concurrent one raises :class:`RuntimeError`.
-
-        Raises:
-            ValueError: ``timeout_s`` is not above 0.
-        """
-        check_timeout(timeout_s)  # before the lock: a bad timeout is refused whatever else runs
-        if not self._op_lock.acquire(blocking=False):
-            raise RuntimeError("another sync (or init/leave) is running on this client")
-        try:
-            self._cancel_event.start(timeout_s)
-            try:
-                yield
-            finally:
-                self._cancel_event.end()
-        finally:
-            self._op_lock.release()

@@ -1,0 +1,115 @@
+"""The parts a :class:`~wsync_grpc.trainer.client.TrainerClient` is made of, built explicitly once, and the lock
+its updates run under: :class:`ClientParts`.
+
+The client's calls are grouped by what they are about, each group a base of the client over these parts:
+the updates (:mod:`wsync_grpc.trainer.client`), the operator's calls (:mod:`wsync_grpc.trainer.operator`),
+the members and their group (:mod:`wsync_grpc.trainer.members`).
+
+Units: sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from wsync_grpc.core.layout import Transport
+from wsync_grpc.trainer.deadline import CancelSignal, check_timeout
+from wsync_grpc.trainer.fleet import Fleet
+from wsync_grpc.trainer.lease import Leases
+from wsync_grpc.trainer.membership import Membership
+from wsync_grpc.trainer.metrics import TrainerMetrics
+from wsync_grpc.trainer.protocol import UpdateProtocol
+from wsync_grpc.trainer.roster import FleetPolicy, Roster
+from wsync_grpc.trainer.runner import Senders, UpdateRunner
+from wsync_grpc.trainer.sender import Sender
+from wsync_grpc.trainer.settings import ClientSettings
+from wsync_grpc.transports.broadcast.sender import PackBuffers
+from wsync_grpc.transports.sending import ONE_PROCESS, SendSite, TrainerPeers, TransportSender
+from wsync_grpc.wire.keepalive import Keepalive
+
+
+class ClientParts:
+    """The parts of one trainer client, wired once: the fleet of channels, the leases, the transports' senders,
+    the group membership, the update protocol and runner, the roster, the metrics; and the op lock.
+
+    Args:
+        targets: the engines' control addresses, in rank order.
+        settings: the client's resolved settings (:func:`~wsync_grpc.trainer.settings.client_settings`).
+        others: as :class:`~wsync_grpc.trainer.client.TrainerClient`'s keywords of the same names.
+
+    Raises:
+        ValueError: both ``peers`` and the deprecated ``sender``.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        settings: ClientSettings,
+        *,
+        token: str | None,
+        credentials: grpc.ChannelCredentials | None,
+        channel_options: Sequence[tuple[str, Any]],
+        keepalive: Keepalive | None,
+        keep_buffers: bool | None,
+        owner: str | None,
+        metrics_registry: CollectorRegistry | None,
+        sender: Callable[[PackBuffers], Sender] | None,
+        policy: FleetPolicy | None,
+        peers: TrainerPeers | None,
+    ) -> None:
+        self._settings = settings
+        owner = owner if owner is not None else f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._fleet = Fleet(targets, self._settings, token, credentials, channel_options, owner, keepalive)
+        self._op_lock = threading.Lock()
+        self._cancel_event = CancelSignal()
+        self._leases = Leases(self._fleet)
+        given: dict[Transport, TransportSender] = {}
+        if sender is not None:  # deprecated: one object, the ranks and the broadcast
+            if peers is not None:
+                raise ValueError("pass peers or the deprecated sender, not both")
+            peers = given[Transport.BROADCAST] = sender(PackBuffers(keep_buffers, self._settings.device))
+        peers = peers if peers is not None else ONE_PROCESS
+        self._senders = Senders(SendSite(peers, self._settings.device, keep_buffers), given)
+        self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases, peers)
+        self._metrics = TrainerMetrics(metrics_registry)
+        calls = UpdateProtocol(
+            self._fleet,
+            self._membership,
+            self._settings,
+            self._cancel_event,
+            peers,
+            self._senders.release,
+            self._metrics,
+        )
+        self._runner = UpdateRunner(calls, self._settings, self._senders, self._cancel_event)
+        self._policy = policy if policy is not None else FleetPolicy()
+        self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
+
+    @contextlib.contextmanager
+    def _exclusive(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Hold the client's op lock for one sync (of ``timeout_s`` seconds at most, ``None``: no deadline of its
+        own); a second concurrent one raises :class:`RuntimeError`.
+
+        Raises:
+            ValueError: ``timeout_s`` is not above 0.
+        """
+        check_timeout(timeout_s)  # before the lock: a bad timeout is refused whatever else runs
+        if not self._op_lock.acquire(blocking=False):
+            raise RuntimeError("another sync (or init/leave) is running on this client")
+        try:
+            self._cancel_event.start(timeout_s)
+            try:
+                yield
+            finally:
+                self._cancel_event.end()
+        finally:
+            self._op_lock.release()
