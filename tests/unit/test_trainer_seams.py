@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import pytest
 import torch
 
-from wsync_grpc.core.layout import ApplyMode, Layout
+from wsync_grpc.core.errors import Unimplemented
+from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.planning import TensorMeta, plan_metadata
+from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.trainer.options import apply_mode_of, layout_of, pause_mode_of
-from wsync_grpc.trainer.sender import BroadcastSender
+from wsync_grpc.trainer.sender import BroadcastSender, Sender
 from wsync_grpc.trainer.source import NamedTensors, WeightSource
+from wsync_grpc.transports import transport_for
+from wsync_grpc.transports.broadcast.sender import BroadcastSender as TransportBroadcastSender
 from wsync_grpc.transports.broadcast.sender import PackBuffers
+from wsync_grpc.transports.sending import ENGINE_READS, ONE_PROCESS, SendJob, SendSite
 
 
 def test_named_tensors_send_tied_tensors_once_under_their_first_name() -> None:
@@ -59,3 +67,33 @@ def test_options_are_converted_once_into_the_cores_enums() -> None:
     for convert, bad in ((layout_of, "flat"), (apply_mode_of, "lazy"), (pause_mode_of, "sleep")):
         with pytest.raises(ValueError, match="unknown"):
             convert(bad)
+
+
+def test_each_transport_part_builds_its_own_trainer_half() -> None:
+    site = SendSite(ONE_PROCESS, torch.device("cpu"))
+    assert (ONE_PROCESS.trainer_ranks, ONE_PROCESS.rank) == (1, 0)
+    assert isinstance(transport_for(Transport.BROADCAST).sender(site), TransportBroadcastSender)
+    assert transport_for(Transport.DISK).sender(site) is ENGINE_READS
+    with pytest.raises(Unimplemented, match="TRANSPORT_CUDA_IPC"):
+        transport_for(Transport.CUDA_IPC).sender(site)
+
+
+def test_one_process_cannot_send_a_topology_of_several_ranks() -> None:
+    sender = TransportBroadcastSender(SendSite(ONE_PROCESS, torch.device("cpu")))
+    for topology in (SendTopology.gather(2), SendTopology.direct(2), SendTopology.direct(1)):
+        job = SendJob(None, [], Layout.FLATTENED, lambda b: {}, topology, threading.Event())
+        with pytest.raises(ValueError, match="cannot send"):
+            sender.send(job)
+
+
+def test_engines_that_read_the_bytes_take_none_from_the_trainer() -> None:
+    planned = plan_metadata([TensorMeta("w", torch.float32, (4,))], bucket_bytes=1024, alignment=256)
+    job = SendJob(None, planned, Layout.FLATTENED, lambda b: {}, SendTopology(), threading.Event())
+    with pytest.raises(ValueError, match="sends none"):
+        ENGINE_READS.send(job)
+    assert ENGINE_READS.send(dataclasses.replace(job, buckets=[])) == 0.0
+
+
+def test_the_deprecated_sender_is_still_the_ranks_and_the_broadcast_in_one() -> None:
+    sender: Sender = BroadcastSender(PackBuffers(None, torch.device("cpu")))
+    assert isinstance(sender, TransportBroadcastSender)

@@ -1,19 +1,24 @@
 """One update from the trainer to every engine, whatever carries its bytes: plan, Prepare, transfer, commit.
 
 :class:`UpdateRunner` runs every kind of :class:`~wsync_grpc.trainer.request.UpdateRequest` the same
-way, as vLLM's and SGLang's weight-update routes do for theirs:
+way, as vLLM's and SGLang's weight-update routes do for theirs; the transport part
+(:func:`~wsync_grpc.transports.transport_for` of the request's ``transport``) decides each step by its
+rules, not by the request's kind:
 
 1. **Plan** (:class:`~wsync_grpc.trainer.planning.Planner`, from the update's
-   :class:`~wsync_grpc.trainer.source.WeightSource` metadata, no tensor's bytes read) where the
-   trainer sends the bytes (:class:`~wsync_grpc.trainer.request.BroadcastRequest`); a
-   :class:`~wsync_grpc.trainer.request.DiskRequest`'s engines plan their own buckets from the
-   checkpoint's headers.
-2. **Group**: (re-)initialized when stale where the bytes travel over it (a broadcast); without one,
-   the engines' leases are held for the update (a disk read).
+   :class:`~wsync_grpc.trainer.source.WeightSource` metadata, no tensor's bytes read) unless the
+   transport's engines build the buckets (``engine_builds_buckets``: a
+   :class:`~wsync_grpc.trainer.request.DiskRequest`'s engines plan their own from the checkpoint's
+   headers).
+2. **Group**: (re-)initialized when stale where the transport needs one (``needs_group``: a broadcast);
+   without one, the engines' leases are held for the update (a disk read).
 3. **Prepare** everywhere at once (:class:`~wsync_grpc.trainer.protocol.UpdateProtocol`), each engine
    replying once it is ready to receive (its receivers armed, or its checkpoint validated).
-4. **Transfer**: the trainer's :class:`~wsync_grpc.trainer.sender.Sender` sends every bucket, the
-   source asked for one bucket's tensors at a time; none where the engines read the bytes themselves.
+4. **Transfer**: the request's transport's sender (its trainer half,
+   :class:`~wsync_grpc.transports.sending.TransportSender`, built once per client by
+   :meth:`TransportPart.sender <wsync_grpc.transports.TransportPart.sender>` and kept in :class:`Senders`)
+   sends every bucket, the source asked for one bucket's tensors at a time; none where the engines read the
+   bytes themselves.
 5. **Commit**: the one protocol for every kind (two-phase Complete for a staged update), then one
    :class:`~wsync_grpc.trainer.results.SyncResult` built by :func:`sync_result`.
 
