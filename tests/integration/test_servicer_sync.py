@@ -225,6 +225,14 @@ def test_incremental_update_with_update_rpc() -> None:
                 timeout=10,
             )
         assert code_of(e.value) == grpc.StatusCode.UNIMPLEMENTED and "TRANSPORT_CUDA_IPC" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # another transport than the update's, for digests alone
+            digest = pb.DeclaredDigest(
+                bucket_index=0, digest=pb.BucketDigest(algorithm=pb.DIGEST_ALGORITHM_XXH3_128, value=b"\0" * 16)
+            )
+            stub.Update(
+                pb.UpdateRequest(update_id=prep.update_id, transport=pb.TRANSPORT_DISK, digests=[digest]), timeout=10
+            )
+        assert code_of(e.value) == grpc.StatusCode.INVALID_ARGUMENT and "travels by BROADCAST" in e.value.details()
         done = stub.Complete(pb.CompleteRequest(update_id=prep.update_id), timeout=30)
         assert done.bucket_count == len(names) and done.weight_version == "inc"
         assert all(torch.equal(engine.tensors[n], t) for n, t in new.items())

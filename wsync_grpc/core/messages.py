@@ -127,6 +127,7 @@ def plan_to_msg(p: ReceivePlan) -> dict[str, Any]:
         "files": {name: [f.root, f.path, f.device, f.inode] for name, f in p.files.items()},
         "timeout_s": p.timeout_s,
         "digests_follow": p.digests_follow,
+        "update_id": p.update_id,
     }
 
 
@@ -143,6 +144,7 @@ def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
         apply_mode=ApplyMode(m["apply_mode"]),
         buckets=tuple(bucket_from_msg(b) for b in m["buckets"]),
         closed=bool(m["closed"]),
+        update_id=str(m["update_id"]),
         files={
             str(name): SourceFile(str(root), str(path), int(device), int(inode))
             for name, (root, path, device, inode) in m["files"].items()

@@ -142,6 +142,8 @@ class ReceivePlan:
         timeout_s: bound for arming every receiver, in seconds.
         digests_follow: every bucket has a digest, in its :attr:`Bucket.digest` or declared later
             (:meth:`~wsync_grpc.worker.feed.BucketFeed.add_digests`); a receiver holds a bucket until it has it.
+        update_id: the update's id (``PrepareHeader.update_id``), for a transport whose bytes are found by it;
+            ``""`` where none was given.
     """
 
     transport: Transport
@@ -153,6 +155,7 @@ class ReceivePlan:
     files: Mapping[str, SourceFile] = field(default_factory=dict)
     timeout_s: float = 60.0
     digests_follow: bool = False
+    update_id: str = ""
 
     @property
     def streaming(self) -> bool:

@@ -338,7 +338,7 @@ class UpdateController:
         self,
         credential: str,
         update_id: str,
-        transport: Transport,
+        transport: Transport | None,
         specs: Sequence[BucketSpecFields],
         spec_digests: Sequence[Digest | None] = (),
         digests: Mapping[int, Digest] | None = None,
@@ -346,11 +346,16 @@ class UpdateController:
         """Declare further buckets of the incremental update ``update_id`` (``spec_digests``: theirs, converted at
         the edge; empty: none), and ``digests`` of buckets already declared (bucket index -> digest).
 
+        ``transport`` is how the declared buckets travel: ``None`` (unspecified on the wire) is the update's own;
+        another than the update's is refused. Its part is asked (``check_update``) only where buckets are declared
+        (first: a transport no part serves is UNIMPLEMENTED whatever the update's).
+
         Raises:
             FailedPrecondition: NOT_OWNER, WRONG_STATE, NO_UPDATE, UPDATE_ID_MISMATCH, NOT_INCREMENTAL,
                 DIGESTS_NOT_FOLLOWING, COMPLETING.
             Unimplemented: TRANSPORT_UNIMPLEMENTED (a transport whose buckets cannot be declared).
-            InvalidArgument: EMPTY_UPDATE, UNKNOWN_BUCKET, DIGEST_CONFLICT, and what the validator refuses.
+            InvalidArgument: TRANSPORT_MISMATCH, EMPTY_UPDATE, UNKNOWN_BUCKET, DIGEST_CONFLICT, and what the
+                validator refuses.
             WsyncError: in FAILED, the error that ended update ``update_id`` (as Complete's).
         """
         st = self.state
@@ -361,7 +366,13 @@ class UpdateController:
                 raise ended
             st.lifecycle.check(Rpc.UPDATE)
             upd = st.current(update_id)
-            transport_for(transport).check_update()
+            if specs:
+                transport_for(transport or upd.header.transport).check_update()
+            if transport is not None and transport is not upd.header.transport:
+                raise InvalidArgument(
+                    "TRANSPORT_MISMATCH",
+                    f"update {update_id} travels by {upd.header.transport.name}, not {transport.name}",
+                )
             if not specs and not digests:
                 raise InvalidArgument("EMPTY_UPDATE", "UpdateRequest carries neither buckets nor digests")
             if specs:

@@ -183,7 +183,7 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         outcome = self.controller.update(
             credential_of(context),
             request.update_id,
-            transport_from_proto(request.transport),
+            transport_from_proto(request.transport) if request.transport else None,
             request.buckets,
             spec_digests(request.buckets),
             declared_digests(request.digests),

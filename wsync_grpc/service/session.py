@@ -165,6 +165,7 @@ class UpdateSession:
             files=self._files,
             timeout_s=eng.membership.group_timeout_s,
             digests_follow=h.digests_follow,
+            update_id=h.update_id,
         )
         self.workers = update_workers(
             eng.engine,

@@ -172,14 +172,18 @@ class UpdateRunner:
         """
         part = transport_for(request.transport)
         if part.engine_builds_buckets != (source is None):
-            who = "the engines read" if part.engine_builds_buckets else "the trainer sends"
-            raise ValueError(f"{request.transport.name.lower()} updates are ones {who} the bytes of: source {source!r}")
+            name = request.transport.name.lower()
+            if part.engine_builds_buckets:
+                raise ValueError(f"the engines read a {name} update's bytes themselves: it takes no weight source")
+            raise ValueError(f"the trainer sends a {name} update's bytes: it needs a weight source")
+        self._senders.of(part)  # a transport without a trainer half here is refused before anything starts
         return self._calls.run(request, lambda: self._run(part, request, source))
 
     # ------------------------------------------------------------------ the steps
 
     def _run(self, part: TransportPart, request: UpdateRequest, source: WeightSource | None) -> SyncResult:
         calls = self._calls
+        sender = self._senders.of(part)
         planned = self._plan(request, source) if source is not None else None
         init_s, group = calls.ensure_group(request) if part.needs_group else calls.hold_engines()
         if source is None or planned is None:
@@ -194,7 +198,6 @@ class UpdateRunner:
         job = SendJob(
             group, buckets, sends.layout, source.bucket_tensors, sends.topology, self._cancel_event, request.update_id
         )
-        sender = self._senders.of(part)
         up_front = self._digests_before_send(sender, request, job) if self._settings.digests else {}
         set_spec_digests(messages, up_front or {})
         courier = calls.digest_courier(request) if up_front is None else None

@@ -1152,7 +1152,9 @@ class UpdateRequest(_message.Message):
     """update_id must name the update in flight. Required."""
     transport: Global___Transport.ValueType
     """transport is how these buckets' bytes travel. Unspecified means the
-    header's transport.
+    header's transport; another than the header's fails with
+    INVALID_ARGUMENT (TRANSPORT_MISMATCH), or UNIMPLEMENTED where no part of
+    the engine serves it and buckets are declared.
     """
     owner: _builtins.str
     """owner names the caller, for the engine's log only: the ownership is proven
