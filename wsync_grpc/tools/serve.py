@@ -14,6 +14,9 @@ one class at once), ``--max-timeout``, ``--max-lease-ttl``, ``--min-interval`` (
 choose), ``--update-idle-timeout`` (an idle update fails), ``--keepalive-interval`` and
 ``--keepalive-timeout`` (how a frozen peer is noticed, and the stall tolerated). ``--allow-master CIDR``
 restricts where Init may send the engine's workers to join a group.
+Before the engine loads, it warns of an earlier engine's processes left on this host (a killed vLLM server's
+engine core and workers, an orphaned ``wsync serve``: :mod:`wsync_grpc.tools.leftovers`), with the memory and
+cores they hold and the command that ends them; it ends nothing itself.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from wsync_grpc.tools.engines import (
     engine_plugin,
     registered_engines,
 )
+from wsync_grpc.tools.leftovers import warn_leftovers
 from wsync_grpc.wire.keepalive import DEFAULT_KEEPALIVE_INTERVAL_S, DEFAULT_KEEPALIVE_TIMEOUT_S, Keepalive
 
 log = logging.getLogger("wsync")
@@ -194,6 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
     plugin = chosen_engine(args)
     for warning in warnings:  # once the command line is known to work, before anything loads
         log.warning("%s", warning)
+    warn_leftovers()  # an earlier engine's processes, which would slow this one down
     if isinstance(plugin, EngineServer):
         return plugin.serve(args, server)
     assert isinstance(plugin, EngineFactory)  # the registry holds only the two kinds
