@@ -14,7 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import digest_case, report_detection, report_disk, report_fleet, report_sharded, report_vllm
+from bench import (
+    digest_case,
+    report_detection,
+    report_disk,
+    report_fleet,
+    report_sharded,
+    report_vllm,
+    report_vllm_tail,
+)
 from bench import report_prose as prose
 from bench.report_analysis import missed
 from bench.report_checks import Check, checks
@@ -54,6 +62,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(prose.profile(results))
     if results.get("vllm"):
         parts.append(report_vllm.section(results["vllm"]))
+    if results.get("vllm_tail"):
+        parts.append(report_vllm_tail.section(results["vllm_tail"]))
     analysis = missed(results, cks)
     if analysis:
         parts.append(fill("s8", analysis="\n\n".join(analysis)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench import report_detection, report_disk, report_fleet, report_sharded, report_vllm
+from bench import report_detection, report_disk, report_fleet, report_sharded, report_vllm, report_vllm_tail
 from bench.report_stats import GB, label, med, mib, ratios, secs
 
 LARGE_MODEL_BYTES = GB
@@ -157,6 +157,9 @@ def checks(results: dict[str, Any]) -> list[Check]:
         out += [Check(t, m, ok, "sharded", "smollm2") for t, m, ok in report_sharded.checks(results["sharded"])]
     if results.get("vllm"):
         out += [Check(t, m, ok, "vllm", "smollm2") for t, m, ok in report_vllm.checks(results["vllm"])]
+    if results.get("vllm_tail"):
+        tail = report_vllm_tail.checks(results["vllm_tail"])
+        out += [Check(t, m, ok, "vllm_tail", "smollm2") for t, m, ok in tail]
     if results.get("detection"):
         d = results["detection"]
         out += [Check(t, m, ok, "detection", d["model"]) for t, m, ok in report_detection.checks(d)]

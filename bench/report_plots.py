@@ -1,4 +1,4 @@
-"""The report's plots: ``throughput.png`` (GB/s by model), ``buckets.png`` (the bucket-size sweep), ``fleet.png``."""
+"""The report's plots: ``throughput.png`` (GB/s by model), ``buckets.png`` (sweep), ``fleet.png``, ``vllm_tail.png``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import report_fleet
+from bench import report_fleet, report_vllm_tail
 from bench.report_checks import LARGE_RATIO, PEAK_BUCKETS
 from bench.report_stats import GB, MiB, ceiling_gbps, err, gbps, label, med, ratios
 
@@ -86,7 +86,7 @@ def _buckets(plt: Any, swept: dict[str, Any], path: Path) -> None:
 
 
 def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write ``throughput.png``, ``buckets.png`` (the sweep ran) and ``fleet.png`` (the fleet case) into ``out_dir``."""
+    """Write ``throughput.png``, ``buckets.png`` (the sweep ran), ``fleet.png``, ``vllm_tail.png`` (their cases ran)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,4 +104,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     if results.get("fleet"):
         written.append(out_dir / "fleet.png")
         report_fleet.plot(plt, results["fleet"], written[-1])
+    if results.get("vllm_tail"):
+        written.append(out_dir / "vllm_tail.png")
+        report_vllm_tail.plot(plt, results["vllm_tail"], written[-1])
     return written

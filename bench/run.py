@@ -20,9 +20,12 @@ threads and CPU grow with the fleet, and what a dead engine left out costs),
 cost of bucket digests), ``sharded`` (:mod:`bench.sharded_case`),
 ``detection`` (:mod:`bench.detection_case`: trainer processes SIGKILLed
 mid-broadcast, and how long the engine takes to report it),
-``profile`` and ``vllm`` (:mod:`bench.vllm_case`). It writes ``BENCHMARKS.md``,
-``bench/throughput.png``, ``bench/buckets.png``, ``bench/fleet.png`` and
-``bench/results.json``; with ``--merge`` the cases run replace theirs in the
+``profile``, ``vllm`` (:mod:`bench.vllm_case`) and ``vllm_tail``
+(:mod:`bench.vllm_tail_case`: 31 staged syncs per configuration into a
+serving vLLM engine, the tail of sync time and token gaps). One case alone:
+``python -m bench.run --cases vllm_tail --merge``. It writes ``BENCHMARKS.md``,
+``bench/throughput.png``, ``bench/buckets.png``, ``bench/fleet.png``,
+``bench/vllm_tail.png`` and ``bench/results.json``; with ``--merge`` the cases run replace theirs in the
 existing ``results.json`` and the report covers them all.
 
 The first run of every kind on a fresh set of processes is a warm-up,
@@ -683,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
     p.add_argument(
         "--cases",
-        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm",
+        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm,vllm_tail",
         help="which cases to run",
     )
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
@@ -692,6 +695,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--detection-kills", type=int, default=6, help="trainers SIGKILLed per apply mode in the detection case"
     )
+    p.add_argument(
+        "--tail-syncs", type=int, default=31, help="syncs per configuration in the vllm_tail case (the first apart)"
+    )
+    p.add_argument("--tail-dumps", type=Path, default=None, help="vllm_tail: keep slow syncs' py-spy dumps here")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
@@ -767,6 +774,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from bench.vllm_case import case_vllm
 
                 results["vllm"] = case_vllm(max(3, args.reps // 2))
+            elif case == "vllm_tail":
+                from bench.vllm_tail_case import case_vllm_tail
+
+                results["vllm_tail"] = case_vllm_tail(args.tail_syncs, args.tail_dumps)
             elif case == "profile":
                 names = [m.strip() for m in args.profile_models.split(",") if m.strip()]
                 results["profile"] = case_profile(h, names, args.profile_syncs)
