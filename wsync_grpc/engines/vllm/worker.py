@@ -148,7 +148,7 @@ class WsyncWorkerExtension:
         The front asks once, after vLLM's warm-up. The objects alive then (the model, vLLM's own) are moved
         out of the garbage collector's reach (``gc.freeze``, as vLLM's GPU worker does after its warm-up and
         its CPU worker does not): a full collection of the oldest generation, which otherwise walks them all
-        and holds the interpreter lock for hundreds of milliseconds while the forward waits, then walks only
+        and holds the interpreter lock all the while the forward waits, then walks only
         what was made since.
 
         Returns:
