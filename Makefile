@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/wsync/v1/*.proto)
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
 .PHONY: venv proto check-proto lint typecheck test test-fast check docs docs-gen demo demo-vllm demo-fsdp bench soak clean
@@ -95,9 +96,9 @@ docs: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m pytest -m soak $(PYTEST_ARGS)
 
-## demo: two engines serving SmolLM2, a trainer syncing after every step
+## demo: two engines serving SmolLM2, a trainer syncing after every step (DEMO_ARGS="--transport shared_memory": colocated)
 demo: $(STAMP)
-	$(PY) -m wsync_grpc.tools.demo
+	$(PY) -m wsync_grpc.tools.demo $(DEMO_ARGS)
 
 ## demo-vllm: the same training loop syncing into two vLLM engines (OpenAI API answers checked)
 demo-vllm: $(STAMP)

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -121,6 +121,10 @@ class SpoolSender:
         self._site = site
         self._corrupt = corrupt
         self._written: list[Path] = []
+
+    def header_fields(self, job: SendJob) -> Mapping[str, Any]:
+        """None: the receivers find the files by the update's id."""
+        return {}
 
     def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
         """``None``: each bucket is hashed as it is written, and its digest follows the Prepare."""

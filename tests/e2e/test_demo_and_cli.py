@@ -24,9 +24,10 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.slow
-def test_demo_one_step_syncs_smollm2_into_two_engines() -> None:
+@pytest.mark.parametrize("transport", ["broadcast", "shared_memory"])
+def test_demo_one_step_syncs_smollm2_into_two_engines(transport: str) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "wsync_grpc.tools.demo", "--steps", "1"],
+        [sys.executable, "-m", "wsync_grpc.tools.demo", "--steps", "1", "--transport", transport],
         capture_output=True,
         text=True,
         timeout=540,

@@ -206,6 +206,15 @@ CASES: dict[str, tuple[list[pb.PrepareRequest], grpc.StatusCode, str, str]] = {
         "UNEXPECTED_CHECKPOINT_PATH",
         "TRANSPORT_DISK only",
     ),
+    "shared-memory handle on a broadcast": (
+        [
+            h(shared_memory=pb.SharedMemoryHandle(socket_name="x", token=b"t" * 32, slot_bytes=64, slots=2)),
+            b(0, 128, t()),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "UNEXPECTED_SHARED_MEMORY",
+        "TRANSPORT_SHARED_MEMORY only",
+    ),
     "undefined layout": ([h(layout=7)], grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_ENUM_VALUE", "layout"),
 }
 

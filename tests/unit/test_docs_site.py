@@ -275,6 +275,12 @@ STATUS_CODES = {
     "NOT_SERVING",
 }
 NOT_REASONS = STATUS_CODES | {
+    "DEMO_ARGS",
+    "SO_PEERCRED",
+    "SCM_RIGHTS",
+    "O_EXCL",
+    "F_SEAL_SHRINK",
+    "F_SEAL_GROW",
     "HF_HUB_OFFLINE",
     "MASTER_ADDR",
     "MASTER_PORT",

@@ -122,6 +122,7 @@ def test_the_registry_has_a_module_for_every_transport_of_the_contract() -> None
             (Transport.BROADCAST, True, False),
             (Transport.DISK, False, True),
             (Transport.CUDA_IPC, False, False),
+            (Transport.SHARED_MEMORY, False, False),
         }
     with pytest.raises(Unimplemented) as e:
         transport_for(Transport.CUDA_IPC).check_header(header(transport=Transport.CUDA_IPC))

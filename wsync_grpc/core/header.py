@@ -14,6 +14,31 @@ from wsync_grpc.core.lora import LoraSpec, check_name, check_spec
 
 
 @dataclass(frozen=True)
+class SharedMemoryHandle:
+    """Where a colocated trainer hands over the shared-memory segment of a ``TRANSPORT_SHARED_MEMORY`` update
+    (``wsync.v1.SharedMemoryHandle``): structured fields, never a pickled handle.
+
+    Attributes:
+        socket_name: the trainer's Unix socket in the abstract namespace (Linux), without the leading NUL.
+        token: the 32 random bytes an engine worker sends first on the socket (the Prepare's secret).
+        boot_id: the trainer host's ``/proc/sys/kernel/random/boot_id`` (an engine elsewhere refuses).
+        slot_bytes: one ring slot's size, in bytes (every bucket fits in one).
+        slots: the ring's slots (at least 2: the trainer packs one while the engine copies another).
+    """
+
+    socket_name: str
+    token: bytes
+    boot_id: str
+    slot_bytes: int
+    slots: int
+
+    @property
+    def segment_bytes(self) -> int:
+        """The segment's size: every slot, in bytes."""
+        return self.slot_bytes * self.slots
+
+
+@dataclass(frozen=True)
 class UpdateHeader:
     """An update's header (``wsync.v1.PrepareHeader``), enum fields resolved to their defaults.
 
@@ -31,6 +56,7 @@ class UpdateHeader:
             From a disk update's header only its name is known until the engine read ``adapter_config.json``.
         digests_follow: every bucket has a digest, in its spec or declared by a later Update
             (``wsync.v1.PrepareHeader.digests_follow``); a worker holds a bucket until its digest came.
+        shared_memory: where a shared-memory update's segment is handed over; ``None`` for other transports.
     """
 
     update_id: str
@@ -44,6 +70,7 @@ class UpdateHeader:
     checkpoint_path: str = ""
     adapter: LoraSpec | None = None
     digests_follow: bool = False
+    shared_memory: SharedMemoryHandle | None = None
 
     @property
     def flattened(self) -> bool:

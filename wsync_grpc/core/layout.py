@@ -49,6 +49,7 @@ class Transport(enum.Enum):
     BROADCAST = "broadcast"
     CUDA_IPC = "cuda_ipc"
     DISK = "disk"
+    SHARED_MEMORY = "shared_memory"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ engine import.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from wsync_grpc.core.errors import (
     Unavailable,
     WsyncError,
 )
+from wsync_grpc.core.header import SharedMemoryHandle
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Piece, TensorSlot, Transport
 from wsync_grpc.core.update import Payload, ReceivePlan, SourceFile
 
@@ -128,6 +130,7 @@ def plan_to_msg(p: ReceivePlan) -> dict[str, Any]:
         "timeout_s": p.timeout_s,
         "digests_follow": p.digests_follow,
         "update_id": p.update_id,
+        "shared_memory": dataclasses.asdict(p.shared_memory) if p.shared_memory is not None else None,
     }
 
 
@@ -145,6 +148,7 @@ def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
         buckets=tuple(bucket_from_msg(b) for b in m["buckets"]),
         closed=bool(m["closed"]),
         update_id=str(m["update_id"]),
+        shared_memory=SharedMemoryHandle(**m["shared_memory"]) if m["shared_memory"] is not None else None,
         files={
             str(name): SourceFile(str(root), str(path), int(device), int(inode))
             for name, (root, path, device, inode) in m["files"].items()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from wsync_grpc.core.header import UpdateHeader
+from wsync_grpc.core.header import SharedMemoryHandle, UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport
 
 
@@ -144,6 +144,8 @@ class ReceivePlan:
             (:meth:`~wsync_grpc.worker.feed.BucketFeed.add_digests`); a receiver holds a bucket until it has it.
         update_id: the update's id (``PrepareHeader.update_id``), for a transport whose bytes are found by it;
             ``""`` where none was given.
+        shared_memory: where a shared-memory update's segment is handed over (``PrepareHeader.shared_memory``);
+            ``None`` for other transports.
     """
 
     transport: Transport
@@ -156,6 +158,7 @@ class ReceivePlan:
     timeout_s: float = 60.0
     digests_follow: bool = False
     update_id: str = ""
+    shared_memory: SharedMemoryHandle | None = None
 
     @property
     def streaming(self) -> bool:

@@ -267,6 +267,10 @@ class UpdateValidator:
             self._from_source = rules.engine_builds_buckets
         elif h.transport is not Transport.BROADCAST:
             raise transport_unimplemented(h.transport)
+        if h.shared_memory is not None and h.transport is not Transport.SHARED_MEMORY:
+            raise InvalidArgument(
+                "UNEXPECTED_SHARED_MEMORY", "header.shared_memory is for transport TRANSPORT_SHARED_MEMORY only"
+            )
         if h.adapter is not None:
             check_adapter_header(h, self._adapter_specs is not None, self._from_source)
             if not self._from_source:  # an adapter read from a source gets its spec from there first

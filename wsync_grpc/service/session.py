@@ -166,6 +166,7 @@ class UpdateSession:
             timeout_s=eng.membership.group_timeout_s,
             digests_follow=h.digests_follow,
             update_id=h.update_id,
+            shared_memory=h.shared_memory,
         )
         self.workers = update_workers(
             eng.engine,

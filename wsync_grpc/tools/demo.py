@@ -8,7 +8,8 @@
 2. loads the same model in this process as the policy and runs ``--steps``
    supervised steps that teach it a fixed answer, so the policy visibly changes;
 3. after each step syncs every weight into all engines through wsync
-   (:class:`~wsync_grpc.trainer.client.TrainerClient`), printing per-bucket progress;
+   (:class:`~wsync_grpc.trainer.client.TrainerClient`), printing per-bucket progress, over
+   ``--transport`` (``broadcast``, the default, or ``shared_memory``: the engines run on this host);
 4. checks that each engine's SHA-256 of every tensor equals the trainer's, and
    that each engine's greedy output for a fixed prompt equals the trainer's own
    greedy output with the new weights (computed by the same decoding code on a
@@ -40,6 +41,7 @@ from wsync.v1 import generation_pb2, generation_pb2_grpc
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.launch import EngineProcess, spawn_engine, stop_all, wait_all
 from wsync_grpc.trainer import SyncProgress, TrainerClient
+from wsync_grpc.trainer.options import SENT_TRANSPORTS, TransportName
 
 log = logging.getLogger("wsync.demo")
 
@@ -145,8 +147,11 @@ def _on_progress(p: SyncProgress) -> None:
     )
 
 
-def _train_and_sync(tr: _Trainer, client: TrainerClient, version: str, step: int) -> list[tuple[str, torch.Tensor]]:
-    """One supervised step, then a sync of every parameter as ``version``; returns what was sent."""
+def _train_and_sync(
+    tr: _Trainer, client: TrainerClient, version: str, step: int, transport: TransportName = "broadcast"
+) -> list[tuple[str, torch.Tensor]]:
+    """One supervised step, then a sync of every parameter as ``version`` over ``transport``; returns what was
+    sent."""
     t0 = time.monotonic()
     out = tr.policy(input_ids=tr.input_ids, labels=tr.labels)
     out.loss.backward()
@@ -155,7 +160,7 @@ def _train_and_sync(tr: _Trainer, client: TrainerClient, version: str, step: int
     train_s = time.monotonic() - t0
     print(f"\nstep {step}: loss {out.loss.item():.3f} ({train_s:.1f} s); syncing {version} ...", flush=True)
     named = [(n, p.detach()) for n, p in tr.policy.named_parameters()]
-    result = client.sync(named, version, flush_cache=True, progress=_on_progress)
+    result = client.sync(named, version, flush_cache=True, progress=_on_progress, transport=transport)
     for e in result.engines.values():
         print(
             f"  {e.target}: version {e.weight_version}, {e.bucket_count} buckets, "
@@ -222,10 +227,11 @@ def run(args: argparse.Namespace) -> int:
             if r.text != mine.text:
                 failures.append(f"initial weights: {t} generated {r.text!r}, trainer {mine.text!r}")
         with TrainerClient(targets, rpc_timeout_s=120, group_timeout_s=120) as client:
-            client.init()
+            if args.transport == "broadcast":
+                client.init()  # the weight-sync group (shared memory needs none)
             for step in range(1, args.steps + 1):
                 version = f"step-{step}"
-                named = _train_and_sync(tr, client, version, step)
+                named = _train_and_sync(tr, client, version, step, args.transport)
                 failures += _check_checksums(client, named, version)
                 mine, failed = _check_generations(tr, targets, version, args.max_new_tokens)
                 failures += failed
@@ -249,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated for the comparison")
+    p.add_argument(
+        "--transport",
+        default="broadcast",
+        choices=SENT_TRANSPORTS,
+        help="how the weights travel: over the weight-sync group (broadcast), or through shared memory "
+        "(shared_memory: the engines run on this host, as the demo's do)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("WSYNC_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"

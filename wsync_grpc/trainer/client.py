@@ -29,10 +29,12 @@ from wsync_grpc.trainer.options import (
     ApplyMode,
     BackendName,
     Layout,
+    TransportName,
     check_version,
+    transport_of,
 )
 from wsync_grpc.trainer.parts import ClientParts
-from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest
+from wsync_grpc.trainer.request import SENT_KINDS, BroadcastRequest, DiskRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy
 from wsync_grpc.trainer.sender import Sender
@@ -250,6 +252,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         on_phase: Callable[[str], None] | None = None,
         policy: FleetPolicy | None = None,
         timeout_s: float | None = None,
+        transport: TransportName = "broadcast",
     ) -> SyncResult:
         """Push ``named_tensors`` to every engine as ``weight_version``.
 
@@ -304,19 +307,23 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
                 (published nowhere; :class:`SyncError` at the stage it reached, ``failures[TRAINER]`` with
                 reason ``DEADLINE_EXCEEDED``), unless every engine had verified it: the applying
                 ``Complete`` is the commit and is never cut short (:mod:`wsync_grpc.trainer.deadline`).
+            transport: how the bytes travel: ``"broadcast"`` (default: over the weight-sync group, formed by
+                :meth:`init`) or ``"shared_memory"`` (engines on this host: each bucket packed into a
+                shared-memory segment the engines' workers map read-only; no group, flattened layout only:
+                :mod:`wsync_grpc.transports.shared_memory`). Never chosen by the client itself.
 
         Returns:
             A :class:`SyncResult` with per-engine results and trainer-side timings.
 
         Raises:
             ValueError: empty ``weight_version``, nothing to send, a bad
-                ``layout``/``apply_mode``, a ``timeout_s`` not above 0, or a planning error.
+                ``layout``/``apply_mode``/``transport``, a ``timeout_s`` not above 0, or a planning error.
             SyncError: the update failed (see above); the message names every
                 failed engine with its code, reason and message.
             RuntimeError: another ``sync`` is running in this client.
             ClientError: the client was closed.
         """
-        request = BroadcastRequest.create(
+        request = SENT_KINDS[transport_of(transport)].create(
             weight_version,
             layout,
             apply_mode,

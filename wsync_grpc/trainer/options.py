@@ -23,16 +23,19 @@ from wsync_grpc.core.validation import MAX_ID_CHARS
 __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
     "DEFAULT_RPC_TIMEOUT_S",
+    "SENT_TRANSPORTS",
     "ApplyMode",
     "BackendName",
     "Layout",
     "PauseModeName",
+    "TransportName",
     "apply_mode_name",
     "apply_mode_of",
     "check_version",
     "layout_name",
     "layout_of",
     "pause_mode_of",
+    "transport_of",
 ]
 
 Layout = Literal["flattened", "individual"]
@@ -46,6 +49,25 @@ PauseModeName = Literal["abort", "wait", "keep"]
 
 BackendName = Literal["gloo", "nccl", ""]
 """Collective backend; ``""`` lets each side choose by device (NCCL on CUDA, gloo on CPU)."""
+
+TransportName = Literal["broadcast", "shared_memory"]
+"""How the bytes of an update the trainer sends travel (``wsync.v1.Transport``): over the weight-sync group,
+or through a shared-memory segment on the engines' host (colocated engines)."""
+
+SENT_TRANSPORTS: tuple[str, ...] = ("broadcast", "shared_memory")
+"""The :data:`TransportName` values, in the order the docs list them."""
+
+
+def transport_of(value: str) -> core_layout.Transport:
+    """The core's :class:`~wsync_grpc.core.layout.Transport` of an update the trainer sends, named ``value``.
+
+    Raises:
+        ValueError: not one of :data:`SENT_TRANSPORTS` (a disk update is :meth:`TrainerClient.sync_from_disk
+            <wsync_grpc.trainer.client.TrainerClient.sync_from_disk>`).
+    """
+    if value not in SENT_TRANSPORTS:
+        raise ValueError(f"unknown transport {value!r}; use one of {', '.join(map(repr, SENT_TRANSPORTS))}")
+    return core_layout.Transport(value)
 
 
 def layout_of(value: str) -> core_layout.Layout:

@@ -78,7 +78,8 @@ class ClientParts:
                 raise ValueError("pass peers or the deprecated sender, not both")
             peers = given[Transport.BROADCAST] = sender(PackBuffers(keep_buffers, self._settings.device))
         peers = peers if peers is not None else ONE_PROCESS
-        self._senders = Senders(SendSite(peers, self._settings.device, keep_buffers), given)
+        site = SendSite(peers, self._settings.device, keep_buffers, self._settings.group_timeout_s)
+        self._senders = Senders(site, given)
         self._membership = Membership(self._fleet, self._settings, self._cancel_event, self._leases, peers)
         self._metrics = TrainerMetrics(metrics_registry)
         calls = UpdateProtocol(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -186,6 +186,22 @@ class BroadcastRequest(UpdateRequest):
     def header(self, bucket_count: int = 0, total_bytes: int = 0, digests_follow: bool = False) -> UpdateHeader:
         """The header of a broadcast: the buckets the Prepare stream declares and their wire bytes."""
         return self._header(self.layout, bucket_count, total_bytes, digests_follow, adapter=self.adapter)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedMemoryRequest(BroadcastRequest):
+    """An update whose bytes the trainer packs into a shared-memory segment on its engines' host
+    (``TRANSPORT_SHARED_MEMORY``: :mod:`wsync_grpc.transports.shared_memory`); otherwise as
+    :class:`BroadcastRequest` (the layout flattened)."""
+
+    transport: ClassVar[Transport] = Transport.SHARED_MEMORY
+
+
+SENT_KINDS: Mapping[Transport, type[BroadcastRequest]] = {
+    Transport.BROADCAST: BroadcastRequest,
+    Transport.SHARED_MEMORY: SharedMemoryRequest,
+}
+"""The request kind of each transport whose bytes the trainer sends."""
 
 
 @dataclass(frozen=True, kw_only=True)

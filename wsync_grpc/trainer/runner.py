@@ -37,6 +37,7 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from wsync.v1 import weight_sync_pb2 as pb
 
@@ -202,6 +203,7 @@ class UpdateRunner:
         set_spec_digests(messages, up_front or {})
         courier = calls.digest_courier(request) if up_front is None else None
         header = sends.header(len(buckets), shape.wire_bytes, digests_follow=courier is not None)
+        header = dataclasses.replace(header, **self._header_fields(sender, request, job))
         prepared = calls.prepare(request, header, messages)
         commit = calls.transfer_and_commit(
             request, prepared, lambda: self._send(sender, sends, job, shape.wire_bytes, courier)
@@ -251,6 +253,19 @@ class UpdateRunner:
             return sender.digests_before_send(job)
         except Exception as exc:
             trainer = EngineFailure.from_exception(TRAINER, "digests", exc)
+            raise self._calls.abandon(request, "prepare", {TRAINER: trainer}) from exc
+
+    def _header_fields(self, sender: TransportSender, request: UpdateRequest, job: SendJob) -> Mapping[str, Any]:
+        """What ``sender`` adds to the header before Prepare (:meth:`TransportSender.header_fields
+        <wsync_grpc.transports.sending.TransportSender.header_fields>`: its handle).
+
+        Raises:
+            SyncError: the handle could not be made (stage ``"prepare"``; no byte was sent).
+        """
+        try:
+            return sender.header_fields(job)
+        except Exception as exc:
+            trainer = EngineFailure.from_exception(TRAINER, "transport", exc)
             raise self._calls.abandon(request, "prepare", {TRAINER: trainer}) from exc
 
     def _send(

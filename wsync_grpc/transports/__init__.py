@@ -15,6 +15,9 @@ for it:
   :class:`~wsync_grpc.transports.disk.receiver.DiskReceiver` reads it; the trainer
   sends nothing (:data:`~wsync_grpc.transports.sending.ENGINE_READS`), it may write the checkpoint first
   (:func:`~wsync_grpc.transports.disk.writer.save_checkpoint`);
+- ``shared_memory`` (:mod:`wsync_grpc.transports.shared_memory`): a trainer on the engine's host hands
+  over a shared-memory segment (a memfd over an abstract Unix socket) and packs each bucket into its
+  ring; the engine's workers copy it out; no group;
 - ``cuda_ipc`` (:mod:`wsync_grpc.transports.cuda_ipc`): reserved by the contract,
   answered UNIMPLEMENTED.
 
@@ -41,6 +44,7 @@ TRANSPORTS: Mapping[Transport, str] = {
     Transport.BROADCAST: "wsync_grpc.transports.broadcast",
     Transport.DISK: "wsync_grpc.transports.disk",
     Transport.CUDA_IPC: "wsync_grpc.transports.cuda_ipc",
+    Transport.SHARED_MEMORY: "wsync_grpc.transports.shared_memory",
 }
 """The contract's ``Transport`` -> the module whose ``PART`` serves it (imported on first use)."""
 

@@ -22,12 +22,13 @@ import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, Layout
+from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.group.process_group import WeightSyncGroup
 
@@ -102,11 +103,14 @@ class SendSite:
         device: the trainer's device (its staging buffers live there).
         keep_buffers: keep staging buffers between updates; ``None``: where the device is CPU (see
             ``TrainerClient(keep_buffers=...)``).
+        timeout_s: the longest a sender waits for the engines at one step of a send (the client's
+            ``group_timeout_s`` when the sender was built), in seconds.
     """
 
     peers: TrainerPeers
     device: torch.device
     keep_buffers: bool | None = None
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,16 @@ class SendJob:
 class TransportSender(Protocol):
     """A transport's trainer half: moves one update's buckets from the trainer's ranks to every engine."""
 
+    def header_fields(self, job: SendJob) -> Mapping[str, Any]:
+        """The fields of the update's header (:class:`~wsync_grpc.core.header.UpdateHeader`) its engines need
+        before any byte, by name (the transport's handle, e.g. ``shared_memory``); empty for none. Called once
+        per update, before Prepare; what it opens ends with the update's send or :meth:`release`.
+
+        Raises:
+            Exception: the handle could not be made (the update is abandoned before Prepare).
+        """
+        ...
+
     def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
         """Every bucket's digest of ``job``, computed before the update is prepared; ``None``: the sender hashes
         each bucket as it sends it (:meth:`send` calls ``job.on_digest``), and the digests follow the Prepare.
@@ -190,6 +204,10 @@ class TransportSender(Protocol):
 class EngineReads:
     """The :class:`TransportSender` of a transport whose engines read the bytes themselves (a checkpoint on
     disk): the trainer sends nothing."""
+
+    def header_fields(self, job: SendJob) -> Mapping[str, Any]:
+        """None: the header names what the engines read."""
+        return {}
 
     def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
         """None: the engines hash what they read."""

@@ -24,7 +24,7 @@ from wsync_grpc.core.digests import DIGEST_SIZES, Digest, DigestAlgorithm
 from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.errors import InvalidArgument
-from wsync_grpc.core.header import UpdateHeader
+from wsync_grpc.core.header import SharedMemoryHandle, UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.core.lora import LoraSpec
@@ -43,6 +43,7 @@ TRANSPORTS: dict[Transport, pb.Transport.ValueType] = {
     Transport.BROADCAST: pb.TRANSPORT_BROADCAST,
     Transport.CUDA_IPC: pb.TRANSPORT_CUDA_IPC,
     Transport.DISK: pb.TRANSPORT_DISK,
+    Transport.SHARED_MEMORY: pb.TRANSPORT_SHARED_MEMORY,
 }
 PAUSE_MODES: dict[PauseMode, pb.PauseMode.ValueType] = {
     PauseMode.ABORT: pb.PAUSE_MODE_ABORT,
@@ -145,6 +146,7 @@ def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
         checkpoint_path=h.checkpoint_path,
         adapter=adapter_from_proto(h.adapter) if h.HasField("adapter") else None,
         digests_follow=h.digests_follow,
+        shared_memory=shared_memory_from_proto(h.shared_memory) if h.HasField("shared_memory") else None,
     )
 
 
@@ -169,6 +171,19 @@ def header_to_proto(h: UpdateHeader, owner: str = "") -> pb.PrepareHeader:
         checkpoint_path=h.checkpoint_path,
         adapter=adapter_to_proto(h.adapter) if h.adapter is not None else None,
         digests_follow=h.digests_follow,
+        shared_memory=shared_memory_to_proto(h.shared_memory) if h.shared_memory is not None else None,
+    )
+
+
+def shared_memory_from_proto(m: pb.SharedMemoryHandle) -> SharedMemoryHandle:
+    """The domain :class:`~wsync_grpc.core.header.SharedMemoryHandle` of its message (not validated yet)."""
+    return SharedMemoryHandle(m.socket_name, bytes(m.token), m.boot_id, m.slot_bytes, m.slots)
+
+
+def shared_memory_to_proto(h: SharedMemoryHandle) -> pb.SharedMemoryHandle:
+    """The ``wsync.v1.SharedMemoryHandle`` of ``h``; the inverse of :func:`shared_memory_from_proto`."""
+    return pb.SharedMemoryHandle(
+        socket_name=h.socket_name, token=h.token, boot_id=h.boot_id, slot_bytes=h.slot_bytes, slots=h.slots
     )
 
 

@@ -111,6 +111,13 @@ class _TransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transport.V
     can see (PrepareHeader.checkpoint_path; SGLang's update_weights_from_disk,
     vLLM's reload_weights). Engines without disk updates answer UNIMPLEMENTED.
     """
+    TRANSPORT_SHARED_MEMORY: _Transport.ValueType  # 4
+    """TRANSPORT_SHARED_MEMORY: a trainer on the engine's host hands over a
+    shared-memory segment (a memfd, passed over the abstract Unix socket
+    PrepareHeader.shared_memory names, never a pickled handle), packs each
+    bucket into one of its ring slots and the engine's workers copy it out;
+    no process group (no Init). Flattened layout only.
+    """
 
 class Transport(_Transport, metaclass=_TransportEnumTypeWrapper):
     """Transport says how the weight bytes reach the engine."""
@@ -130,6 +137,13 @@ TRANSPORT_DISK: Transport.ValueType  # 3
 """TRANSPORT_DISK: the engine reads a safetensors checkpoint from a disk it
 can see (PrepareHeader.checkpoint_path; SGLang's update_weights_from_disk,
 vLLM's reload_weights). Engines without disk updates answer UNIMPLEMENTED.
+"""
+TRANSPORT_SHARED_MEMORY: Transport.ValueType  # 4
+"""TRANSPORT_SHARED_MEMORY: a trainer on the engine's host hands over a
+shared-memory segment (a memfd, passed over the abstract Unix socket
+PrepareHeader.shared_memory names, never a pickled handle), packs each
+bucket into one of its ring slots and the engine's workers copy it out;
+no process group (no Init). Flattened layout only.
 """
 Global___Transport: _TypeAlias = Transport  # noqa: Y015
 
@@ -712,6 +726,7 @@ class PrepareHeader(_message.Message):
     CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     DIGESTS_FOLLOW_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id identifies the update in Update, Complete, Cancel and the
     status. Empty means the engine assigns one and returns it.
@@ -783,6 +798,14 @@ class PrepareHeader(_message.Message):
         a base-weight update.
         """
 
+    @_builtins.property
+    def shared_memory(self) -> Global___SharedMemoryHandle:
+        """shared_memory is, for transport TRANSPORT_SHARED_MEMORY only, where the
+        trainer hands over the segment the buckets travel through (required
+        there: INVALID_ARGUMENT SHARED_MEMORY_HANDLE when unset; must be unset
+        for every other transport). Unset means none.
+        """
+
     def __init__(
         self,
         *,
@@ -798,14 +821,82 @@ class PrepareHeader(_message.Message):
         checkpoint_path: _builtins.str = ...,
         adapter: Global___AdapterSpec | None = ...,
         digests_follow: _builtins.bool = ...,
+        shared_memory: Global___SharedMemoryHandle | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "shared_memory", b"shared_memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "shared_memory", b"shared_memory", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrepareHeader: _TypeAlias = PrepareHeader  # noqa: Y015
+
+@_typing.final
+class SharedMemoryHandle(_message.Message):
+    """SharedMemoryHandle says where a colocated trainer hands over the
+    shared-memory segment of a TRANSPORT_SHARED_MEMORY update. Each engine
+    worker connects to the socket, proves it is the Prepare's recipient with
+    the token, checks the trainer's peer credentials (same user) and receives
+    the segment's file descriptor (SCM_RIGHTS); it maps it read-only for the
+    update alone.
+
+    The segment is a memfd of at least slots * slot_bytes bytes, sealed with
+    F_SEAL_SHRINK (an engine refuses it otherwise: INVALID_ARGUMENT
+    SHARED_MEMORY_SEALS); the descriptor may be read-only. On each connection,
+    fixed-size little-endian messages, in order: the worker sends the 32-byte
+    token; the trainer sends ("WSYNCSHM", uint32 slots, uint64 slot_bytes) with
+    the descriptor attached (or closes a refused connection); then per bucket,
+    in index order, the trainer sends (uint64 bucket index, uint32 slot, uint64
+    size in bytes) once the bucket's flattened bytes (as a broadcast carries
+    them) are in that slot, and the worker answers (uint64 bucket index) once
+    it copied them out. Either side closing its end ends the transfer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOCKET_NAME_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    SLOT_BYTES_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    socket_name: _builtins.str
+    """socket_name is the trainer's Unix socket in the abstract namespace
+    (Linux; without the leading NUL byte), e.g. "wsync-shm-<random>".
+    Required.
+    """
+    token: _builtins.bytes
+    """token is the secret an engine worker sends first on the socket: 32
+    random bytes the trainer chose for this update. Required.
+    """
+    boot_id: _builtins.str
+    """boot_id is the trainer host's /proc/sys/kernel/random/boot_id: an
+    engine on another host (or boot) refuses the update (INVALID_ARGUMENT
+    SHARED_MEMORY_HOST). Required.
+    """
+    slot_bytes: _builtins.int
+    """slot_bytes is the size of one ring slot, in bytes; every bucket's
+    size_bytes fits in one. Required (above 0).
+    """
+    slots: _builtins.int
+    """slots is how many ring slots the segment holds (the trainer packs one
+    while the engine copies another); at least 2.
+    """
+    def __init__(
+        self,
+        *,
+        socket_name: _builtins.str = ...,
+        token: _builtins.bytes = ...,
+        boot_id: _builtins.str = ...,
+        slot_bytes: _builtins.int = ...,
+        slots: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "slot_bytes", b"slot_bytes", "slots", b"slots", "socket_name", b"socket_name", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMemoryHandle: _TypeAlias = SharedMemoryHandle  # noqa: Y015
 
 @_typing.final
 class AdapterSpec(_message.Message):

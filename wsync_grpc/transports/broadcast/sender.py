@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -393,6 +393,10 @@ class BroadcastSender:
         if not isinstance(peers, DirectSends):
             raise ValueError(f"a trainer of {peers.trainer_ranks} rank(s) without direct sends cannot send 'direct'")
         return peers
+
+    def header_fields(self, job: SendJob) -> Mapping[str, Any]:
+        """None: the engines joined the group at Init."""
+        return {}
 
     def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
         """``direct``: every rank's digests (:meth:`DirectSends.direct_digests`); otherwise ``None`` (this rank

@@ -1,0 +1,444 @@
+"""The shared-memory transport (issue 46, CPU half): a trainer on the engines' host packs each bucket into a ring of
+slots in a memfd it hands over on an abstract Unix socket; every engine worker maps it read-only and copies each
+bucket out.
+
+Real gRPC servers on loopback ports serving synthetic :class:`TensorEngine` s and a reference engine (a tiny Llama),
+a real :class:`TrainerClient` (``sync(..., transport="shared_memory")``), a real trainer process SIGKILLed
+mid-update; checked against the engines' own ``GetWeightChecksums``, their tensors, and what this process and the
+host hold afterwards (``/proc/self/maps``, ``/proc/self/fd``, ``/dev/shm``). The trainer and the in-process engines
+share this process: the trainer's mapping of its kept segment is read-write (``rw-s``), an engine's read-only
+(``r--s``).
+
+Not covered here: a peer of another user (the engine refuses a trainer, the trainer an engine, whose
+``SO_PEERCRED`` user is not its own): faking that needs a second user account (root to switch), which CI does not
+have; the check is the same one-line comparison on both sides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from support import ENV, status, tensor_server
+from wsync.v1 import weight_sync_pb2 as pb
+
+from wsync_grpc import transports
+from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.errors import Unavailable
+from wsync_grpc.core.header import SharedMemoryHandle
+from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, TensorSlot, Transport
+from wsync_grpc.core.update import Payload, ReceivePlan
+from wsync_grpc.engines import synthetic
+from wsync_grpc.engines.reference import ReferenceEngine
+from wsync_grpc.engines.tensor import TensorEngine
+from wsync_grpc.testing import in_process_server
+from wsync_grpc.trainer import SyncError, SyncProgress, TrainerClient
+from wsync_grpc.trainer.options import ApplyMode as ApplyModeName
+from wsync_grpc.transports import shared_memory
+from wsync_grpc.transports.shared_memory.protocol import boot_id
+from wsync_grpc.transports.shared_memory.receiver import SharedMemoryReceiver
+from wsync_grpc.wire.status import error_info
+from wsync_grpc.worker.buffers import BufferPool
+from wsync_grpc.worker.feed import BucketFeed
+from wsync_grpc.worker.receiver import ReceiveSite
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL: dict[str, Any] = {"bucket_bytes": 32 << 10, "ramp_bytes": 0, "solo_bytes": 64 << 10}
+"""Client settings that cut the tiny synthetic model in several buckets: the embedding alone, the rest packed."""
+
+SEGMENT = "/memfd:wsync-shm"
+"""How a segment shows in ``/proc/<pid>/maps`` and as the target of a descriptor in ``/proc/<pid>/fd``."""
+
+
+def sums(tensors: dict[str, torch.Tensor], names: Any, aliases: dict[str, str]) -> dict[str, str]:
+    """The SHA-256 the engine should report for each of ``names``, from the trainer's ``tensors``."""
+    return {n: tensor_sha256(tensors[aliases.get(n, n)]) for n in names}
+
+
+def served(client: TrainerClient) -> dict[str, dict[str, str]]:
+    """Every engine's ``GetWeightChecksums``: target -> name -> SHA-256."""
+    return {t: c.by_name for t, c in client.checksums().items()}
+
+
+def mappings() -> dict[str, int]:
+    """This process's mappings of segments by permissions (``rw-s``: a trainer's, ``r--s``: an engine's)."""
+    found: dict[str, int] = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if SEGMENT in line:
+            perms = line.split()[1]
+            found[perms] = found.get(perms, 0) + 1
+    return found
+
+
+TRAINER_FDS = 2
+"""Descriptors a trainer holds per kept segment: the read-only one it hands over, and the one Python's ``mmap``
+keeps beside its mapping."""
+
+
+def segment_fds() -> int:
+    """This process's descriptors of segments (see :data:`TRAINER_FDS`)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own descriptor)
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(SEGMENT)
+    return n
+
+
+def listening_sockets() -> set[str]:
+    """The abstract Unix socket names of this process's shared-memory handovers (``/proc/net/unix``, whose inodes
+    this process holds: other processes of the host may run handovers of their own)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    names = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[7].startswith("@wsync-shm-") and parts[6] in inodes:
+            names.add(parts[7][1:])
+    return names
+
+
+FOREIGN_SHM = ("psm_", "sem.mp-", "vllm")
+"""``/dev/shm`` entries of other jobs that may run on the host meanwhile (Python multiprocessing's, vLLM's)."""
+
+
+def dev_shm() -> set[str]:
+    """``/dev/shm``'s entries, but those of other jobs (:data:`FOREIGN_SHM`)."""
+    return {n for n in os.listdir("/dev/shm") if not n.startswith(FOREIGN_SHM)}
+
+
+def wait_for(predicate: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_registry_serves_the_part() -> None:
+    assert transports.transport_for(Transport.SHARED_MEMORY) is shared_memory.PART
+    assert not shared_memory.PART.needs_group and not shared_memory.PART.engine_builds_buckets
+
+
+@pytest.mark.parametrize("apply_mode", ["staged", "streaming"])
+def test_two_tensor_engines_take_a_sync_through_shared_memory_bit_exact(apply_mode: ApplyModeName) -> None:
+    """Two engines (each worker connects and maps the segment) in one sync; every bucket verified against its
+    digest; no group; no engine mapping or descriptor outlives the update, and the trainer keeps one segment
+    between syncs, gone when the client closes."""
+    aliases = synthetic.aliases("tiny")
+    new = synthetic.build("tiny", seed=7)
+    with (
+        tensor_server("tiny", seed=0) as (a, ea, sa),
+        tensor_server("tiny", seed=1) as (b, eb, sb),
+        TrainerClient([a.address, b.address], **SMALL) as client,
+    ):
+        progress: list[SyncProgress] = []
+        phases: list[str] = []
+        r = client.sync(
+            new.items(),
+            "v1",
+            apply_mode=apply_mode,
+            transport="shared_memory",
+            progress=progress.append,
+            on_phase=phases.append,
+        )
+        assert r.bucket_count > 3 and r.apply_mode == apply_mode and r.weight_version == "v1"
+        assert [p.buckets_sent for p in progress] == list(range(1, r.bucket_count + 1))
+        assert progress[-1].bytes_sent == r.wire_bytes
+        assert phases[0] == "planned" and phases[-1] == "applied"
+        assert {t: e.buckets_verified for t, e in r.engines.items()} == {
+            a.address: r.bucket_count,
+            b.address: r.bucket_count,
+        }
+        got = served(client)
+        assert got == {t: sums(new, got[t], aliases) for t in (a.address, b.address)}
+        for engine, stub in ((ea, sa), (eb, sb)):
+            for n, t in new.items():
+                assert torch.equal(engine.tensors[n], t), n
+            st = status(stub)
+            assert (st.weight_version, st.paused, st.dirty) == ("v1", False, False)
+        assert client.group is None  # the transport needs none: nothing was formed
+        assert mappings() == {"rw-s": 1} and segment_fds() == TRAINER_FDS  # the trainer's kept segment, no engine's
+        assert not listening_sockets()
+
+        newer = synthetic.build("tiny", seed=8)
+        r2 = client.sync(newer.items(), "v2", apply_mode=apply_mode, transport="shared_memory")
+        got = served(client)
+        assert got == {t: sums(newer, got[t], aliases) for t in (a.address, b.address)}
+        assert all(e.buckets_verified == r2.bucket_count for e in r2.engines.values())
+        assert mappings() == {"rw-s": 1} and segment_fds() == TRAINER_FDS  # the same segment served the second sync
+    assert mappings() == {} and segment_fds() == 0  # the client's close dropped it
+
+
+def test_a_reference_engine_takes_staged_and_streaming_syncs(make_tiny_llama: Any, smollm2_tokenizer: Any) -> None:
+    """The reference engine (a tiny Llama behind a real server) takes a staged then a streaming sync through shared
+    memory bit-exact, and generates with the second."""
+    with (
+        ReferenceEngine(make_tiny_llama(seed=0), smollm2_tokenizer, name="tiny") as engine,
+        in_process_server(engine) as (srv, stub),
+        TrainerClient([srv.address]) as client,
+    ):
+        runs: tuple[tuple[str, ApplyModeName, int], ...] = (("v1", "staged", 1), ("v2", "streaming", 2))
+        for version, apply_mode, seed in runs:
+            new = make_tiny_llama(seed=seed)
+            r = client.sync(
+                new.named_parameters(),
+                version,
+                apply_mode=apply_mode,
+                transport="shared_memory",
+            )
+            assert r.engines[srv.address].buckets_verified == r.bucket_count
+            trained = new.state_dict()
+            got = served(client)[srv.address]
+            assert got == {n: tensor_sha256(trained[n]) for n in got}
+            assert status(stub).weight_version == version
+        assert client.group is None
+        assert engine.generate("What is the capital of France?", 4).weight_versions == ("v2",)
+        assert "r--s" not in mappings()
+
+
+def raw_prepare(stub: Any, **handle: Any) -> grpc.RpcError:
+    """A Prepare of one bucket over shared memory with a handle of this host but ``handle``'s fields; its error."""
+    fields: dict[str, Any] = {
+        "socket_name": "wsync-shm-0123456789abcdef",
+        "token": bytes(32),
+        "boot_id": boot_id(),
+        "slot_bytes": 1 << 20,
+        "slots": 2,
+    }
+    layout = handle.pop("layout", pb.BUCKET_LAYOUT_FLATTENED)
+    fields.update(handle)
+    header = pb.PrepareHeader(
+        weight_version="v1",
+        transport=pb.TRANSPORT_SHARED_MEMORY,
+        layout=layout,
+        bucket_count=1,
+        shared_memory=pb.SharedMemoryHandle(**fields),
+    )
+    with pytest.raises(grpc.RpcError) as rpc:
+        stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=30)
+    return rpc.value
+
+
+def test_the_engine_refuses_a_handle_from_another_host_or_layout() -> None:
+    """Raw Prepare calls (the generated stub) whose handle names another boot, or none, or whose layout is
+    individual: INVALID_ARGUMENT before anything is connected or changed. The trainer refuses an individual
+    layout itself, before Prepare."""
+    new = synthetic.build("tiny", seed=7)
+    with tensor_server("tiny", seed=0) as (srv, engine, stub):
+        old = {n: t.clone() for n, t in engine.tensors.items()}
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"boot_id": "00000000-0000-0000-0000-000000000000"}, "SHARED_MEMORY_HOST"),
+            ({"token": b"short"}, "SHARED_MEMORY_HANDLE"),
+            ({"slots": 1}, "SHARED_MEMORY_HANDLE"),
+            ({"layout": pb.BUCKET_LAYOUT_INDIVIDUAL}, "SHARED_MEMORY_LAYOUT"),
+        ]
+        for fields, reason in cases:
+            err = raw_prepare(stub, **fields)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, err)
+            assert error_info(err)[0] == reason, (fields, err)
+        header = pb.PrepareHeader(weight_version="v1", transport=pb.TRANSPORT_SHARED_MEMORY, bucket_count=1)
+        with pytest.raises(grpc.RpcError) as rpc:  # no handle at all
+            stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=30)
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error_info(rpc.value)[0] == "SHARED_MEMORY_HANDLE"
+
+        with TrainerClient([srv.address], **SMALL) as client:
+            with pytest.raises(SyncError) as e:
+                client.sync(new.items(), "v1", layout="individual", transport="shared_memory")
+            assert e.value.stage == "prepare", e.value
+            assert "flattened" in str(e.value), e.value
+        st = status(stub)
+        assert (st.weight_version, st.paused, st.HasField("update")) == ("", False, False)
+        for n, t in engine.tensors.items():
+            assert torch.equal(t, old[n]), n
+        assert not listening_sockets() and mappings() == {}
+
+
+def test_a_cancel_mid_send_keeps_the_old_weights_and_the_next_sync_applies() -> None:
+    """``cancel()`` once bucket 1 was copied out everywhere: the trainer packs no further bucket, the engine's reader
+    (waiting for the next one) stops and unmaps, the update is abandoned with the old weights served; the next sync
+    applies."""
+    aliases = synthetic.aliases("tiny")
+    new = synthetic.build("tiny", seed=7)
+    with tensor_server("tiny", seed=0) as (srv, engine, stub), TrainerClient([srv.address], **SMALL) as client:
+        old = {n: t.clone() for n, t in engine.tensors.items()}
+        before = served(client)
+        cancelled: list[bool] = []
+
+        def cancel_after_bucket_1(p: SyncProgress) -> None:
+            if p.buckets_sent == 2:
+                t = threading.Thread(
+                    target=lambda: cancelled.append(client.cancel("test cancel")[srv.address].cancelled)
+                )
+                t.start()
+                t.join(30)
+
+        with pytest.raises(SyncError) as e:
+            client.sync(new.items(), "v1", transport="shared_memory", progress=cancel_after_bucket_1)
+        assert cancelled == [True]
+        assert e.value.stage == "broadcast", e.value
+        st = status(stub)
+        assert (st.weight_version, st.paused, st.HasField("update")) == ("", False, False)
+        assert "test cancel" in st.last_error.message, st.last_error
+        assert served(client) == before
+        for n, t in engine.tensors.items():
+            assert torch.equal(t, old[n]), n
+        wait_for(lambda: "r--s" not in mappings())  # the engine's reader unmapped as it stopped
+        assert not listening_sockets()
+
+        r = client.sync(new.items(), "v2", transport="shared_memory")
+        got = served(client)[srv.address]
+        assert got == sums(new, got, aliases) and r.engines[srv.address].buckets_verified == r.bucket_count
+
+
+def test_a_connection_with_a_wrong_token_is_refused_and_the_sync_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """Another process connects to the trainer's socket while the engines are being prepared and sends a wrong
+    token: it gets no descriptor (the trainer closes the connection and logs it); the sync applies."""
+    aliases = synthetic.aliases("tiny")
+    new = synthetic.build("tiny", seed=7)
+    intruder = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "s.connect('\\0' + sys.argv[1])\n"
+        "s.sendall(b'x' * 32)\n"
+        "s.settimeout(20)\n"
+        "msg, fds, _, _ = socket.recv_fds(s, 64, 4)\n"
+        "print(len(msg), len(fds))\n"
+    )
+    answers: list[str] = []
+
+    def intrude(phase: str) -> None:
+        if phase != "prepared":  # the engines are armed; the trainer has not begun to send
+            return
+        (name,) = listening_sockets()
+        p = subprocess.run([sys.executable, "-c", intruder, name], capture_output=True, text=True, timeout=30)
+        answers.append(p.stdout.strip() or p.stderr[-500:])
+
+    with tensor_server("tiny", seed=0) as (srv, _engine, stub), TrainerClient([srv.address], **SMALL) as client:
+        r = client.sync(new.items(), "v1", transport="shared_memory", on_phase=intrude)
+        assert answers == ["0 0"]  # the connection was closed: no bytes, no descriptor
+        assert "a wrong token" in caplog.text
+        got = served(client)[srv.address]
+        assert got == sums(new, got, aliases) and r.engines[srv.address].buckets_verified == r.bucket_count
+        assert status(stub).weight_version == "v1"
+
+
+TRAINER = """
+import os, signal, sys
+from wsync_grpc.engines import synthetic
+from wsync_grpc.trainer import TrainerClient
+
+def die(p):
+    if p.buckets_sent == 2:  # buckets 0 and 1 copied out; bucket 2 is in its slot
+        print("dying", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+client = TrainerClient([sys.argv[1]], bucket_bytes=32 << 10, ramp_bytes=0, solo_bytes=64 << 10)
+client.sync(synthetic.build("tiny", seed=7).items(), "v1", transport="shared_memory", progress=die)
+print("not killed", flush=True)
+"""
+
+
+def test_a_trainer_sigkilled_mid_update_leaves_the_engine_its_weights_and_nothing_behind() -> None:
+    """A trainer process SIGKILLs itself once bucket 1 was copied out: the engine notices (the socket closed under
+    its reader), abandons the update with its old weights served, holds no mapping or descriptor of the segment, and
+    ``/dev/shm`` is as it was."""
+    shm_before = dev_shm()
+    with tensor_server("tiny", seed=0) as (srv, engine, stub):
+        old = {n: t.clone() for n, t in engine.tensors.items()}
+        p = subprocess.run(
+            [sys.executable, "-c", TRAINER, srv.address], capture_output=True, text=True, timeout=60, env=ENV
+        )
+        assert p.returncode == -signal.SIGKILL and "dying" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
+
+        def abandoned() -> bool:
+            st = status(stub)
+            return not st.HasField("update") and bool(st.last_error.reason)
+
+        wait_for(abandoned)
+        st = status(stub)
+        # Whichever the engine noticed first: the trainer's Watch call ending, or its socket closing under the reader.
+        assert st.last_error.reason in ("PEER_LOST", "SHARED_MEMORY_TRAINER_LOST"), st.last_error
+        assert (st.weight_version, st.paused, st.dirty) == ("", False, False), st
+        for n, t in engine.tensors.items():
+            assert torch.equal(t, old[n]), n
+        wait_for(lambda: mappings() == {})
+        assert segment_fds() == 0
+        assert not listening_sockets()
+    assert dev_shm() == shm_before
+
+
+HOLDER = """
+import sys
+from wsync_grpc.transports.shared_memory.protocol import boot_id
+from wsync_grpc.transports.shared_memory.handover import Handover, Segment
+h = Handover(Segment(4096, 2), "u1").handle(boot_id())
+print(h.socket_name, h.token.hex(), h.slot_bytes, h.slots, flush=True)
+sys.stdin.read()  # until it is killed
+"""
+
+
+def test_a_trainer_process_killed_while_a_worker_waits_ends_the_receive_and_unmaps() -> None:
+    """The engine half alone, without a trainer client (whose Watch call would tell the engine first): a trainer
+    process hands its segment over to a real receiver thread, which maps it and waits for bucket 0; SIGKILLed, the
+    trainer's socket closes under it: the receive ends with UNAVAILABLE SHARED_MEMORY_TRAINER_LOST, nothing loaded,
+    the segment unmapped and no descriptor of it left."""
+    engine = TensorEngine(synthetic.build("tiny", seed=0), aliases=synthetic.aliases("tiny"))
+    name, t = next(iter(engine.tensors.items()))
+    slot = TensorSlot(name, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size(), name)
+    bucket = Bucket(0, slot.nbytes, (slot,))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+    )
+    try:
+        assert holder.stdout is not None
+        socket_name, token, slot_bytes, slots = holder.stdout.readline().split()
+        handle = SharedMemoryHandle(socket_name, bytes.fromhex(token), boot_id(), int(slot_bytes), int(slots))
+        plan = ReceivePlan(
+            Transport.SHARED_MEMORY,
+            Payload.WEIGHTS,
+            Layout.FLATTENED,
+            ApplyMode.STAGED,
+            (bucket,),
+            closed=True,
+            timeout_s=30,
+            update_id="u1",
+            shared_memory=handle,
+        )
+        feed = BucketFeed()
+        feed.extend([bucket])
+        feed.close()
+        site = ReceiveSite(
+            0, torch.device("cpu"), engine, feed, threading.Event(), lambda r: None, None, BufferPool(t.device, False)
+        )
+        receiver = shared_memory.PART.receiver(site, plan)
+        assert isinstance(receiver, SharedMemoryReceiver)
+        receiver.start()
+        assert receiver.armed.wait(20) and receiver.error is None, receiver.error
+        # Mapped read-only; the descriptor received closed (Python's mmap keeps a duplicate until it unmaps).
+        assert receiver.mapped and mappings() == {"r--s": 1} and segment_fds() == 1
+        holder.kill()
+        assert receiver.done.wait(20)
+        assert isinstance(receiver.error, Unavailable), receiver.error
+        assert receiver.error.reason == "SHARED_MEMORY_TRAINER_LOST", receiver.error
+        assert (receiver.buckets_done, receiver.tensors_applied, receiver.wrote_served) == (0, 0, False)
+        assert not receiver.mapped and mappings() == {} and segment_fds() == 0
+    finally:
+        holder.kill()
+        holder.wait(30)

@@ -1,0 +1,165 @@
+"""The shared-memory transport (``TRANSPORT_SHARED_MEMORY``): a trainer on the engine's host, no wire at all.
+
+The trainer packs each bucket into one slot of a ring in a shared-memory segment; every engine worker
+copies it out and acknowledges it, and the trainer packs a later bucket into the slot once every worker
+has. No process group is formed (no Init): the handle travels in the Prepare header
+(``PrepareHeader.shared_memory``, :class:`~wsync_grpc.core.header.SharedMemoryHandle`), as structured fields,
+never pickled. Flattened layout only; the bytes in a slot are exactly what a broadcast puts on the wire
+(:func:`~wsync_grpc.core.packing.pack_bucket`, zero padding), so bucket digests are the same.
+
+Halves: :class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender` (the trainer's: the
+ring; the segment and its handover are :mod:`~wsync_grpc.transports.shared_memory.handover`'s) and
+:class:`~wsync_grpc.transports.shared_memory.receiver.SharedMemoryReceiver` (one per engine worker); the
+socket protocol between them is :mod:`wsync_grpc.transports.shared_memory.protocol`.
+
+Why a memfd passed over an abstract Unix socket (and not a named segment under ``/dev/shm``):
+
+- **nothing to leak**: a memfd has no name in any file system, and an abstract socket (a name starting
+  with a NUL byte) is no file either. Both vanish with the last process holding them: a trainer or
+  engine SIGKILLed mid-update leaves nothing in ``/dev/shm`` or anywhere else to clean up, which a
+  ``shm_open`` name, created and unlinked by a process that may die in between, cannot promise;
+- **both ends checked by the kernel**: each side reads the other's credentials (``SO_PEERCRED``, recorded
+  by the kernel, not claimed by the peer): the trainer hands the segment only to a process of its own
+  user that also presents the update's 32-byte token (sent in the Prepare header, so only the engine the
+  trainer prepared knows it); the engine takes the segment only from a process of its own user;
+- **capabilities, not names**: the segment is handed over as a descriptor (``SCM_RIGHTS``), opened
+  read-only: the engine can map it read-only and nothing else. It is sealed against resizing
+  (``F_SEAL_SHRINK``, ``F_SEAL_GROW``), so no page can vanish under an engine's mapping (which would be
+  a ``SIGBUS``, a crash, rather than an error); the engine refuses a segment without that seal. The
+  engine closes the descriptor as soon as it mapped it (Python's ``mmap`` keeps a duplicate until it
+  unmaps), and unmaps when its receive ends.
+
+Limits: abstract Unix sockets belong to a network namespace, so the engine must share the trainer's
+(as it shares its host: the header carries the trainer's boot id, and an engine on another host or boot
+refuses the update with INVALID_ARGUMENT SHARED_MEMORY_HOST); engines in another container's network
+namespace cannot use this transport (SHARED_MEMORY_CONNECT). Linux only. One trainer process (a sharded
+trainer's sends are not built yet), whole tensors only.
+
+Units: sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wsync_grpc.core.errors import InvalidArgument
+from wsync_grpc.core.header import UpdateHeader, transport_unimplemented
+from wsync_grpc.core.layout import Bucket, Layout, Transport
+from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
+from wsync_grpc.core.validation import UpdateValidator
+from wsync_grpc.transports.context import PlanContext
+from wsync_grpc.transports.sending import SendSite, TransportSender
+from wsync_grpc.transports.shared_memory.protocol import MAX_NAME_CHARS, TOKEN_BYTES, boot_id
+from wsync_grpc.transports.shared_memory.receiver import SharedMemoryReceiver
+from wsync_grpc.transports.shared_memory.sender import SharedMemorySender
+from wsync_grpc.worker.receiver import Receiver, ReceiveSite
+
+__all__ = ["PART", "SharedMemoryTransport"]
+
+MIN_SLOTS = 2
+"""The fewest ring slots a handle may name (the trainer packs one while the engines copy another)."""
+
+
+@dataclass(frozen=True)
+class SharedMemoryTransport:
+    """``TRANSPORT_SHARED_MEMORY``, both halves (a :class:`~wsync_grpc.transports.TransportPart`; see the module)."""
+
+    kind: Transport = Transport.SHARED_MEMORY
+    needs_group: bool = False
+    engine_builds_buckets: bool = False
+
+    def check_header(self, h: UpdateHeader) -> UpdateHeader:
+        """A shared-memory update names a well-formed handle from this host, is flattened and declares every bucket
+        at Prepare.
+
+        Raises:
+            InvalidArgument: SHARED_MEMORY_HANDLE (missing, or slots below 2, a slot of 0 bytes, a token not of
+                32 bytes, a socket name empty, too long or holding a NUL), SHARED_MEMORY_HOST (another host's or
+                boot's, or this host's boot id cannot be read), SHARED_MEMORY_LAYOUT (individual),
+                SHARED_MEMORY_INCREMENTAL.
+        """
+        m = h.shared_memory
+        if m is None:
+            raise InvalidArgument(
+                "SHARED_MEMORY_HANDLE", "header.shared_memory is required for transport TRANSPORT_SHARED_MEMORY"
+            )
+        if m.slots < MIN_SLOTS or m.slot_bytes <= 0:
+            raise InvalidArgument(
+                "SHARED_MEMORY_HANDLE",
+                f"header.shared_memory names {m.slots} slots of {m.slot_bytes} bytes; at least {MIN_SLOTS} slots of "
+                "at least 1 byte are needed",
+            )
+        if len(m.token) != TOKEN_BYTES:
+            raise InvalidArgument(
+                "SHARED_MEMORY_HANDLE", f"header.shared_memory.token has {len(m.token)} bytes, not {TOKEN_BYTES}"
+            )
+        if not m.socket_name or len(m.socket_name) > MAX_NAME_CHARS or "\0" in m.socket_name:
+            raise InvalidArgument(
+                "SHARED_MEMORY_HANDLE",
+                f"header.shared_memory.socket_name must have 1 to {MAX_NAME_CHARS} characters and no NUL",
+            )
+        here = boot_id()
+        if not here or m.boot_id != here:
+            raise InvalidArgument(
+                "SHARED_MEMORY_HOST",
+                f"the trainer's boot id {m.boot_id!r} is not this host's ({here or 'unreadable'}): shared memory "
+                "needs the trainer on the engine's host",
+            )
+        if h.layout is not Layout.FLATTENED:
+            raise InvalidArgument(
+                "SHARED_MEMORY_LAYOUT", "a shared-memory update carries flattened buckets only, one per ring slot"
+            )
+        if h.incremental:
+            raise InvalidArgument(
+                "SHARED_MEMORY_INCREMENTAL",
+                "a shared-memory update declares every bucket at Prepare: the segment's slots are sized for them "
+                "and the trainer sends to the workers connected by then",
+            )
+        return h
+
+    def check_update(self) -> None:
+        """Refuse further buckets (:meth:`check_header` refused incremental updates; digests may still follow).
+
+        Raises:
+            Unimplemented: TRANSPORT_UNIMPLEMENTED, always.
+        """
+        raise transport_unimplemented(self.kind)
+
+    def plan(
+        self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], context: PlanContext
+    ) -> PlannedUpdate:
+        """The stream's header and buckets as they are, once each fits a ring slot.
+
+        Raises:
+            InvalidArgument: SHARED_MEMORY_SLOT, a bucket larger than a slot; SHARED_MEMORY_PIECES, a bucket holds
+                a piece of a tensor (a sharded trainer's: not built yet).
+        """
+        m = header.shared_memory
+        assert m is not None, "check_header refused the update"
+        for b in buckets:
+            if b.size_bytes > m.slot_bytes:
+                raise InvalidArgument(
+                    "SHARED_MEMORY_SLOT",
+                    f"bucket {b.index} has {b.size_bytes} bytes; a slot of the segment holds {m.slot_bytes}",
+                    bucket=str(b.index),
+                )
+            if any(t.piece is not None for t in b.tensors):
+                raise InvalidArgument(
+                    "SHARED_MEMORY_PIECES",
+                    f"bucket {b.index} holds a piece of a tensor: shared memory carries whole tensors from one "
+                    "trainer process (sharded trainers are not served yet)",
+                    bucket=str(b.index),
+                )
+        return PlannedUpdate(header, buckets)
+
+    def receiver(self, site: ReceiveSite, plan: ReceivePlan) -> Receiver:
+        """A :class:`~wsync_grpc.transports.shared_memory.receiver.SharedMemoryReceiver` for the worker at ``site``."""
+        return SharedMemoryReceiver(site, plan)
+
+    def sender(self, site: SendSite) -> TransportSender:
+        """A :class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender`."""
+        return SharedMemorySender(site, timeout_s=site.timeout_s)
+
+
+PART = SharedMemoryTransport()
+"""What :func:`~wsync_grpc.transports.transport_for` reads for ``Transport.SHARED_MEMORY``."""

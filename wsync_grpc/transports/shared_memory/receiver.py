@@ -1,0 +1,518 @@
+"""The shared-memory transport's engine half: one thread per worker, copying each bucket out of the trainer's ring.
+
+:class:`SharedMemoryReceiver`, at its start (while Prepare waits for the receivers to be armed):
+
+1. connects to the trainer's abstract Unix socket (``SharedMemoryHandle.socket_name``) and checks that
+   the process listening there is this worker's user (``SO_PEERCRED``; else PERMISSION_DENIED
+   SHARED_MEMORY_PEER) before it sends anything;
+2. sends the update's token and receives the segment's descriptor (``SCM_RIGHTS``) with the trainer's
+   slots and slot size, which must be the handle's;
+3. checks the descriptor: a regular file sealed against shrinking (``F_SEAL_SHRINK``: no page can vanish
+   under the mapping, which would be a ``SIGBUS``; else INVALID_ARGUMENT SHARED_MEMORY_SEALS) of at least
+   ``slots * slot_bytes`` bytes (else INVALID_ARGUMENT SHARED_MEMORY_SIZE), maps that many bytes
+   read-only, closes the descriptor received at once (Python's :class:`mmap.mmap` keeps a duplicate of
+   it until it unmaps), and is armed.
+
+Then, for each declared bucket in index order: it waits for the trainer's word that the bucket is in a
+slot, copies the slot into a flat buffer of its own (from the worker's
+:class:`~wsync_grpc.worker.buffers.BufferPool`: the slot is reused for a later bucket), acknowledges it
+at once (the trainer may pack a later bucket there) and hashes the copy when the update promised digests.
+A bucket is used only once its digest is known and matched (DATA_LOSS BUCKET_DIGEST_MISMATCH otherwise,
+nothing of it used): it loads its tensors (streaming) or keeps them for Complete (staged); a staged
+bucket that is one tensor of the served dtype and shape, on an engine that offers
+:class:`~wsync_grpc.core.engine.StorageSwap`, is copied into an exact-size buffer the engine serves
+from Complete on, as the broadcast receiver does. The ring does not wait for digests: they come in
+``Update`` calls a moment after their buckets, so buckets copied out wait for theirs (staged: all of
+them, they are kept anyway; streaming: at most :data:`PENDING_STREAMING`, their buffers) while the
+next ones are copied. Once the last bucket is copied out, or the receive ends for any reason, the
+mapping and the socket are closed: no mapping outlives the update.
+
+Every wait looks at the update's cancel signal every
+:data:`~wsync_grpc.transports.shared_memory.protocol.POLL_S` seconds and is bounded by the engine's group
+timeout (``ReceivePlan.timeout_s``). A trainer that closes its socket (it died, or it gave up) ends the
+receive with UNAVAILABLE SHARED_MEMORY_TRAINER_LOST; the update is then abandoned.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import functools
+import itertools
+import logging
+import mmap
+import os
+import socket
+import stat
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from wsync_grpc.core.digests import BucketHasher, Digest, check_digest
+from wsync_grpc.core.engine import StorageSwap
+from wsync_grpc.core.errors import (
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    GroupError,
+    GroupTimeout,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+    WsyncError,
+)
+from wsync_grpc.core.header import SharedMemoryHandle
+from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.packing import tensor_views
+from wsync_grpc.core.update import ReceivePlan
+from wsync_grpc.transports.shared_memory.protocol import (
+    ACK,
+    BUCKET,
+    GRANT,
+    MAGIC,
+    POLL_S,
+    Closed,
+    address,
+    own_uid,
+    peer_credentials,
+    recv_exact,
+)
+from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+PENDING_STREAMING = 2
+"""Streaming apply: buckets copied out that may wait for their digests (their buffers) before the receiver waits
+for the oldest one's; the ring goes on meanwhile."""
+
+
+class _NotYet:
+    """What a look for a digest finds while it was not declared yet."""
+
+
+_NOT_YET = _NotYet()
+
+
+class SharedMemoryReceiver(ReceiverThread):
+    """Copies one shared-memory update's buckets out of the trainer's segment for one worker (a
+    :class:`~wsync_grpc.worker.receiver.Receiver`; see the module).
+
+    Args:
+        site: where it runs (no group); its buffers come from ``site.pool``, on ``site.device``.
+        plan: the update: its handle (``plan.shared_memory``, required), apply mode, digests and ``timeout_s``
+            (the bound of each wait, in seconds).
+
+    Raises:
+        ValueError: ``plan`` has no shared-memory handle (the part's header check refuses such a header).
+    """
+
+    def __init__(self, site: ReceiveSite, plan: ReceivePlan) -> None:
+        if plan.shared_memory is None:
+            raise ValueError("a shared-memory receiver needs the header's shared_memory handle")
+        super().__init__(f"wsync-shm-reader-{site.worker}", site, plan)
+        self.handle: SharedMemoryHandle = plan.shared_memory
+        self.device = site.device
+        self.pool = site.pool
+        self._timeout_s = plan.timeout_s
+        self._digests_follow = plan.digests_follow
+        self._held: list[torch.Tensor] = []  # staged: the flat buffers behind self.staged
+        self._pending: collections.deque[_Received] = collections.deque()  # copied out, not used yet
+        self._swap = site.target if not self.streaming and isinstance(site.target, StorageSwap) else None
+        self.swaps: list[tuple[str, torch.Tensor]] = []
+        """Staged apply on a :class:`~wsync_grpc.core.engine.StorageSwap` engine: ``(canonical name, tensor)`` to
+        serve as they are."""
+        self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
+        self._sock: socket.socket | None = None
+        self._map: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None  # the mapping as bytes (read-only: only ever copied from)
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound of one wait (the segment, a bucket, a digest), in seconds."""
+        return self._timeout_s
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the trainer's segment is mapped in this process now."""
+        return self._map is not None
+
+    # ------------------------------------------------------------------ the thread
+
+    def run(self) -> None:
+        try:
+            self._open()
+            self.armed.set()
+            self.first_post_at = time.monotonic()
+            for i in itertools.count():
+                bucket = self._poll(functools.partial(self.feed.get, i), f"no bucket {i} was declared")
+                if bucket is None:
+                    break
+                self._bucket(i, bucket)
+            self._settle(0)  # every bucket received is checked and used before the receive is done
+        except BaseException as e:
+            if isinstance(e, WsyncError):
+                log.warning("shared-memory receiver of worker %d: %s %s", self.worker, e.reason, e.message)
+            elif not isinstance(e, GroupError | GroupTimeout | Cancelled):
+                log.exception("shared-memory receiver of worker %d failed", self.worker)
+            self.error = e
+        finally:
+            self._close()
+            self.armed.set()
+            self.done.set()
+            self.on_event(self)
+
+    def _poll(self, fetch: Callable[[float], _T], what: str) -> _T:
+        """``fetch(wait)`` (which raises :class:`GroupTimeout` when nothing came within ``wait`` seconds) until it
+        answers, looking for a cancel at least every ``POLL_S``.
+
+        Raises:
+            Cancelled: the update was cancelled meanwhile.
+            GroupTimeout: ``timeout_s`` passed without an answer (``what`` says what did not come).
+        """
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            if self.cancel.is_set():
+                raise Cancelled("the update was cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GroupTimeout(f"{what} within {self._timeout_s:g} s")
+            try:
+                return fetch(min(left, POLL_S))
+            except GroupTimeout:
+                continue
+
+    # ------------------------------------------------------------------ the handover
+
+    def _open(self) -> None:
+        """Connect, check the trainer, send the token, map the segment it hands over (see the module).
+
+        Raises:
+            Unavailable: SHARED_MEMORY_CONNECT, SHARED_MEMORY_HANDOVER.
+            PermissionDenied: SHARED_MEMORY_PEER.
+            InvalidArgument: SHARED_MEMORY_SEALS, SHARED_MEMORY_SIZE.
+            DataLoss: SHARED_MEMORY_PROTOCOL.
+            Cancelled, GroupTimeout: while waiting for the segment.
+        """
+        h = self.handle
+        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._timeout_s)
+        try:
+            sock.connect(address(h.socket_name))
+        except OSError as e:
+            raise Unavailable(
+                "SHARED_MEMORY_CONNECT",
+                f"cannot reach the trainer's socket {h.socket_name!r} ({e}): the trainer must run on this host, "
+                "in this network namespace (abstract Unix sockets belong to one), and still be there",
+            ) from e
+        pid, uid = peer_credentials(sock)
+        if uid != own_uid():
+            raise PermissionDenied(
+                "SHARED_MEMORY_PEER",
+                f"the process behind socket {h.socket_name!r} (pid {pid}) runs as user {uid}, not as this engine's "
+                f"user {own_uid()}: it is not taken as the trainer",
+            )
+        sock.settimeout(POLL_S)
+        try:
+            sock.sendall(h.token)
+        except OSError as e:
+            raise self._trainer_lost(f"sending the token failed: {e}") from e
+        fd = self._grant()
+        try:
+            self._map = self._map_segment(fd)
+        finally:
+            os.close(fd)  # the mapping holds the memory (and mmap's own duplicate of fd, closed as it unmaps)
+        with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only: it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def _trainer_lost(self, why: str) -> Unavailable:
+        return Unavailable(
+            "SHARED_MEMORY_TRAINER_LOST",
+            f"the trainer's shared-memory socket closed ({why}): the trainer gave the update up, or died",
+        )
+
+    def _grant(self) -> int:
+        """The segment's descriptor, once the trainer granted it (the caller closes it).
+
+        Raises:
+            Unavailable: SHARED_MEMORY_HANDOVER, the trainer closed the socket instead.
+            DataLoss: SHARED_MEMORY_PROTOCOL, another message than a grant of the handle's slots.
+            Cancelled, GroupTimeout.
+        """
+        sock, h = self._sock, self.handle
+        assert sock is not None
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            if self.cancel.is_set():
+                raise Cancelled("the update was cancelled")
+            try:
+                msg, fds, flags, _ = socket.recv_fds(sock, GRANT.size, 1)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise GroupTimeout(
+                        f"the trainer did not hand the segment over within {self._timeout_s:g} s"
+                    ) from None
+                continue
+            except OSError as e:
+                raise Unavailable("SHARED_MEMORY_HANDOVER", f"receiving the segment failed: {e}") from e
+            break
+        if not msg and not fds:
+            raise Unavailable(
+                "SHARED_MEMORY_HANDOVER",
+                "the trainer closed the socket without handing the segment over (it refused this worker, or gave "
+                "the update up)",
+            )
+        bad = ""
+        if flags & socket.MSG_CTRUNC or len(fds) != 1 or len(msg) != GRANT.size:
+            bad = f"{len(msg)} bytes and {len(fds)} descriptor(s) (flags {flags:#x})"
+        else:
+            magic, slots, slot_bytes = GRANT.unpack(msg)
+            if magic != MAGIC or slots != h.slots or slot_bytes != h.slot_bytes:
+                bad = f"a grant of {slots} x {slot_bytes} bytes (magic {magic!r})"
+        if bad:
+            for fd in fds:
+                os.close(fd)
+            raise DataLoss(
+                "SHARED_MEMORY_PROTOCOL",
+                f"the trainer's socket sent {bad}, not a grant of the segment the header names "
+                f"({h.slots} slots of {h.slot_bytes} bytes)",
+            )
+        return int(fds[0])
+
+    def _map_segment(self, fd: int) -> mmap.mmap:
+        """Check the segment ``fd`` and map the handle's bytes of it read-only.
+
+        Raises:
+            InvalidArgument: SHARED_MEMORY_SEALS, SHARED_MEMORY_SIZE.
+            Unavailable: SHARED_MEMORY_HANDOVER, it cannot be mapped.
+        """
+        h = self.handle
+        st = os.fstat(fd)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
+        except OSError:
+            seals = 0  # not a memfd: it takes no seals
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise InvalidArgument(
+                "SHARED_MEMORY_SEALS",
+                "the segment handed over is not a memfd sealed against shrinking (F_SEAL_SHRINK): pages could "
+                "vanish under the mapping",
+            )
+        if st.st_size < h.segment_bytes:
+            raise InvalidArgument(
+                "SHARED_MEMORY_SIZE",
+                f"the segment handed over holds {st.st_size} bytes; the header names {h.slots} slots of "
+                f"{h.slot_bytes} bytes ({h.segment_bytes} bytes)",
+            )
+        try:
+            return mmap.mmap(fd, h.segment_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        except OSError as e:
+            raise Unavailable("SHARED_MEMORY_HANDOVER", f"mapping the segment failed: {e}") from e
+
+    def _close(self) -> None:
+        """Unmap the segment and close the socket (idempotent; from the receiver's thread)."""
+        self._bytes = None  # its last view: the mapping can close
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:  # a view of it is still alive: unmapped when that goes
+                log.warning("shared-memory receiver of worker %d: the segment is still viewed", self.worker)
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    # ------------------------------------------------------------------ the buckets
+
+    def _bucket(self, i: int, bucket: Bucket) -> None:
+        """Copy bucket ``bucket`` (the ``i``-th) out of its slot, acknowledge it, hash it; then use every bucket
+        received whose digest is known (see :meth:`_settle`).
+
+        Raises:
+            Unavailable: SHARED_MEMORY_TRAINER_LOST.
+            DataLoss: SHARED_MEMORY_PROTOCOL, BUCKET_DIGEST_MISMATCH.
+            DeadlineExceeded, InvalidArgument: DIGEST_TIMEOUT, DIGEST_MISSING.
+            Cancelled, GroupTimeout.
+        """
+        sock, h = self._sock, self.handle
+        assert sock is not None
+        what = f"the trainer's word of bucket {bucket.index}"
+        try:
+            message = recv_exact(sock, BUCKET.size, self.cancel, self._timeout_s, what)
+        except Closed as e:
+            raise self._trainer_lost(str(e)) from e
+        index, slot, nbytes = BUCKET.unpack(message)
+        if index != bucket.index or slot >= h.slots or nbytes != bucket.size_bytes:
+            raise DataLoss(
+                "SHARED_MEMORY_PROTOCOL",
+                f"the trainer put bucket {index} ({nbytes} bytes) in slot {slot}; bucket {bucket.index} "
+                f"({bucket.size_bytes} bytes) in one of {h.slots} slots was due",
+                bucket=str(bucket.index),
+            )
+        swap = self._swappable(bucket)
+        if swap:
+            flat = self.pool.take_exact(bucket.size_bytes)
+        else:
+            flat = self.pool.take(bucket.size_bytes, self.feed.max_size_bytes if self.streaming else 0)
+        received = _Received(bucket, flat, swap)
+        self._pending.append(received)  # released with the others from here on
+        self._copy(slot, flat)
+        try:
+            sock.sendall(ACK.pack(index))
+        except OSError as e:
+            raise self._trainer_lost(f"acknowledging bucket {index} failed: {e}") from e
+        self.last_arrival_at = time.monotonic()
+        if self.feed.closed and i + 1 >= len(self.feed):
+            self._close()  # the last bucket is out: no mapping outlives the transfer
+        if bucket.digest is not None or self._digests_follow:
+            hasher = BucketHasher()
+            hasher.update(flat)
+            received.digest = hasher.digest()
+        self._settle(PENDING_STREAMING if self.streaming else None)
+
+    def _settle(self, keep: int | None) -> None:
+        """Use the buckets received, in order, whose digest is known (or that have none to wait for); then, while
+        more than ``keep`` wait for theirs, wait for the oldest one's (``None``: wait for none; 0: for all).
+
+        Streaming apply keeps at most :data:`PENDING_STREAMING` buckets waiting (their buffers); staged apply keeps
+        every bucket until Complete anyway, so the ring never waits for a digest while buckets still come.
+
+        Raises:
+            DataLoss: BUCKET_DIGEST_MISMATCH, nothing of that bucket was used.
+            DeadlineExceeded, InvalidArgument, Cancelled: see :meth:`_expected`.
+        """
+        while self._pending:
+            head = self._pending[0]
+            wait = keep is not None and len(self._pending) > keep
+            expected = self._expected(head.bucket, wait)
+            if expected is _NOT_YET:
+                return
+            if expected is not None:
+                assert isinstance(expected, Digest) and head.digest is not None
+                check_digest(head.bucket.index, expected, head.digest)  # DataLoss: nothing of the bucket is used
+                self.buckets_verified += 1
+            self._pending.popleft()
+            self._use(head)
+            self.bytes_done += head.bucket.size_bytes
+            self.buckets_done += 1
+            self.on_event(self)
+
+    def _copy(self, slot: int, flat: torch.Tensor) -> None:
+        """Copy the first ``flat.numel()`` bytes of slot ``slot`` into ``flat`` (torch's copy: several threads on
+        CPU, about twice one thread's ``memcpy``; to another device straight from the mapping)."""
+        assert self._bytes is not None
+        start = slot * self.handle.slot_bytes
+        flat.copy_(self._bytes[start : start + flat.numel()])
+
+    def _swappable(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` is one tensor the engine may serve from the buffer it is copied into (staged apply on
+        a :class:`~wsync_grpc.core.engine.StorageSwap` engine, the served tensor's dtype, shape and device)."""
+        t = bucket.lone
+        if self._swap is None or t is None or not t.load or t.piece is not None:
+            return False
+        served = self.target.get_weight(t.canonical)
+        return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self.device
+
+    def _expected(self, bucket: Bucket, wait: bool) -> Digest | _NotYet | None:
+        """``bucket``'s digest: its spec's, or the one declared after it; ``None``: none promised; :data:`_NOT_YET`:
+        not declared yet (only when not ``wait``ing for it).
+
+        Raises:
+            DeadlineExceeded: DIGEST_TIMEOUT.
+            InvalidArgument: DIGEST_MISSING, the declarations ended (Complete) without it.
+            Cancelled: the update was cancelled meanwhile.
+        """
+        if bucket.digest is not None or not self._digests_follow:
+            return bucket.digest
+        try:
+            if wait:
+                digest = self._poll(
+                    lambda w: self.feed.digest(bucket.index, w), f"bucket {bucket.index}'s digest was not declared"
+                )
+            else:
+                digest = self.feed.digest(bucket.index, 0)
+        except GroupTimeout as e:
+            if not wait:
+                return _NOT_YET
+            raise DeadlineExceeded(
+                "DIGEST_TIMEOUT",
+                f"bucket {bucket.index} arrived, but its digest was not declared within {self._timeout_s:g} s "
+                "(PrepareHeader.digests_follow promised it in an Update)",
+                bucket=str(bucket.index),
+            ) from e
+        if digest is None:
+            raise InvalidArgument(
+                "DIGEST_MISSING",
+                f"bucket {bucket.index} has no digest: the update promised one for every bucket "
+                "(PrepareHeader.digests_follow), but Complete came before it",
+                bucket=str(bucket.index),
+            )
+        return digest
+
+    def _use(self, received: _Received) -> None:
+        """Load a checked bucket's tensors (streaming), or keep them for Complete (staged: as views of its buffer,
+        or its one tensor to swap in)."""
+        bucket, flat = received.bucket, received.flat
+        if received.swap:
+            t = bucket.tensors[0]
+            self.swaps.append((t.canonical, flat.view(t.dtype).view(t.shape)))
+            self._swap_held.append(flat)
+            return
+        named = tensor_views(flat, bucket.tensors)
+        if self.streaming:
+            if named:
+                self.wrote_served = True
+                with self.target.weights_lock():
+                    self.tensors_applied += self.target.load_weights(self.worker, named)
+            self.pool.give(flat)
+        else:
+            self.staged.append(named)  # views of this bucket's own buffer, kept until Complete
+            self._held.append(flat)
+
+    def apply_swaps(self) -> int:
+        """Staged apply: hand :attr:`swaps` to the engine to serve (:class:`~wsync_grpc.core.engine.StorageSwap`);
+        the tensors swapped. The memory the engine gives back becomes this worker's buffers for the next update.
+        The caller holds the engine's weights lock."""
+        if not self.swaps or self._swap is None:
+            return 0
+        swaps, self.swaps, self._swap_held = self.swaps, [], []
+        for old in self._swap.swap_weights(self.worker, swaps):
+            self.pool.give(old, used=True)
+        return len(swaps)
+
+    def release(self, reuse: bool) -> None:
+        """Let go of the buffers received (after apply, or when the update is abandoned).
+
+        Args:
+            reuse: return them to the pool (nothing writes into them once the thread ended).
+        """
+        held = self._held + self._swap_held + [r.flat for r in self._pending]
+        self._held, self._swap_held, self.staged, self.swaps = [], [], [], []
+        self._pending.clear()
+        if reuse:
+            for buf in held:
+                self.pool.give(buf)
+        self.pool.trim()
+
+
+@dataclass
+class _Received:
+    """A bucket copied out of the ring, waiting for its digest before it is used.
+
+    Attributes:
+        bucket: the bucket.
+        flat: its bytes (a buffer of the worker's pool).
+        swap: its one tensor is served from ``flat`` at Complete.
+        digest: the digest of ``flat``, when the bucket is checked; ``None`` otherwise.
+    """
+
+    bucket: Bucket
+    flat: torch.Tensor
+    swap: bool
+    digest: Digest | None = None

@@ -1,0 +1,293 @@
+"""The shared-memory transport's trainer half: a ring of slots in one memfd, handed over per update.
+
+:class:`SharedMemorySender` keeps one :class:`~wsync_grpc.transports.shared_memory.handover.Segment` (a
+memfd of ``slots * slot_bytes`` bytes, mapped read-write here) between updates, so that its pages stay
+touched; it is replaced by a larger one when a bucket no longer fits a slot, and dropped by
+:meth:`SharedMemorySender.release`.
+
+Per update (:meth:`SharedMemorySender.header_fields`, before Prepare) a
+:class:`~wsync_grpc.transports.shared_memory.handover.Handover` listens on a
+fresh abstract Unix socket with a fresh token: each engine worker that connects from this user
+(``SO_PEERCRED``) and sends the token gets the segment's descriptor, opened read-only. Connections from
+another user, with another token, or once the send began are closed and logged. The send
+(:meth:`SharedMemorySender.send`) takes the workers connected by then as the update's readers (every
+engine answered Prepare only once its receivers were armed, i.e. connected) and closes the listener:
+
+- bucket ``k`` goes in slot ``k % slots`` once every reader acknowledged the bucket that was there;
+  it is packed as the broadcast's flattened layout packs it (zero padding:
+  :func:`~wsync_grpc.core.packing.pack_bucket`), so its digest is the same;
+- each reader is told (bucket index, slot, size); meanwhile the trainer hashes the slot (when the
+  update's digests follow: ``job.on_digest``) and then packs the next bucket into the other slot;
+- a bucket is reported sent (``job.on_sent``) once every reader acknowledged it;
+- the waits look at ``job.cancel`` every :data:`~wsync_grpc.transports.shared_memory.protocol.POLL_S`
+  seconds and give up after :data:`ACK_TIMEOUT_S` seconds without an acknowledgement; a reader that
+  closes its socket before the last bucket fails the send (its engine abandoned the update).
+
+Units: sizes in bytes, times in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from wsync_grpc.core.digests import Digest, digest_of
+from wsync_grpc.core.errors import Cancelled, DataLoss, GroupTimeout, Unavailable
+from wsync_grpc.core.layout import Layout
+from wsync_grpc.core.packing import pack_bucket
+from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
+from wsync_grpc.transports.sending import SendJob, SendSite
+from wsync_grpc.transports.shared_memory.handover import Handover, Segment, page_round
+from wsync_grpc.transports.shared_memory.protocol import ACK, BUCKET, POLL_S, boot_id
+
+log = logging.getLogger(__name__)
+
+SLOTS = 2
+"""Ring slots of a segment: the trainer packs one while the engines copy the other."""
+
+ACK_TIMEOUT_S = DEFAULT_GROUP_TIMEOUT_S
+"""The longest the trainer waits for the engine workers' acknowledgement of a bucket, in seconds (a trainer
+client's ``group_timeout_s`` does not reach its senders: :class:`~wsync_grpc.transports.sending.SendSite`
+does not carry it)."""
+
+
+class Ring:
+    """One update's send through a :class:`Segment`'s slots to its readers (see the module).
+
+    Args:
+        segment: the ring.
+        readers: one connected socket per engine worker (a timeout of at most ``POLL_S`` set).
+        job: the update.
+        timeout_s: the longest wait for an acknowledgement, in seconds.
+    """
+
+    def __init__(self, segment: Segment, readers: Sequence[socket.socket], job: SendJob, timeout_s: float) -> None:
+        self.segment = segment
+        self.readers = list(readers)
+        self.job = job
+        self.timeout_s = timeout_s
+        self.buckets = list(job.buckets)
+        self.acked = [0] * len(self.readers)
+        """Per reader: how many buckets it acknowledged (in index order)."""
+        self.posted = 0
+        """Buckets told to every reader."""
+        self.reported = 0
+        """Buckets reported sent (``job.on_sent``)."""
+        self.sent = 0
+        """Bytes every reader acknowledged, in bytes."""
+        self._partial = [b""] * len(self.readers)
+        self._selector = selectors.DefaultSelector()
+        for i, r in enumerate(self.readers):
+            self._selector.register(r, selectors.EVENT_READ, i)
+
+    def run(self) -> float:
+        """Send every bucket; returns the time spent packing, in seconds.
+
+        Raises:
+            Cancelled: ``job.cancel`` was set.
+            GroupTimeout: the readers did not acknowledge a bucket within ``timeout_s``.
+            Unavailable: SHARED_MEMORY_READER_LOST, a reader closed its socket before the last bucket.
+            DataLoss: SHARED_MEMORY_PROTOCOL, a reader acknowledged another bucket than the next.
+        """
+        try:
+            return self._run()
+        finally:
+            self._selector.close()
+
+    def _run(self) -> float:
+        job, segment = self.job, self.segment
+        pack_s = 0.0
+        for pos, b in enumerate(self.buckets):
+            self._check_cancel()
+            self._wait(pos - segment.slots + 1)  # the bucket that was in this slot was copied out everywhere
+            slot = pos % segment.slots
+            t = time.monotonic()
+            buf = segment.slot(slot, b.size_bytes)
+            pack_bucket(b, job.tensors(b), buf, zero_padding=True)  # padding zeroed: no stale bytes
+            pack_s += time.monotonic() - t
+            message = BUCKET.pack(b.index, slot, b.size_bytes)
+            for i, r in enumerate(self.readers):
+                try:
+                    r.sendall(message)
+                except OSError as e:
+                    raise self._lost(i, str(e)) from e
+            self.posted += 1
+            if job.on_digest is not None:  # hashed while the readers copy it (both only read the slot)
+                job.on_digest(b, digest_of([buf]))
+            del buf
+            self._read(0.0)
+        self._wait(len(self.buckets))
+        return pack_s
+
+    def _check_cancel(self) -> None:
+        if self.job.cancel.is_set():
+            raise Cancelled("the update was cancelled")
+
+    def _lost(self, i: int, why: str) -> Unavailable:
+        return Unavailable(
+            "SHARED_MEMORY_READER_LOST",
+            f"engine worker {i} of {len(self.readers)} left after {self.acked[i]} of {len(self.buckets)} buckets "
+            f"({why}): its engine abandoned the update, or died",
+        )
+
+    def _wait(self, count: int) -> None:
+        """Until every reader acknowledged ``count`` buckets (nothing when ``count`` <= 0).
+
+        Raises:
+            Cancelled, GroupTimeout, Unavailable, DataLoss: see :meth:`run`.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while min(self.acked) < count:
+            self._check_cancel()
+            if self._read(POLL_S):
+                deadline = time.monotonic() + self.timeout_s
+            elif time.monotonic() > deadline:
+                b = self.buckets[min(self.acked)]
+                raise GroupTimeout(f"the engine workers did not copy bucket {b.index} out within {self.timeout_s:g} s")
+
+    def _read(self, wait_s: float) -> bool:
+        """Take in the acknowledgements that came within ``wait_s`` seconds and report the buckets every reader
+        acknowledged; whether any came."""
+        came = False
+        for key, _ in self._selector.select(wait_s):
+            i = int(key.data)
+            sock = self.readers[i]
+            try:
+                data = sock.recv(4096)
+            except (BlockingIOError, TimeoutError):
+                continue
+            except OSError as e:
+                raise self._lost(i, str(e)) from e
+            if not data:
+                if self.acked[i] < len(self.buckets):
+                    raise self._lost(i, "it closed its socket")
+                self._selector.unregister(sock)
+                continue
+            buffered = self._partial[i] + data
+            whole = len(buffered) - len(buffered) % ACK.size
+            for (index,) in ACK.iter_unpack(buffered[:whole]):
+                n = self.acked[i]
+                if n >= self.posted or index != self.buckets[n].index:
+                    expected = f"bucket {self.buckets[n].index}" if n < self.posted else "no bucket"
+                    raise DataLoss(
+                        "SHARED_MEMORY_PROTOCOL",
+                        f"engine worker {i} acknowledged bucket {index}; {expected} was due",
+                        bucket=str(index),
+                    )
+                self.acked[i] = n + 1
+                came = True
+            self._partial[i] = buffered[whole:]
+        done = min(self.acked)
+        while self.reported < done:
+            b = self.buckets[self.reported]
+            self.reported += 1
+            self.sent += b.size_bytes
+            if self.job.on_sent is not None:
+                self.job.on_sent(b, self.sent)
+        return came
+
+
+class SharedMemorySender:
+    """The shared-memory transport's trainer half (a :class:`~wsync_grpc.transports.sending.TransportSender`).
+
+    Args:
+        site: where it runs (one trainer process: the segment is this process's).
+        slots: the ring's slots (at least 2).
+        timeout_s: the longest wait for the engines' acknowledgement of a bucket, in seconds.
+    """
+
+    def __init__(self, site: SendSite, *, slots: int = SLOTS, timeout_s: float = ACK_TIMEOUT_S) -> None:
+        if slots < 2:
+            raise ValueError(f"a ring needs at least 2 slots, not {slots}")
+        self._site = site
+        self._slots = slots
+        self._timeout_s = timeout_s
+        self._segment: Segment | None = None
+        self._handover: Handover | None = None
+
+    @property
+    def segment(self) -> Segment | None:
+        """The segment kept between updates; ``None`` before the first update and after :meth:`release`."""
+        return self._segment
+
+    def _check(self, job: SendJob) -> None:
+        if job.layout is not Layout.FLATTENED:
+            raise ValueError("shared memory carries the flattened layout only: bucket by bucket through its slots")
+        if job.topology.kind != "single" or self._site.peers.trainer_ranks != 1:
+            raise ValueError(
+                f"shared memory carries updates of a trainer of one process, not {job.topology.kind} sends of "
+                f"{job.topology.ranks} ranks (a sharded trainer's direct sends are not built yet)"
+            )
+        if not job.buckets:
+            raise ValueError("nothing to send: the update has no bucket")
+
+    def header_fields(self, job: SendJob) -> Mapping[str, Any]:
+        """``{"shared_memory": handle}``: the segment (kept, or a larger one made for ``job``'s largest bucket) and
+        a fresh socket and token for this update's engine workers.
+
+        Raises:
+            ValueError: a layout or topology shared memory does not carry (individual, sharded).
+            Unavailable: SHARED_MEMORY_HOST, this host's boot id cannot be read.
+            OSError: the segment or the socket could not be made.
+        """
+        self._check(job)
+        self._end_handover()
+        host = boot_id()
+        if not host:
+            raise Unavailable("SHARED_MEMORY_HOST", "this host's boot id cannot be read (/proc is needed)")
+        needed = page_round(max(b.size_bytes for b in job.buckets))
+        if self._segment is None or self._segment.slot_bytes < needed or self._segment.slots != self._slots:
+            self._close_segment()  # the old one goes before the larger one is made
+            self._segment = Segment(needed, self._slots)
+        self._handover = Handover(self._segment, job.update_id)
+        return {"shared_memory": self._handover.handle(host)}
+
+    def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
+        """``None``: each bucket is hashed as it is packed, and its digest follows the Prepare."""
+        return None
+
+    def send(self, job: SendJob) -> float:
+        """Every bucket of ``job`` through the ring to the workers connected at Prepare (see the module); returns
+        the time spent packing, in seconds.
+
+        Raises:
+            ValueError: :meth:`header_fields` was not called for this update, or a layout or topology shared
+                memory does not carry.
+            Unavailable: SHARED_MEMORY_NO_READER (no engine worker connected), SHARED_MEMORY_READER_LOST.
+            Cancelled: ``job.cancel`` was set.
+            GroupTimeout: a bucket was not acknowledged within the timeout.
+            DataLoss: SHARED_MEMORY_PROTOCOL.
+        """
+        self._check(job)
+        handover, self._handover = self._handover, None
+        if handover is None or handover.update_id != job.update_id or self._segment is None:
+            if handover is not None:
+                handover.close()
+            raise ValueError(f"no segment was handed over for update {job.update_id!r} (header_fields first)")
+        readers = handover.take_readers()
+        try:
+            if not readers:
+                raise Unavailable("SHARED_MEMORY_NO_READER", "no engine worker connected to take the segment")
+            return Ring(self._segment, readers, job, self._timeout_s).run()
+        finally:
+            for r in readers:
+                r.close()
+
+    def _end_handover(self) -> None:
+        handover, self._handover = self._handover, None
+        if handover is not None:
+            handover.close()
+
+    def _close_segment(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
+
+    def release(self) -> None:
+        """Close an open handover and drop the segment (the client closing)."""
+        self._end_handover()
+        self._close_segment()
