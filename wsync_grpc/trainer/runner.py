@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, Transport, total_wire_bytes
 from wsync_grpc.trainer.deadline import CancelSignal
 from wsync_grpc.trainer.digests import DigestCourier
@@ -54,6 +53,8 @@ from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.transports import TransportPart, transport_for
 from wsync_grpc.transports.sending import SendJob, SendSite, TransportSender
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -199,11 +200,17 @@ class UpdateRunner:
         job = SendJob(
             group, buckets, sends.layout, source.bucket_tensors, sends.topology, self._cancel_event, request.update_id
         )
-        up_front = self._digests_before_send(sender, request, job) if self._settings.digests else {}
+        up_front = (
+            self._before_prepare(request, "digests", lambda: sender.digests_before_send(job))
+            if self._settings.digests
+            else {}
+        )
         set_spec_digests(messages, up_front or {})
         courier = calls.digest_courier(request) if up_front is None else None
         header = sends.header(len(buckets), shape.wire_bytes, digests_follow=courier is not None)
-        header = dataclasses.replace(header, **self._header_fields(sender, request, job))
+        header = dataclasses.replace(
+            header, **self._before_prepare(request, "transport", lambda: sender.header_fields(job))
+        )
         prepared = calls.prepare(request, header, messages)
         commit = calls.transfer_and_commit(
             request, prepared, lambda: self._send(sender, sends, job, shape.wire_bytes, courier)
@@ -240,32 +247,20 @@ class UpdateRunner:
 
     # ------------------------------------------------------------------ a broadcast's send
 
-    def _digests_before_send(
-        self, sender: TransportSender, request: UpdateRequest, job: SendJob
-    ) -> Mapping[int, Digest] | None:
-        """The digests ``sender`` computed before Prepare (:meth:`TransportSender.digests_before_send
-        <wsync_grpc.transports.sending.TransportSender.digests_before_send>`); ``None``: they follow.
+    def _before_prepare(self, request: UpdateRequest, what: str, call: Callable[[], T]) -> T:
+        """Run ``call``, the sender's work before Prepare (``what``: its name in the failure): its digests
+        (:meth:`TransportSender.digests_before_send
+        <wsync_grpc.transports.sending.TransportSender.digests_before_send>`) or its handle
+        (:meth:`TransportSender.header_fields <wsync_grpc.transports.sending.TransportSender.header_fields>`).
 
         Raises:
-            SyncError: a trainer rank failed while hashing (stage ``"prepare"``; no byte was sent).
+            SyncError: it failed (a trainer rank failed while hashing, the handle could not be made): the update
+                is abandoned at stage ``"prepare"``; no byte was sent.
         """
         try:
-            return sender.digests_before_send(job)
+            return call()
         except Exception as exc:
-            trainer = EngineFailure.from_exception(TRAINER, "digests", exc)
-            raise self._calls.abandon(request, "prepare", {TRAINER: trainer}) from exc
-
-    def _header_fields(self, sender: TransportSender, request: UpdateRequest, job: SendJob) -> Mapping[str, Any]:
-        """What ``sender`` adds to the header before Prepare (:meth:`TransportSender.header_fields
-        <wsync_grpc.transports.sending.TransportSender.header_fields>`: its handle).
-
-        Raises:
-            SyncError: the handle could not be made (stage ``"prepare"``; no byte was sent).
-        """
-        try:
-            return sender.header_fields(job)
-        except Exception as exc:
-            trainer = EngineFailure.from_exception(TRAINER, "transport", exc)
+            trainer = EngineFailure.from_exception(TRAINER, what, exc)
             raise self._calls.abandon(request, "prepare", {TRAINER: trainer}) from exc
 
     def _send(

@@ -50,7 +50,7 @@ from typing import TypeVar
 import torch
 
 from wsync_grpc.core.digests import BucketHasher, Digest, check_digest
-from wsync_grpc.core.engine import InPlaceReceive, StorageSwap
+from wsync_grpc.core.engine import InPlaceReceive
 from wsync_grpc.core.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -65,6 +65,7 @@ from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
+from wsync_grpc.worker.swaps import SwapIn
 
 _T = TypeVar("_T")
 
@@ -131,10 +132,8 @@ class BroadcastReceiver(ReceiverThread):
         self.tensors_direct = 0
         """Tensors received straight into the served ones (counted in :attr:`tensors_applied` too)."""
         self._in_place = site.target if self.streaming and isinstance(site.target, InPlaceReceive) else None
-        self._swap = site.target if not self.streaming and isinstance(site.target, StorageSwap) else None
-        self.swaps: list[tuple[str, torch.Tensor]] = []
-        """Staged apply on a :class:`StorageSwap` engine: ``(canonical name, tensor)`` to serve as they are."""
-        self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
+        self.swap_in = SwapIn(site.target, self.device, self.streaming)
+        """Staged apply on a :class:`StorageSwap` engine: lone tensors received into buffers it serves as they are."""
         self._pieces = PieceAssembler(self.device)
         self._digests_follow = plan.digests_follow
         self._hasher: BucketHasher | None = None  # individual: the bucket being hashed, chunk by chunk
@@ -255,13 +254,6 @@ class BroadcastReceiver(ReceiverThread):
             return None
         return target.detach()
 
-    def _swappable(self, t: TensorSlot | None) -> bool:
-        """Whether the lone tensor ``t`` can be received into a buffer the engine then serves (staged apply)."""
-        if self._swap is None or t is None or not t.load or t.piece is not None:
-            return False
-        served = self.target.get_weight(t.canonical)
-        return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self.device
-
     def _post(self, bucket: Bucket, start: int) -> _Posted:
         """Post the receives of ``bucket`` (flattened: all of it; individual: a chunk from tensor ``start``)."""
         if self.first_post_at is None:
@@ -274,7 +266,7 @@ class BroadcastReceiver(ReceiverThread):
                 self.wrote_served = True  # before posting: bytes may land at once
                 flat = target.view(-1).view(torch.uint8)
                 return _Posted(bucket, [self.group.broadcast(flat, bucket.src)], [flat], 0, 1, direct=(True,))
-            if self._swappable(lone):
+            if self.swap_in.swappable(lone):
                 flat = self.pool.take_exact(bucket.size_bytes)
                 return _Posted(
                     bucket, [self.group.broadcast(flat, bucket.src)], [flat], 0, 1, direct=(False,), swap=True
@@ -401,9 +393,7 @@ class BroadcastReceiver(ReceiverThread):
             if self.flattened and not direct:
                 self.pool.give(posted.buffers[0])
         elif posted.swap:
-            t = bucket.tensors[0]
-            self.swaps.append((t.canonical, posted.buffers[0].view(t.dtype).view(t.shape)))
-            self._swap_held.append(posted.buffers[0])
+            self.swap_in.add(bucket.tensors[0], posted.buffers[0])
         else:
             self.staged.append(named)
             if self.flattened and views:
@@ -424,17 +414,10 @@ class BroadcastReceiver(ReceiverThread):
         return named
 
     def apply_swaps(self) -> int:
-        """Staged apply: hand :attr:`swaps` to the engine to serve (:class:`StorageSwap`); the tensors swapped.
-
-        The memory the engine gives back becomes this worker's buffers for the
-        next update. The caller holds the engine's weights lock.
+        """Staged apply: hand the tensors received to swap in to the engine to serve (:meth:`SwapIn.apply
+        <wsync_grpc.worker.swaps.SwapIn.apply>`); the tensors swapped. The caller holds the engine's weights lock.
         """
-        if not self.swaps or self._swap is None:
-            return 0
-        swaps, self.swaps, self._swap_held = self.swaps, [], []
-        for old in self._swap.swap_weights(self.worker, swaps):
-            self.pool.give(old, used=True)
-        return len(swaps)
+        return self.swap_in.apply(self.worker, self.pool)
 
     def release(self, reuse: bool) -> None:
         """Let go of every received buffer (after apply, or when the update is abandoned).
@@ -443,8 +426,7 @@ class BroadcastReceiver(ReceiverThread):
             reuse: return the flat buffers to the pool. Only when no collective
                 can still write into them (the thread has ended).
         """
-        held, self._held, self.staged = self._held + self._swap_held, [], []
-        self._swap_held, self.swaps = [], []
+        held, self._held, self.staged = self._held + self.swap_in.clear(), [], []
         self._pieces.clear()
         if reuse:
             for buf in held:
