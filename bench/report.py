@@ -16,6 +16,7 @@ from typing import Any
 
 from bench import (
     digest_case,
+    report_colocated,
     report_detection,
     report_disk,
     report_fleet,
@@ -64,6 +65,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(report_vllm.section(results["vllm"]))
     if results.get("vllm_tail"):
         parts.append(report_vllm_tail.section(results["vllm_tail"]))
+    if results.get("colocated"):
+        parts.append(report_colocated.section(results["colocated"]))
     analysis = missed(results, cks)
     if analysis:
         parts.append(fill("s8", analysis="\n\n".join(analysis)))

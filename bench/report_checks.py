@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench import report_detection, report_disk, report_fleet, report_sharded, report_vllm, report_vllm_tail
+from bench import (
+    report_colocated,
+    report_detection,
+    report_disk,
+    report_fleet,
+    report_sharded,
+    report_vllm,
+    report_vllm_tail,
+)
 from bench.report_stats import GB, label, med, mib, ratios, secs
 
 LARGE_MODEL_BYTES = GB
@@ -163,4 +171,7 @@ def checks(results: dict[str, Any]) -> list[Check]:
     if results.get("detection"):
         d = results["detection"]
         out += [Check(t, m, ok, "detection", d["model"]) for t, m, ok in report_detection.checks(d)]
+    if results.get("colocated"):
+        colocated = report_colocated.checks(results["colocated"])
+        out += [Check(t, m, ok, "colocated", "colocated") for t, m, ok in colocated]
     return out

@@ -1,4 +1,5 @@
-"""The report's plots: ``throughput.png`` (GB/s by model), ``buckets.png`` (sweep), ``fleet.png``, ``vllm_tail.png``."""
+"""The report's plots: ``throughput.png`` (GB/s by model), ``buckets.png`` (sweep), ``fleet.png``, ``vllm_tail.png``,
+``colocated.png``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import report_fleet, report_vllm_tail
+from bench import report_colocated, report_fleet, report_vllm_tail
 from bench.report_checks import LARGE_RATIO, PEAK_BUCKETS
 from bench.report_stats import GB, MiB, ceiling_gbps, err, gbps, label, med, ratios
 
@@ -86,7 +87,8 @@ def _buckets(plt: Any, swept: dict[str, Any], path: Path) -> None:
 
 
 def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write ``throughput.png``, ``buckets.png`` (the sweep ran), ``fleet.png``, ``vllm_tail.png`` (their cases ran)."""
+    """Write ``throughput.png``, ``buckets.png`` (the sweep ran), ``fleet.png``, ``vllm_tail.png``, ``colocated.png``
+    (their cases ran)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,4 +109,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     if results.get("vllm_tail"):
         written.append(out_dir / "vllm_tail.png")
         report_vllm_tail.plot(plt, results["vllm_tail"], written[-1])
+    if results.get("colocated"):
+        written.append(out_dir / "colocated.png")
+        report_colocated.plot(plt, results["colocated"], written[-1])
     return written

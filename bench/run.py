@@ -20,13 +20,15 @@ threads and CPU grow with the fleet, and what a dead engine left out costs),
 cost of bucket digests), ``sharded`` (:mod:`bench.sharded_case`),
 ``detection`` (:mod:`bench.detection_case`: trainer processes SIGKILLed
 mid-broadcast, and how long the engine takes to report it),
-``profile``, ``vllm`` (:mod:`bench.vllm_case`) and ``vllm_tail``
+``profile``, ``vllm`` (:mod:`bench.vllm_case`), ``vllm_tail``
 (:mod:`bench.vllm_tail_case`: 31 staged syncs per configuration into a
-serving vLLM engine, the tail of sync time and token gaps). One case alone:
+serving vLLM engine, the tail of sync time and token gaps) and ``colocated``
+(:mod:`bench.colocated_case`: the shared-memory transport against the raw
+broadcast and wsync's broadcast on the same host). One case alone:
 ``python -m bench.run --cases vllm_tail --merge``. It writes ``BENCHMARKS.md``,
 ``bench/throughput.png``, ``bench/buckets.png``, ``bench/fleet.png``,
-``bench/vllm_tail.png`` and ``bench/results.json``; with ``--merge`` the cases run replace theirs in the
-existing ``results.json`` and the report covers them all.
+``bench/vllm_tail.png``, ``bench/colocated.png`` and ``bench/results.json``; with ``--merge`` the cases
+run replace theirs in the existing ``results.json`` and the report covers them all.
 
 The first run of every kind on a fresh set of processes is a warm-up,
 reported apart (memory) or discarded (throughput). Figures are medians over
@@ -117,8 +119,11 @@ class Harness:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
 
-    def start_engines(self, model: str, n: int = 1, *, meta: bool = False, timeout: float = 600) -> list[EngineProc]:
-        """Start ``n`` engines serving ``model`` (seed 0) and wait until each serves (``timeout`` seconds in all).
+    def start_engines(
+        self, model: str, n: int = 1, *, meta: bool = False, timeout: float = 600, dtype: str = "bfloat16"
+    ) -> list[EngineProc]:
+        """Start ``n`` engines serving ``model`` (seed 0, in ``dtype``) and wait until each serves (``timeout`` seconds
+        in all).
 
         Raises:
             wsync_grpc.testing.EngineStartError: an engine exited first or did not serve in time.
@@ -129,7 +134,7 @@ class Harness:
             tag = uuid.uuid4().hex[:8]
             info = self.tmp / f"engine-{tag}.json"
             cmd = [sys.executable, "-m", "bench.engine", "--model", model, "--info-file", str(info)]
-            cmd += ["--device", _engine_device(i)] + (["--meta"] if meta else [])
+            cmd += ["--device", _engine_device(i), "--dtype", dtype] + (["--meta"] if meta else [])
             cmd += ["--checkpoint-root", str(self.checkpoints)]
             e = spawn_process(cmd, ready_file=info, log=self.tmp / f"engine-{tag}.log", env=env, cwd=ROOT, wait=False)
             with self._lock:
@@ -346,15 +351,19 @@ class Session:
 
 
 @contextlib.contextmanager
-def session(h: Harness, model_name: str, engines: int = 1) -> Iterator[Session]:
-    """Engines serving ``model_name`` (seed 0), the trainer's copy (seed 1), and a :class:`Session` over them."""
+def session(h: Harness, model_name: str, engines: int = 1, dtype: str = "bfloat16") -> Iterator[Session]:
+    """Engines serving ``model_name`` (seed 0), the trainer's copy (seed 1), both in ``dtype``, and a
+    :class:`Session` over them."""
     procs: list[EngineProc] = []
     s: Session | None = None
     try:
         box: list[FlatModel] = []
-        builder = threading.Thread(target=lambda: box.append(build_flat(model_name, seed=1, device=DEVICE)))
+        torch_dtype = getattr(torch, dtype)
+        builder = threading.Thread(
+            target=lambda: box.append(build_flat(model_name, torch_dtype, seed=1, device=DEVICE))
+        )
         builder.start()
-        procs = h.start_engines(model_name, engines)
+        procs = h.start_engines(model_name, engines, dtype=dtype)
         builder.join()
         s = Session(procs, box[0], solo_bytes=h.solo_bytes)
         yield s
@@ -686,7 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
     p.add_argument(
         "--cases",
-        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm,vllm_tail",
+        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm,vllm_tail,colocated",
         help="which cases to run",
     )
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
@@ -699,6 +708,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tail-syncs", type=int, default=31, help="syncs per configuration in the vllm_tail case (the first apart)"
     )
     p.add_argument("--tail-dumps", type=Path, default=None, help="vllm_tail: keep slow syncs' py-spy dumps here")
+    p.add_argument(
+        "--colocated-reps", type=int, default=9, help="rounds per configuration in the colocated case (after warm-up)"
+    )
+    p.add_argument(
+        "--colocated-vllm", type=int, default=5, help="colocated: vLLM rounds, broadcast and shared memory (0: none)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
@@ -778,6 +793,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from bench.vllm_tail_case import case_vllm_tail
 
                 results["vllm_tail"] = case_vllm_tail(args.tail_syncs, args.tail_dumps)
+            elif case == "colocated":
+                from bench.colocated_case import case_colocated
+
+                results["colocated"] = case_colocated(h, args.colocated_reps, args.colocated_vllm)
             elif case == "profile":
                 names = [m.strip() for m in args.profile_models.split(",") if m.strip()]
                 results["profile"] = case_profile(h, names, args.profile_syncs)
