@@ -17,6 +17,8 @@ What is checked:
   the served weights' pages), serving exactly what was sent each time;
 - bad metadata (a partial fused group, a wrong shape) is refused with INVALID_ARGUMENT and
   touches nothing;
+- a sync through shared memory (``transport="shared_memory"``, no group): the worker process maps the
+  trainer's segment while the update runs and holds nothing of it after; staged, then streaming, bit-exact;
 - a ``TrainerClient`` process SIGKILLed mid-broadcast: the engine keeps serving the old weights,
   reports FAILED with PEER_LOST, stays alive, and the next sync succeeds.
 """
@@ -48,7 +50,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.testing import free_port
 from wsync_grpc.testing_vllm import GenerateStream
-from wsync_grpc.trainer import SyncError, TrainerClient
+from wsync_grpc.trainer import SyncError, SyncProgress, TrainerClient
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -136,6 +138,66 @@ def test_a_disk_update_reads_a_saved_checkpoint_in_every_worker(
     assert engine.complete() == before
 
 
+def test_a_sync_through_shared_memory_reaches_the_worker_staged_and_streaming(
+    at_checkpoint: Vllm, originals: dict[str, torch.Tensor]
+) -> None:
+    """``transport="shared_memory"``: no group, no Init; the worker process maps the trainer's segment read-only
+    while the update runs (armed before Prepare replies) and copies each bucket out. A sync cancelled mid-send
+    first: the old weights serve, the worker lets the segment go, and (no group to leave, so the worker learns of
+    the end only at the next update) the next sync applies. Then a staged sync of new weights and a streaming one
+    of the originals back: each bit-exact, published, generation answering after each, and no process of the
+    engine left holding the segment (a mapping or a descriptor) after either."""
+    engine = at_checkpoint
+    served = engine.status().weight_version
+    before = engine.complete()
+    new = perturbed(originals, seed=12)
+    armed: list[dict[int, frozenset[str]]] = []  # at each "prepared": who holds the segment
+
+    def on_phase(phase: str) -> None:
+        if phase == "prepared":  # every worker armed; the trainer has not begun to send
+            armed.append(segment_holders(engine.proc.pid))
+
+    with TrainerClient([engine.target], group_timeout_s=60) as c:
+        cancelled: list[bool] = []
+
+        def cancel_after_bucket_1(p: SyncProgress) -> None:
+            if p.buckets_sent == 2:
+                t = threading.Thread(target=lambda: cancelled.append(c.cancel("e2e cancel")[engine.target].cancelled))
+                t.start()
+                t.join(60)
+
+        with pytest.raises(SyncError):
+            c.sync(new.items(), "shm-cancelled", transport="shared_memory", progress=cancel_after_bucket_1)
+        assert cancelled == [True]
+        st = engine.status()
+        assert st.weight_version == served and not st.dirty and "e2e cancel" in st.last_error.message, st
+        deadline = time.monotonic() + 10
+        while segment_holders(engine.proc.pid) and time.monotonic() < deadline:  # the worker's reader stops
+            time.sleep(0.05)
+        assert segment_holders(engine.proc.pid) == {}
+        assert engine.complete() == before
+        for state, version, apply_mode in [(new, "shm-staged", "staged"), (originals, CHECKPOINT_VERSION, "streaming")]:
+            armed.clear()
+            r = c.sync(
+                state.items(),
+                version,
+                apply_mode=apply_mode,  # type: ignore[arg-type]
+                transport="shared_memory",
+                flush_cache=True,
+                on_phase=on_phase,
+            )
+            assert r.engines[engine.target].tensor_count == len(state)
+            assert r.engines[engine.target].buckets_verified == r.bucket_count  # every bucket's digest checked
+            assert [set(h.values()) for h in armed] == [{frozenset({"r--s", "fd"})}], armed
+            assert set(armed[0]) == set(vllm_workers(engine)), armed  # the worker process maps it, only it
+            assert segment_holders(engine.proc.pid) == {}  # no mapping outlives the update
+            assert engine.status().state == pb.LIFECYCLE_STATE_UNINITIALIZED  # no group was formed
+            assert_serves(c, engine.target, state, version)
+            assert (engine.complete() == before) == (state is originals)
+    st = engine.status()
+    assert st.weight_version == CHECKPOINT_VERSION and not st.dirty
+
+
 @pytest.mark.parametrize("transport", ["broadcast", "disk"])
 def test_a_streaming_restore_across_a_frozen_request_serves_what_its_checksums_say(
     at_checkpoint: Vllm, originals: dict[str, torch.Tensor], smollm2_tokenizer: Any, transport: str
@@ -208,6 +270,37 @@ def _processes_below(pid: int) -> list[int]:
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo.extend(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+SEGMENT = "/memfd:wsync-shm"
+"""How a shared-memory update's segment shows in ``/proc/<pid>/maps`` and ``/proc/<pid>/fd``."""
+
+
+def segment_holders(pid: int) -> dict[int, frozenset[str]]:
+    """The processes at or below ``pid`` that hold a shared-memory segment: pid -> how (a mapping's permissions,
+    e.g. ``r--s``, and ``fd`` for a descriptor)."""
+    out: dict[int, frozenset[str]] = {}
+    for p in _processes_below(pid):
+        held = set()
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a process that ended meanwhile
+            held |= {line.split()[1] for line in Path(f"/proc/{p}/maps").read_text().splitlines() if SEGMENT in line}
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    if os.readlink(fd).startswith(SEGMENT):
+                        held.add("fd")
+        if held:
+            out[p] = frozenset(held)
+    return out
+
+
+def vllm_workers(engine: Vllm) -> list[int]:
+    """The pids of ``engine``'s vLLM worker processes."""
+    out = []
+    for p in _processes_below(engine.proc.pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a process that ended meanwhile
+            if Path(f"/proc/{p}/comm").read_text().startswith("VLLM::Work"):
+                out.append(p)
     return out
 
 

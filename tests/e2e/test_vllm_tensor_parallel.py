@@ -4,7 +4,8 @@ started plainly and with ``--enable-lora`` (vLLM then wraps every linear layer f
 Every worker joins the group (ranks 1..3 of 4) and is armed before Prepare replies; each receives
 the full checkpoint tensors and loads its own slices; GetWeightChecksums gathers the slices of
 every worker back into checkpoint coordinates and matches the trainer's tensors bit for bit.
-A LoRA adapter broadcast reaches every worker; the front loads global rank 0's copy.
+A LoRA adapter broadcast reaches every worker; the front loads global rank 0's copy. Through shared memory
+(no group) every worker maps the trainer's segment and copies each bucket out whole, its loaders taking its slices.
 On a 2-core host the workers run unpinned with one thread each (``VLLM_CPU_TP_ENV``).
 The engines are the shared ``tp3`` and ``tp3-lora`` of ``shared_engines``.
 """
@@ -18,7 +19,7 @@ import torch
 from fsdp_ranks import start_ranks
 from shared_engines import CHECKPOINT_VERSION, Vllm
 from support import smollm2_lora
-from test_vllm_engine import SERVED, assert_serves, perturbed
+from test_vllm_engine import SERVED, assert_serves, perturbed, segment_holders, vllm_workers
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.trainer import TrainerClient
@@ -52,6 +53,43 @@ def test_every_rank_receives_and_serves_its_slices(engine_tp3: Vllm, smollm2_dir
             assert engine_tp3.complete() == before
         st = engine_tp3.status()
         assert st.state == pb.LIFECYCLE_STATE_READY and st.engine.workers == 3
+
+
+@pytest.mark.vllm_engines("tp3")
+def test_every_rank_maps_the_shared_memory_segment_and_loads_its_slices(engine_tp3: Vllm, smollm2_dir: Path) -> None:
+    """``transport="shared_memory"``: no group; each of the 3 workers maps the trainer's segment while the update
+    runs, copies every bucket out whole, and vLLM's weight loaders take its slices (nothing travels between the
+    workers); staged new weights, then the originals back streaming, bit-exact, nothing of the segment held after."""
+    originals: dict[str, torch.Tensor] = dict(safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")))
+    before = engine_tp3.complete()
+    new = perturbed(originals, seed=9)
+    workers = set(vllm_workers(engine_tp3))
+    assert len(workers) == 3
+    armed: list[set[int]] = []  # at each "prepared": the processes holding the segment
+
+    def on_phase(phase: str) -> None:
+        if phase == "prepared":  # every worker armed; the trainer has not begun to send
+            armed.append(set(segment_holders(engine_tp3.proc.pid)))
+
+    with TrainerClient([engine_tp3.target], group_timeout_s=120) as c:
+        for state, version, apply_mode in [(new, "tp3-shm", "staged"), (originals, CHECKPOINT_VERSION, "streaming")]:
+            armed.clear()
+            result = c.sync(
+                state.items(),
+                version,
+                apply_mode=apply_mode,  # type: ignore[arg-type]
+                transport="shared_memory",
+                flush_cache=True,
+                on_phase=on_phase,
+            )
+            assert result.engines[engine_tp3.target].tensor_count == len(state)
+            assert result.engines[engine_tp3.target].buckets_verified == result.bucket_count  # on every worker
+            assert armed == [workers], armed  # every worker maps the segment, nothing else of the engine does
+            assert segment_holders(engine_tp3.proc.pid) == {}  # no mapping outlives the update
+            assert_serves(c, engine_tp3.target, state, version)
+            assert (engine_tp3.complete() == before) == (state is originals)
+        st = engine_tp3.status()
+        assert st.state == pb.LIFECYCLE_STATE_UNINITIALIZED and st.engine.workers == 3  # no group was formed
 
 
 def _peak_rss(pid: int) -> int:

@@ -217,9 +217,13 @@ class WorkerHost:
         (:meth:`ModelGlue.preparation`). A LoRA adapter is kept apart until :meth:`take`.
         The receiver and the preparation run on :attr:`background_cpus`.
 
+        An update still held here is one the front has ended without telling this worker (it arms an update
+        only once the last one ended; it tells the workers of a failed one by their leaving the group, which
+        an update through a transport without a group, e.g. shared memory or a disk read, never formed): it
+        is abandoned first (:meth:`abandon`), as the next Init's join would abandon a failed broadcast.
+
         Raises:
-            RuntimeError: the transport needs the group and this worker is not a member, or an update is
-                in flight.
+            RuntimeError: the transport needs the group and this worker is not a member.
             TimeoutError: not armed within ``plan.timeout_s`` seconds.
             Unimplemented: a transport not built.
         """
@@ -227,7 +231,9 @@ class WorkerHost:
         if self.group is None and transport.needs_group:
             raise RuntimeError("this worker is not a member of a weight-sync group")
         if self.receiver is not None:
-            raise RuntimeError("an update is already in flight on this worker")
+            stale = self.plan.update_id if self.plan is not None else "?"
+            log.warning("worker %d: abandoning update %s, ended by the front, before the next", self.global_rank, stale)
+            self.abandon()
         self.plan = plan
         self.feed = BucketFeed()
         self.feed.extend(list(plan.buckets))
