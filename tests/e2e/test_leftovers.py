@@ -1,7 +1,8 @@
 """``wsync serve`` names an earlier engine's processes left on this host (issue 44: leftovers said, not suffered).
 
 Real leftovers, never mocked: a ``wsync serve`` whose launcher was SIGKILLed (adopted by pid 1), and the
-``VLLM::EngineCore`` a SIGKILLed ``wsync serve --engine vllm`` leaves behind. Each test starts engines of its
+``VLLM::EngineCore`` a SIGKILLed vLLM API server (vLLM's own: ``wsync serve --engine vllm``'s engine processes end
+with it) leaves behind. Each test starts engines of its
 own, since it kills them; each ends its leftovers with ``kill -9`` and checks that none remain.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from wsync_grpc.launch import child_env, spawn_engine, spawn_vllm_engine
+from wsync_grpc.launch import VLLM_CPU_ENV, VLLM_TEST_ARGS, child_env, spawn_engine
 from wsync_grpc.testing import free_port
 from wsync_grpc.tools.leftovers import find_leftovers, host_memory, leftovers_warning
 
@@ -121,27 +122,45 @@ def test_serve_names_an_orphaned_engine_at_start_and_ends_nothing(tmp_path: Path
     print(f"{time.monotonic() - t0:.1f} s")
 
 
+def _vllm_own_server(model_dir: Path, tmp: Path) -> subprocess.Popen[bytes]:
+    """vLLM's own OpenAI API server on ``model_dir`` (not ``wsync serve --engine vllm``, whose engine processes end
+    with it), with the CPU settings of :func:`~wsync_grpc.launch.spawn_vllm_engine`; its output in ``tmp/vllm.log``."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        *VLLM_TEST_ARGS.split(),
+    ]
+    with (tmp / "vllm.log").open("wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(VLLM_CPU_ENV))
+
+
 @pytest.mark.vllm
 def test_a_killed_vllm_servers_engine_core_and_worker_are_named_then_ended(tmp_path: Path, smollm2_dir: Path) -> None:
-    """SIGKILL ``wsync serve --engine vllm`` once vLLM started its worker (before the model loads, to keep the test
-    short): the engine core and the worker stay, named."""
+    """SIGKILL vLLM's own API server once vLLM started its worker (before the model loads, to keep the test
+    short): the engine core and the worker stay, named. (``wsync serve --engine vllm``'s end with it:
+    test_no_orphans.py.)"""
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
     t0 = time.monotonic()
-    server = spawn_vllm_engine(
-        smollm2_dir, port_file=tmp_path / "port", http_port=free_port(), log=tmp_path / "vllm.log", wait=False
-    )
+    server = _vllm_own_server(smollm2_dir, tmp_path)
     engine: list[psutil.Process] = []  # the engine core, then its worker
     try:
 
         def worker_started() -> bool:
-            assert server.process.poll() is None, server.output_tail()
+            assert server.poll() is None, (tmp_path / "vllm.log").read_text(errors="replace")[-4000:]
             below = psutil.Process(server.pid).children(recursive=True)
             engine[:] = [p for p in below if _title(p).startswith(("VLLM::EngineCore", "VLLM::Worker"))]
             return len(engine) == 2
 
         _wait(worker_started, "vLLM starts its engine core and worker", timeout_s=120)
         os.kill(server.pid, signal.SIGKILL)
-        server.process.wait(10)
+        server.wait(10)
         core, worker = engine
         _wait(lambda: core.ppid() != server.pid, "the engine core is adopted")
         assert core.is_running() and worker.is_running(), "vLLM's processes ended with the server: none is left over"
@@ -159,6 +178,7 @@ def test_a_killed_vllm_servers_engine_core_and_worker_are_named_then_ended(tmp_p
         print(warning)
     finally:
         server.kill()
+        server.wait(10)
         below = [p for c in engine if c.is_running() for p in c.children(recursive=True)]
         _kill_and_check_gone([p.pid for p in engine] + [p.pid for p in below])
     print(f"{time.monotonic() - t0:.1f} s")

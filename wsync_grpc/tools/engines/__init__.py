@@ -33,6 +33,7 @@ from wsync_grpc.tools.engines.registry import (
     registered_engines,
     unregister_engine,
 )
+from wsync_grpc.tools.orphans import end_with_parent_if_spawned
 
 __all__ = [
     "DEFAULT_ENGINE",
@@ -50,3 +51,8 @@ __all__ = [
     "registered_engines",
     "unregister_engine",
 ]
+
+# vLLM's engine core and workers, spawned by ``wsync serve --engine vllm``, import this package first (as their
+# parent's main module, ``wsync_grpc.tools.cli``, does): from here on they end with their parent, even when it
+# is SIGKILLed (a no-op in any other process; see wsync_grpc.tools.orphans).
+end_with_parent_if_spawned()

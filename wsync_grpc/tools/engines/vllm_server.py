@@ -23,6 +23,7 @@ from wsync_grpc.engines.vllm import BACKEND_NAME, WORKER_EXTENSION
 from wsync_grpc.engines.vllm.front import VllmEngine
 from wsync_grpc.service.server import WsyncServer, write_port_file
 from wsync_grpc.tools.engines.registry import ServerOptions
+from wsync_grpc.tools.orphans import end_forked_children_with_this_process, end_spawned_children_with_this_process
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ def vllm_argv(o: VllmServeOptions) -> list[str]:
 def serve(o: VllmServeOptions) -> int:
     """Run the engine until SIGINT/SIGTERM (on the calling thread, which must be the main one); the exit code.
 
+    vLLM's engine core and workers end with this process, even when it is SIGKILLed, on Linux
+    (:mod:`wsync_grpc.tools.orphans`).
+
     Raises:
         SystemExit: vLLM refused its arguments.
     """
@@ -85,6 +89,11 @@ def serve(o: VllmServeOptions) -> int:
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    # vLLM starts its engine core (and the engine core its workers) from the main thread, spawned (as
+    # cli_env_setup sets) or forked: with a parent-death signal, they end with this process even when it is
+    # SIGKILLed (wsync_grpc.tools.orphans).
+    end_spawned_children_with_this_process()
+    end_forked_children_with_this_process()
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(prog="wsync serve --engine vllm"))
     args = parser.parse_args(vllm_argv(o))
