@@ -342,7 +342,7 @@ class UpdateProtocol:
         results: Mapping[str, EngineSyncResult] | None = None,
         broadcast_started: bool = False,
     ) -> SyncError:
-        """The failure protocol: Cancel everywhere, leave the group, build the one error to raise.
+        """The failure protocol: Cancel everywhere, leave the group (if one was formed), build the one error to raise.
 
         Args:
             stage: where it failed (:attr:`SyncError.stage`).
@@ -374,6 +374,7 @@ class UpdateProtocol:
             cancelled = {t: r.cancelled for t, r in replies.items()}
             if broadcast_started:
                 self._name_ended(update_id, [t for t, c in cancelled.items() if not c], all_failures)
+        had_group = self._membership.group is not None
         self._membership.drop()
         self._release()  # a send abandoned half-way may still read its buffers
         for t, f in cancel_failures.items():
@@ -391,7 +392,8 @@ class UpdateProtocol:
             parts.append("cancelled on " + ", ".join(t for t, c in cancelled.items() if c))
         if results:
             parts.append(f"applied on {', '.join(results)} (they serve {weight_version!r} now)")
-        parts.append("the trainer left the group; the next sync re-initializes it")
+        if had_group:
+            parts.append("the trainer left the group; the next sync re-initializes it")
         log.warning("%s", "; ".join(parts))
         self._metrics.sync_failed(stage)
         return SyncError(

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping
 
 from wsync_grpc.core.digests import Digest
-from wsync_grpc.core.errors import GroupTimeout
+from wsync_grpc.core.errors import DeadlineExceeded, GroupTimeout, InvalidArgument
 from wsync_grpc.core.layout import Bucket
 
 
@@ -107,3 +107,25 @@ class BucketFeed:
             if not ok:
                 raise GroupTimeout(f"no bucket {i} was declared within {timeout:g} s (Update or Complete)")
             return self._buckets[i] if i < len(self._buckets) else None
+
+
+def digest_timeout(bucket: int, timeout_s: float) -> DeadlineExceeded:
+    """The error of bucket ``bucket`` received with no digest declared within ``timeout_s`` seconds (reason
+    DIGEST_TIMEOUT), the header having promised one (``PrepareHeader.digests_follow``)."""
+    return DeadlineExceeded(
+        "DIGEST_TIMEOUT",
+        f"bucket {bucket} arrived, but its digest was not declared within {timeout_s:g} s "
+        "(PrepareHeader.digests_follow promised it in an Update)",
+        bucket=str(bucket),
+    )
+
+
+def digest_missing(bucket: int) -> InvalidArgument:
+    """The error of bucket ``bucket`` left without a digest when the declarations ended (Complete came; reason
+    DIGEST_MISSING), the header having promised one (``PrepareHeader.digests_follow``)."""
+    return InvalidArgument(
+        "DIGEST_MISSING",
+        f"bucket {bucket} has no digest: the update promised one for every bucket "
+        "(PrepareHeader.digests_follow), but Complete came before it",
+        bucket=str(bucket),
+    )

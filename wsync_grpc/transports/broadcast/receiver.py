@@ -53,10 +53,8 @@ from wsync_grpc.core.digests import BucketHasher, Digest, check_digest
 from wsync_grpc.core.engine import InPlaceReceive
 from wsync_grpc.core.errors import (
     Cancelled,
-    DeadlineExceeded,
     GroupError,
     GroupTimeout,
-    InvalidArgument,
     WsyncError,
 )
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
@@ -64,6 +62,7 @@ from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
+from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 from wsync_grpc.worker.swaps import SwapIn
 
@@ -350,20 +349,10 @@ class BroadcastReceiver(ReceiverThread):
         digest = self._poll(
             lambda wait: self.feed.digest(bucket.index, wait),
             timeout,
-            lambda: DeadlineExceeded(
-                "DIGEST_TIMEOUT",
-                f"bucket {bucket.index} arrived, but its digest was not declared within {timeout:g} s "
-                "(PrepareHeader.digests_follow promised it in an Update)",
-                bucket=str(bucket.index),
-            ),
+            lambda: digest_timeout(bucket.index, timeout),
         )
         if digest is None:
-            raise InvalidArgument(
-                "DIGEST_MISSING",
-                f"bucket {bucket.index} has no digest: the update promised one for every bucket "
-                "(PrepareHeader.digests_follow), but Complete came before it",
-                bucket=str(bucket.index),
-            )
+            raise digest_missing(bucket.index)
         return digest
 
     def _use(self, posted: _Posted) -> None:

@@ -57,7 +57,6 @@ from wsync_grpc.core.engine import StorageSwap
 from wsync_grpc.core.errors import (
     Cancelled,
     DataLoss,
-    DeadlineExceeded,
     GroupError,
     GroupTimeout,
     InvalidArgument,
@@ -81,6 +80,7 @@ from wsync_grpc.transports.shared_memory.protocol import (
     peer_credentials,
     recv_exact,
 )
+from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 
 log = logging.getLogger(__name__)
@@ -440,19 +440,9 @@ class SharedMemoryReceiver(ReceiverThread):
         except GroupTimeout as e:
             if not wait:
                 return _NOT_YET
-            raise DeadlineExceeded(
-                "DIGEST_TIMEOUT",
-                f"bucket {bucket.index} arrived, but its digest was not declared within {self._timeout_s:g} s "
-                "(PrepareHeader.digests_follow promised it in an Update)",
-                bucket=str(bucket.index),
-            ) from e
+            raise digest_timeout(bucket.index, self._timeout_s) from e
         if digest is None:
-            raise InvalidArgument(
-                "DIGEST_MISSING",
-                f"bucket {bucket.index} has no digest: the update promised one for every bucket "
-                "(PrepareHeader.digests_follow), but Complete came before it",
-                bucket=str(bucket.index),
-            )
+            raise digest_missing(bucket.index)
         return digest
 
     def _use(self, received: _Received) -> None:
