@@ -178,14 +178,15 @@ class UpdateRunner:
             if part.engine_builds_buckets:
                 raise ValueError(f"the engines read a {name} update's bytes themselves: it takes no weight source")
             raise ValueError(f"the trainer sends a {name} update's bytes: it needs a weight source")
-        self._senders.of(part)  # a transport without a trainer half here is refused before anything starts
-        return self._calls.run(request, lambda: self._run(part, request, source))
+        sender = self._senders.of(part)  # a transport without a trainer half here is refused before anything starts
+        return self._calls.run(request, lambda: self._run(part, sender, request, source))
 
     # ------------------------------------------------------------------ the steps
 
-    def _run(self, part: TransportPart, request: UpdateRequest, source: WeightSource | None) -> SyncResult:
+    def _run(
+        self, part: TransportPart, sender: TransportSender, request: UpdateRequest, source: WeightSource | None
+    ) -> SyncResult:
         calls = self._calls
-        sender = self._senders.of(part)
         planned = self._plan(request, source) if source is not None else None
         init_s, group = calls.ensure_group(request) if part.needs_group else calls.hold_engines()
         if source is None or planned is None:

@@ -158,7 +158,7 @@ class SharedMemoryTransport:
 
     def sender(self, site: SendSite) -> TransportSender:
         """A :class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender`."""
-        return SharedMemorySender(site, timeout_s=site.timeout_s)
+        return SharedMemorySender(site)
 
 
 PART = SharedMemoryTransport()

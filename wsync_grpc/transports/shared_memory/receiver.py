@@ -53,7 +53,6 @@ from typing import TypeVar
 import torch
 
 from wsync_grpc.core.digests import BucketHasher, Digest, check_digest
-from wsync_grpc.core.engine import StorageSwap
 from wsync_grpc.core.errors import (
     Cancelled,
     DataLoss,
@@ -82,6 +81,7 @@ from wsync_grpc.transports.shared_memory.protocol import (
 )
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
+from wsync_grpc.worker.swaps import SwapIn
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,9 @@ class SharedMemoryReceiver(ReceiverThread):
         self._digests_follow = plan.digests_follow
         self._held: list[torch.Tensor] = []  # staged: the flat buffers behind self.staged
         self._pending: collections.deque[_Received] = collections.deque()  # copied out, not used yet
-        self._swap = site.target if not self.streaming and isinstance(site.target, StorageSwap) else None
-        self.swaps: list[tuple[str, torch.Tensor]] = []
-        """Staged apply on a :class:`~wsync_grpc.core.engine.StorageSwap` engine: ``(canonical name, tensor)`` to
-        serve as they are."""
-        self._swap_held: list[torch.Tensor] = []  # the exact-size buffers behind self.swaps
+        self.swap_in = SwapIn(site.target, self.device, self.streaming)
+        """Staged apply on a :class:`~wsync_grpc.core.engine.StorageSwap` engine: lone tensors copied into buffers
+        it serves as they are."""
         self._sock: socket.socket | None = None
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None  # the mapping as bytes (read-only: only ever copied from)
@@ -355,7 +353,7 @@ class SharedMemoryReceiver(ReceiverThread):
                 f"({bucket.size_bytes} bytes) in one of {h.slots} slots was due",
                 bucket=str(bucket.index),
             )
-        swap = self._swappable(bucket)
+        swap = self.swap_in.swappable(bucket.lone)
         if swap:
             flat = self.pool.take_exact(bucket.size_bytes)
         else:
@@ -410,15 +408,6 @@ class SharedMemoryReceiver(ReceiverThread):
         start = slot * self.handle.slot_bytes
         flat.copy_(self._bytes[start : start + flat.numel()])
 
-    def _swappable(self, bucket: Bucket) -> bool:
-        """Whether ``bucket`` is one tensor the engine may serve from the buffer it is copied into (staged apply on
-        a :class:`~wsync_grpc.core.engine.StorageSwap` engine, the served tensor's dtype, shape and device)."""
-        t = bucket.lone
-        if self._swap is None or t is None or not t.load or t.piece is not None:
-            return False
-        served = self.target.get_weight(t.canonical)
-        return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self.device
-
     def _expected(self, bucket: Bucket, wait: bool) -> Digest | _NotYet | None:
         """``bucket``'s digest: its spec's, or the one declared after it; ``None``: none promised; :data:`_NOT_YET`:
         not declared yet (only when not ``wait``ing for it).
@@ -450,9 +439,7 @@ class SharedMemoryReceiver(ReceiverThread):
         or its one tensor to swap in)."""
         bucket, flat = received.bucket, received.flat
         if received.swap:
-            t = bucket.tensors[0]
-            self.swaps.append((t.canonical, flat.view(t.dtype).view(t.shape)))
-            self._swap_held.append(flat)
+            self.swap_in.add(bucket.tensors[0], flat)
             return
         named = tensor_views(flat, bucket.tensors)
         if self.streaming:
@@ -466,15 +453,9 @@ class SharedMemoryReceiver(ReceiverThread):
             self._held.append(flat)
 
     def apply_swaps(self) -> int:
-        """Staged apply: hand :attr:`swaps` to the engine to serve (:class:`~wsync_grpc.core.engine.StorageSwap`);
-        the tensors swapped. The memory the engine gives back becomes this worker's buffers for the next update.
-        The caller holds the engine's weights lock."""
-        if not self.swaps or self._swap is None:
-            return 0
-        swaps, self.swaps, self._swap_held = self.swaps, [], []
-        for old in self._swap.swap_weights(self.worker, swaps):
-            self.pool.give(old, used=True)
-        return len(swaps)
+        """Staged apply: hand the tensors copied to swap in to the engine to serve (:meth:`SwapIn.apply
+        <wsync_grpc.worker.swaps.SwapIn.apply>`); the tensors swapped. The caller holds the engine's weights lock."""
+        return self.swap_in.apply(self.worker, self.pool)
 
     def release(self, reuse: bool) -> None:
         """Let go of the buffers received (after apply, or when the update is abandoned).
@@ -482,8 +463,8 @@ class SharedMemoryReceiver(ReceiverThread):
         Args:
             reuse: return them to the pool (nothing writes into them once the thread ended).
         """
-        held = self._held + self._swap_held + [r.flat for r in self._pending]
-        self._held, self._swap_held, self.staged, self.swaps = [], [], [], []
+        held = self._held + self.swap_in.clear() + [r.flat for r in self._pending]
+        self._held, self.staged = [], []
         self._pending.clear()
         if reuse:
             for buf in held:

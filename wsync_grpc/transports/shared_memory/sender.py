@@ -20,7 +20,8 @@ engine answered Prepare only once its receivers were armed, i.e. connected) and 
   update's digests follow: ``job.on_digest``) and then packs the next bucket into the other slot;
 - a bucket is reported sent (``job.on_sent``) once every reader acknowledged it;
 - the waits look at ``job.cancel`` every :data:`~wsync_grpc.transports.shared_memory.protocol.POLL_S`
-  seconds and give up after :data:`ACK_TIMEOUT_S` seconds without an acknowledgement; a reader that
+  seconds and give up after the send site's ``timeout_s`` (the client's group timeout) without an
+  acknowledgement; a reader that
   closes its socket before the last bucket fails the send (its engine abandoned the update).
 
 Units: sizes in bytes, times in seconds.
@@ -39,7 +40,6 @@ from wsync_grpc.core.digests import Digest, digest_of
 from wsync_grpc.core.errors import Cancelled, DataLoss, GroupTimeout, Unavailable
 from wsync_grpc.core.layout import Layout
 from wsync_grpc.core.packing import pack_bucket
-from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.transports.sending import SendJob, SendSite
 from wsync_grpc.transports.shared_memory.handover import Handover, Segment, page_round
 from wsync_grpc.transports.shared_memory.protocol import ACK, BUCKET, POLL_S, boot_id
@@ -48,11 +48,6 @@ log = logging.getLogger(__name__)
 
 SLOTS = 2
 """Ring slots of a segment: the trainer packs one while the engines copy the other."""
-
-ACK_TIMEOUT_S = DEFAULT_GROUP_TIMEOUT_S
-"""The longest the trainer waits for the engine workers' acknowledgement of a bucket, in seconds (a trainer
-client's ``group_timeout_s`` does not reach its senders: :class:`~wsync_grpc.transports.sending.SendSite`
-does not carry it)."""
 
 
 class Ring:
@@ -195,17 +190,16 @@ class SharedMemorySender:
     """The shared-memory transport's trainer half (a :class:`~wsync_grpc.transports.sending.TransportSender`).
 
     Args:
-        site: where it runs (one trainer process: the segment is this process's).
+        site: where it runs (one trainer process: the segment is this process's); ``site.timeout_s`` bounds the
+            wait for the engines' acknowledgement of a bucket, in seconds.
         slots: the ring's slots (at least 2).
-        timeout_s: the longest wait for the engines' acknowledgement of a bucket, in seconds.
     """
 
-    def __init__(self, site: SendSite, *, slots: int = SLOTS, timeout_s: float = ACK_TIMEOUT_S) -> None:
+    def __init__(self, site: SendSite, *, slots: int = SLOTS) -> None:
         if slots < 2:
             raise ValueError(f"a ring needs at least 2 slots, not {slots}")
         self._site = site
         self._slots = slots
-        self._timeout_s = timeout_s
         self._segment: Segment | None = None
         self._handover: Handover | None = None
 
@@ -272,7 +266,7 @@ class SharedMemorySender:
         try:
             if not readers:
                 raise Unavailable("SHARED_MEMORY_NO_READER", "no engine worker connected to take the segment")
-            return Ring(self._segment, readers, job, self._timeout_s).run()
+            return Ring(self._segment, readers, job, self._site.timeout_s).run()
         finally:
             for r in readers:
                 r.close()
@@ -288,6 +282,7 @@ class SharedMemorySender:
             segment.close()
 
     def release(self) -> None:
-        """Close an open handover and drop the segment (the client closing)."""
+        """Close an open handover and drop the segment (the client closing, or an update abandoned: a send cut
+        short may leave readers behind; the next update makes a fresh segment)."""
         self._end_handover()
         self._close_segment()
