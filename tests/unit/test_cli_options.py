@@ -320,3 +320,17 @@ def test_no_refusal_imports_transformers_or_vllm() -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"), [(["--transport", "gloo"], "--transport"), (["--steps", "two"], "--steps")]
+)
+def test_the_demo_refuses_a_bad_option_in_one_line_before_loading_a_model(argv: list[str], option: str) -> None:
+    from wsync_grpc.tools import demo
+
+    err = io.StringIO()
+    with redirect_stderr(err), pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and f"argument {option}" in lines[0], lines

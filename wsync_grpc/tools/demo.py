@@ -40,6 +40,7 @@ from wsync.v1 import generation_pb2, generation_pb2_grpc
 
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.launch import EngineProcess, spawn_engine, stop_all, wait_all
+from wsync_grpc.tools.options import OneLineParser
 from wsync_grpc.trainer import SyncProgress, TrainerClient
 from wsync_grpc.trainer.options import SENT_TRANSPORTS, TransportName
 
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m wsync_grpc.tools.demo``."""
-    p = argparse.ArgumentParser(prog="python -m wsync_grpc.tools.demo", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m wsync_grpc.tools.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
     p.add_argument("--engines", type=int, default=2, help="engine processes to start")
     p.add_argument("--model", default=None, help="local Hugging Face directory (default SmolLM2-135M-Instruct)")
