@@ -59,7 +59,7 @@ def test_the_constructor_settings_are_the_declared_ones_in_order() -> None:
     assert settings == [spec(f).keyword for f in SETTINGS]
     assert set(KEYWORDS) == set(settings)
     names = list(CONSTRUCTOR)
-    assert names[names.index("master_address") : names.index("digests") + 1] == settings, "one run of keywords"
+    assert names[names.index("master_address") : names.index("delta_anchor_every") + 1] == settings, "one run of keywords"
 
 
 @pytest.mark.parametrize("f", SETTINGS, ids=lambda f: f.name)
@@ -101,13 +101,15 @@ def test_every_setting_is_documented_with_its_unit(f: dataclasses.Field[object])
 
 
 def test_the_per_sync_override_is_the_declared_setting() -> None:
-    """``sync(bucket_bytes=None)`` is the client's ``bucket_bytes``; the override has the setting's name and type."""
+    """``sync(bucket_bytes=None, delta=None)`` are the client's ``bucket_bytes`` and ``delta``; each override has the
+    setting's name and type."""
     sync = inspect.signature(TrainerClient.sync).parameters
     overrides = [name for name in sync if name in KEYWORDS]
-    assert overrides == ["bucket_bytes"]
-    assert sync["bucket_bytes"].default is None
-    assert sync["bucket_bytes"].annotation == "int | None"
-    assert inspect.signature(TrainerClient.__init__).parameters["bucket_bytes"].annotation == "int"
+    assert overrides == ["bucket_bytes", "delta"]
+    for name, kind in (("bucket_bytes", "int"), ("delta", "bool")):
+        assert sync[name].default is None
+        assert sync[name].annotation == f"{kind} | None"
+        assert inspect.signature(TrainerClient.__init__).parameters[name].annotation == kind
 
 
 def test_the_rank_program_takes_its_client_options_from_the_declaration() -> None:

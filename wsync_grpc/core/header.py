@@ -57,6 +57,9 @@ class UpdateHeader:
         digests_follow: every bucket has a digest, in its spec or declared by a later Update
             (``wsync.v1.PrepareHeader.digests_follow``); a worker holds a bucket until its digest came.
         shared_memory: where a shared-memory update's segment is handed over; ``None`` for other transports.
+        base_weight_version: a delta's base version (``wsync.v1.PrepareHeader.base_weight_version``); empty: a
+            whole update.
+        base_weight_identity: the engine-issued identity of that base (``GetStatusResponse.weight_identity``).
     """
 
     update_id: str
@@ -71,6 +74,13 @@ class UpdateHeader:
     adapter: LoraSpec | None = None
     digests_follow: bool = False
     shared_memory: SharedMemoryHandle | None = None
+    base_weight_version: str = ""
+    base_weight_identity: str = ""
+
+    @property
+    def delta(self) -> bool:
+        """Whether this update is a delta against a base it names (:mod:`wsync_grpc.core.delta`)."""
+        return bool(self.base_weight_version)
 
     @property
     def flattened(self) -> bool:
@@ -114,3 +124,40 @@ def check_adapter_header(h: UpdateHeader, allow: bool, from_source: bool) -> Non
         raise InvalidArgument("NOT_INCREMENTAL_ADAPTER", "an adapter update cannot be incremental")
     if not from_source:
         check_spec(h.adapter)
+
+
+DELTA_TRANSPORTS = (Transport.BROADCAST, Transport.SHARED_MEMORY)
+"""The transports a delta travels by: those whose buckets the trainer packs."""
+
+
+def check_delta_header(h: UpdateHeader) -> None:
+    """A delta names its base's identity, travels flattened by a transport the trainer packs, and carries base
+    weights; a whole update names no identity.
+
+    Raises:
+        InvalidArgument: DELTA_UNSUPPORTED, MISSING_BASE_IDENTITY, UNEXPECTED_BASE_IDENTITY.
+    """
+    if not h.delta:
+        if h.base_weight_identity:
+            raise InvalidArgument(
+                "UNEXPECTED_BASE_IDENTITY", "header.base_weight_identity is for a delta (base_weight_version set)"
+            )
+        return
+    if not h.base_weight_identity:
+        raise InvalidArgument(
+            "MISSING_BASE_IDENTITY",
+            "a delta names the weight_identity of its base (GetStatus, or the base update's Complete reply)",
+        )
+    why = ""
+    if h.transport not in DELTA_TRANSPORTS:
+        why = f"transport TRANSPORT_{h.transport.name}"
+    elif not h.flattened:
+        why = "the individual layout"
+    elif h.adapter is not None:
+        why = "an adapter update"
+    if why:
+        raise InvalidArgument(
+            "DELTA_UNSUPPORTED",
+            f"a delta (header.base_weight_version) travels flattened, by broadcast or shared memory, and carries "
+            f"base weights; not by {why}",
+        )

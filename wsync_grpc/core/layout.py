@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wsync_grpc.core.delta import DeltaCoding
 from wsync_grpc.core.digests import Digest
 
 
@@ -80,7 +81,8 @@ class TensorSlot:
         shape: its shape; ``()`` for a scalar.
         offset: where it starts inside the bucket's flat buffer, in bytes (a
             multiple of its element size; 0 in the individual layout).
-        nbytes: its size on the wire, in bytes (``numel * element_size(dtype)``).
+        nbytes: its size on the wire, in bytes (``numel * element_size(dtype)``; a delta entry's
+            :meth:`DeltaCoding.nbytes <wsync_grpc.core.delta.DeltaCoding.nbytes>`).
         canonical: the engine's canonical name for it (tied aliases resolved);
             the name itself on the trainer side.
         load: False for a tied alias whose canonical tensor is already in the
@@ -88,6 +90,9 @@ class TensorSlot:
         piece: set when this slot is one piece of the tensor (a sharded trainer's direct send):
             ``shape`` and ``nbytes`` are then the piece's; the engine assembles the pieces of a
             name into the whole tensor before loading it. ``None``: the whole tensor.
+        delta: set when this slot carries only the elements changed since the update's base
+            (:mod:`wsync_grpc.core.delta`; ``wsync.v1.TensorSpec.delta``): ``shape`` stays the tensor's,
+            ``nbytes`` is the entry's. ``None``: every element.
     """
 
     name: str
@@ -98,6 +103,7 @@ class TensorSlot:
     canonical: str
     load: bool = True
     piece: Piece | None = None
+    delta: DeltaCoding | None = None
 
     @property
     def end(self) -> int:
@@ -151,7 +157,12 @@ class Bucket:
         if len(self.tensors) != 1:
             return None
         t = self.tensors[0]
-        return t if t.offset == 0 and t.nbytes == self.size_bytes and t.nbytes > 0 else None
+        return t if t.offset == 0 and t.nbytes == self.size_bytes and t.nbytes > 0 and t.delta is None else None
+
+    @property
+    def has_delta(self) -> bool:
+        """Whether any of its tensors is a delta entry (its digest is then of the whole tensors it results in)."""
+        return any(t.delta is not None for t in self.tensors)
 
 
 def total_wire_bytes(buckets: Iterable[Bucket], layout: Layout = Layout.FLATTENED) -> int:

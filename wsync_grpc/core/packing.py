@@ -73,7 +73,8 @@ def pack_bucket(
     Args:
         bucket: the planned bucket.
         tensors_by_name: the tensors, by the names planned (extra names are
-            ignored); each must have the planned shape.
+            ignored); each must have the planned shape (a delta entry's: its encoded bytes,
+            1-D ``uint8``, :attr:`~wsync_grpc.core.delta.EncodedTensor.payload`).
         out: a 1-D ``torch.uint8`` tensor of exactly ``bucket.size_bytes``
             elements, contiguous, on the device the broadcast runs on.
         zero_padding: also zero the padding bytes.
@@ -101,6 +102,14 @@ def pack_bucket(
     with torch.no_grad():
         for t in bucket.tensors:
             src = tensors_by_name[t.name]
+            if t.delta is not None:  # a delta entry: its bytes as encoded (wsync_grpc.core.delta)
+                if src.dtype != torch.uint8 or src.numel() != t.nbytes:
+                    raise ValueError(f"the delta entry of {t.name!r} must be {t.nbytes} bytes of uint8")
+                if zero_padding and t.offset > prev_end:
+                    out[prev_end : t.offset].zero_()
+                out[t.offset : t.end].copy_(src.reshape(-1))
+                prev_end = t.end
+                continue
             if src.shape != t.shape:
                 raise ValueError(f"tensor {t.name!r} has shape {tuple(src.shape)}, planned {t.shape}")
             if zero_padding and t.offset > prev_end:

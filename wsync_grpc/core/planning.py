@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from wsync_grpc.core.delta import DeltaCoding
 from wsync_grpc.core.dtypes import dtype_name, element_size
 from wsync_grpc.core.layout import Bucket, Piece, TensorSlot
 
@@ -220,8 +221,15 @@ def plan_buckets(
             ``dtype``, or a dtype weight sync does not support.
     """
     metas = [meta for meta, _tensor in unique_tensors(named_tensors)]
-    limits = {"max_spec_bytes": max_spec_bytes, "ramp_bytes": ramp_bytes, "solo_bytes": solo_bytes}
-    return plan_metadata(metas, bucket_bytes, alignment, dtype, **limits)
+    return plan_metadata(
+        metas,
+        bucket_bytes,
+        alignment,
+        dtype,
+        max_spec_bytes=max_spec_bytes,
+        ramp_bytes=ramp_bytes,
+        solo_bytes=solo_bytes,
+    )
 
 
 def plan_metadata(
@@ -233,6 +241,7 @@ def plan_metadata(
     max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
     ramp_bytes: int = 0,
     solo_bytes: int = 0,
+    deltas: Mapping[str, DeltaCoding] | None = None,
 ) -> list[Bucket]:
     """Plan the buckets of one update from its tensors' metadata alone (see :func:`plan_buckets`).
 
@@ -241,6 +250,9 @@ def plan_metadata(
             global shapes.
         bucket_bytes, alignment, dtype, max_spec_bytes, ramp_bytes, solo_bytes: as for
             :func:`plan_buckets`.
+        deltas: name -> the delta entry a tensor travels as (a delta update: :mod:`wsync_grpc.core.delta`),
+            planned at the entry's size and marked on its slot; the others travel whole. ``None``: every
+            tensor whole.
 
     Returns:
         The buckets, indexed from 0; ``[]`` when there is nothing to send.
@@ -250,6 +262,10 @@ def plan_metadata(
     """
     _check_plan_args(bucket_bytes, alignment, dtype, max_spec_bytes, ramp_bytes, solo_bytes)
     entries = _wire_entries(metas, alignment, dtype)
+    if deltas:
+        entries = [
+            e if e.name not in deltas else e._replace(nbytes=deltas[e.name].nbytes(e.dtype.itemsize)) for e in entries
+        ]
     packer = _Packer(bucket_bytes, max_spec_bytes, ramp_bytes, sum(e.nbytes for e in entries))
     for e in entries:
         if 0 < solo_bytes <= e.nbytes:
@@ -269,6 +285,11 @@ def plan_metadata(
         # the packed bucket is applied while it arrives.
         a, b = buckets[-2], buckets[-1]
         buckets[-2:] = [Bucket(a.index, b.size_bytes, b.tensors), Bucket(b.index, a.size_bytes, a.tensors)]
+    if deltas:
+        buckets = [
+            dataclasses.replace(b, tensors=tuple(dataclasses.replace(t, delta=deltas.get(t.name)) for t in b.tensors))
+            for b in buckets
+        ]
     return buckets
 
 
@@ -322,12 +343,12 @@ def plan_pieces(
     """
     ranks = sorted({p.src for p in pieces})
     per_rank: list[list[Bucket]] = []
-    limits = {"max_spec_bytes": max_spec_bytes, "ramp_bytes": ramp_bytes, "solo_bytes": solo_bytes}
+    limits: dict[str, int] = {"max_spec_bytes": max_spec_bytes, "ramp_bytes": ramp_bytes, "solo_bytes": solo_bytes}
     for r in ranks:
         mine = [p for p in pieces if p.src == r]
         where = {p.name: p.piece for p in mine}
         metas = [new_meta(TensorMeta, (p.name, p.dtype, p.shape)) for p in mine]
-        buckets = plan_metadata(metas, bucket_bytes, alignment, dtype, **limits)
+        buckets = plan_metadata(metas, bucket_bytes, alignment, dtype, **limits)  # type: ignore[arg-type]
         per_rank.append(
             [
                 Bucket(b.index, b.size_bytes, tuple(dataclasses.replace(t, piece=where[t.name]) for t in b.tensors), r)

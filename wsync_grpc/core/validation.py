@@ -28,9 +28,10 @@ from typing import Protocol
 
 import torch
 
+from wsync_grpc.core.delta import POSITIONS_BY_NUMBER, DeltaCoding
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
 from wsync_grpc.core.errors import InvalidArgument
-from wsync_grpc.core.header import UpdateHeader, check_adapter_header, transport_unimplemented
+from wsync_grpc.core.header import UpdateHeader, check_adapter_header, check_delta_header, transport_unimplemented
 from wsync_grpc.core.layout import Bucket, Piece, TensorSlot, Transport
 from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.core.params import ParamSpec
@@ -65,6 +66,17 @@ class ShardFields(Protocol):
     def offsets(self) -> Sequence[int]: ...
 
 
+class DeltaFields(Protocol):
+    """What the validator reads of a tensor's delta (``wsync.v1.TensorDelta`` has these fields); all 0: none."""
+
+    @property
+    def positions(self) -> int: ...
+    @property
+    def changed_elements(self) -> int: ...
+    @property
+    def positions_bytes(self) -> int: ...
+
+
 class TensorSpecFields(Protocol):
     """What the validator reads of one declared tensor (``wsync.v1.TensorSpec`` has these fields).
 
@@ -81,6 +93,8 @@ class TensorSpecFields(Protocol):
     def offset_bytes(self) -> int: ...
     @property
     def shard(self) -> ShardFields: ...
+    @property
+    def delta(self) -> DeltaFields: ...
 
 
 class BucketSpecFields(Protocol):
@@ -267,6 +281,7 @@ class UpdateValidator:
             self._from_source = rules.engine_builds_buckets
         elif h.transport is not Transport.BROADCAST:
             raise transport_unimplemented(h.transport)
+        check_delta_header(h)
         if h.shared_memory is not None and h.transport is not Transport.SHARED_MEMORY:
             raise InvalidArgument(
                 "UNEXPECTED_SHARED_MEMORY", "header.shared_memory is for transport TRANSPORT_SHARED_MEMORY only"
@@ -428,9 +443,54 @@ class UpdateValidator:
         else:
             shape, numel = _shape(t, spec, idx), spec.numel
         esize = element_size(dtype)
-        nbytes = numel * esize
+        delta = self._delta(t, numel, sharded, idx)
+        nbytes = numel * esize if delta is None else delta.nbytes(esize)
         offset = self._offset(t, b, esize, nbytes) if self.header is not None and self.header.flattened else 0
-        return TensorSlot(name, dtype, shape, offset, nbytes, canonical, load, piece)
+        return TensorSlot(name, dtype, shape, offset, nbytes, canonical, load, piece, delta)
+
+    def _delta(self, t: TensorSpecFields, numel: int, sharded: bool, idx: str) -> DeltaCoding | None:
+        """The delta ``t`` carries (``None``: the whole tensor), its sizes checked against the tensor's.
+
+        Raises:
+            InvalidArgument: UNEXPECTED_DELTA (not a delta update), DELTA_UNSUPPORTED (a piece), DELTA_ENCODING
+                (positions unspecified or unknown), DELTA_SIZE_MISMATCH.
+        """
+        d = t.delta
+        if not (d.positions or d.changed_elements or d.positions_bytes):
+            return None
+        assert self.header is not None
+        where = {"bucket": idx, "tensor": t.name[:_MAX_NAME_IN_MESSAGE]}
+        if not self.header.delta:
+            raise InvalidArgument(
+                "UNEXPECTED_DELTA",
+                f"tensor {_show(t.name)} carries a delta, but the header names no base_weight_version",
+                **where,
+            )
+        if sharded:
+            raise InvalidArgument(
+                "DELTA_UNSUPPORTED", f"tensor {_show(t.name)}: a piece of a tensor cannot carry a delta", **where
+            )
+        positions = POSITIONS_BY_NUMBER.get(d.positions)
+        if positions is None:
+            raise InvalidArgument(
+                "DELTA_ENCODING",
+                f"tensor {_show(t.name)} carries a delta with positions {d.positions}: not one of the contract's",
+                **where,
+            )
+        coding = DeltaCoding(positions, int(d.changed_elements), int(d.positions_bytes))
+        expected = coding.expected_positions_bytes(numel)
+        if (
+            coding.changed > numel
+            or coding.positions_bytes != expected
+            or (positions.name == "INDICES" and numel >= 2**32)
+        ):
+            raise InvalidArgument(
+                "DELTA_SIZE_MISMATCH",
+                f"tensor {_show(t.name)} of {numel} elements carries a delta of {coding.changed} values with "
+                f"{coding.positions_bytes} bytes of {positions.name} positions ({expected} expected)",
+                **where,
+            )
+        return coding
 
     def _piece(
         self, t: TensorSpecFields, spec: ParamSpec, dtype: torch.dtype, load: bool, idx: str, pending: _Declared

@@ -277,6 +277,8 @@ class UpdateController:
             params = st.membership.params
             validator = update_validator(self.engine, params.trainer_ranks if params is not None else 1)
             header, buckets = reader.read(validator, stream, stop_stream)
+            with self._lock:
+                st.check_delta_base(header)  # before any receive is posted
             transport = transport_for(header.transport)
             if transport.needs_group and st.lifecycle.origin is not State.READY:
                 raise WrongState(Rpc.PREPARE, st.lifecycle.origin, "a broadcast needs the group: call Init first")

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from typing import Generic, Protocol, TypeVar
 
 from wsync_grpc.core.engine import Engine, PauseMode, PauseOutcome, RemoteWorkers
-from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
+from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, Unimplemented, WsyncError
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.lifecycle import Event, Lifecycle, State
 from wsync_grpc.core.ownership import Lease, Ownership, OwnerView
@@ -81,6 +82,9 @@ class EngineState(Generic[UpdateT]):
         pools: each worker's receive buffers, in worker order.
         facts: what the engine serves (fixed).
         weight_version: the version of the weights served.
+        weight_identity: the identity issued to the base weights served by the last update that applied them
+            (``wsync.v1.GetStatusResponse.weight_identity``; a delta must name it); ``""``: none since the engine
+            started, or the weights are dirty.
         dirty: a failed update left the weights half-updated.
         dirty_paused: the engine is paused because of dirty weights, not by an operator.
         updates_completed: updates applied since the engine started.
@@ -101,6 +105,7 @@ class EngineState(Generic[UpdateT]):
         self.pools = [BufferPool(d, d.type == "cpu" if keep_buffers is None else keep_buffers) for d in devices]
         self.facts = EngineFacts.of(engine.name, specs, len(devices))
         self.weight_version = ""
+        self.weight_identity = ""
         self.dirty = False
         self.dirty_paused = False
         self.updates_completed = 0
@@ -158,6 +163,36 @@ class EngineState(Generic[UpdateT]):
             )
         return upd
 
+    def check_delta_base(self, h: UpdateHeader) -> None:
+        """A delta (``h.delta``) applies only to the base it names, on clean weights this engine can read. Lock held.
+
+        Raises:
+            Unimplemented: DELTA_UNIMPLEMENTED, the engine's weights live in other processes (vLLM's workers).
+            FailedPrecondition: ENGINE_DIRTY; BASE_VERSION_MISMATCH, the engine serves another version, or the same
+                label with another identity (weights another trainer wrote, an engine restarted, a forced resume).
+        """
+        if not h.delta:
+            return
+        if isinstance(self.engine, RemoteWorkers):
+            raise Unimplemented(
+                "DELTA_UNIMPLEMENTED",
+                "this engine's weights live in its worker processes, which do not apply deltas yet: send whole updates",
+            )
+        if self.dirty:
+            raise FailedPrecondition(
+                "ENGINE_DIRTY",
+                "the weights are dirty (a failed streaming update): only a whole update repairs them, not a delta",
+            )
+        if h.base_weight_version != self.weight_version or h.base_weight_identity != self.weight_identity:
+            raise FailedPrecondition(
+                "BASE_VERSION_MISMATCH",
+                f"the delta's base is version {h.base_weight_version!r} (identity {h.base_weight_identity[:40]!r}), "
+                f"but the engine serves {self.weight_version!r} (identity {self.weight_identity!r}): send a whole "
+                "update",
+                served_version=self.weight_version,
+                served_identity=self.weight_identity,
+            )
+
     def start_update(self, update: UpdateT) -> None:
         """``update`` becomes the update in flight (its receivers are about to start). Lock held."""
         self.update = update
@@ -170,6 +205,7 @@ class EngineState(Generic[UpdateT]):
         """
         if base:
             self.weight_version = update.header.weight_version
+            self.weight_identity = uuid.uuid4().hex
             self.dirty = False
         self.updates_completed += 1
         self.update = None
@@ -191,6 +227,7 @@ class EngineState(Generic[UpdateT]):
         """Flag half-updated weights and keep the engine paused until an update succeeds (``auto_paused``: the
         failed update had paused the engine itself). Lock held."""
         self.dirty = True
+        self.weight_identity = ""
         if may_step(self.engine):  # serving, or a WAIT pause whose requests still run
             self.dirty_paused = not self.engine.is_paused()
             self.engine.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
@@ -225,6 +262,7 @@ class EngineState(Generic[UpdateT]):
                 pause_mode=mode,
                 dirty=self.dirty,
                 weight_version=self.weight_version,
+                weight_identity=self.weight_identity,
                 updates_completed=self.updates_completed,
                 group=self.membership.params,
                 devices=tuple(str(d) for d in self.membership.devices),

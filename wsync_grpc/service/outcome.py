@@ -35,6 +35,8 @@ class CompleteResult:
     receives the same buckets. ``verified_only``: the first phase of a
     two-phase Complete, nothing applied (``weight_version`` is still the served one).
     ``buckets_verified``: the buckets whose digest matched on every worker (the fewest of any worker).
+    ``weight_identity``: the identity the apply issued to the base weights now served (``""``: verified only, or
+    an adapter).
     """
 
     update_id: str
@@ -50,6 +52,7 @@ class CompleteResult:
     prepare_seconds: float = 0.0
     verify_seconds: float = 0.0
     buckets_verified: int = 0
+    weight_identity: str = ""
 
 
 def last_arrival(receivers: Sequence[Receiver], default: float) -> float:

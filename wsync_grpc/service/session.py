@@ -31,6 +31,7 @@ lock held, takes it, or must run without it (the bounded waits).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -529,6 +530,8 @@ class UpdateSession:
             flushed=flush_cache,
             verified_only=False,
         )
+        if self.payload is Payload.WEIGHTS:
+            result = dataclasses.replace(result, weight_identity=self.state.weight_identity)
         log.info(
             "update %s applied: version %s, %d tensors, %d bytes, %.3f s total",
             clip(result.update_id),

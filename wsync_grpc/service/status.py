@@ -105,6 +105,7 @@ class StatusSnapshot:
         pause_mode: the mode of the pause in force; ``None`` when serving.
         dirty: whether a failed update left the weights half-updated.
         weight_version: the version being served.
+        weight_identity: the identity of the base weights served (``""``: none issued, or dirty).
         updates_completed: updates applied since the engine started.
         group: the joined group's parameters; ``None`` when not a member.
         devices: the workers' devices (``str(torch.device)``), in worker order.
@@ -130,6 +131,7 @@ class StatusSnapshot:
     running_requests: int
     waiting_requests: int
     owner: OwnerView | None = None
+    weight_identity: str = ""
 
 
 def owner_info(o: OwnerView) -> pb.OwnerInfo:
@@ -190,6 +192,7 @@ def status_response(s: StatusSnapshot) -> pb.GetStatusResponse:
         paused=s.paused,
         dirty=s.dirty,
         weight_version=s.weight_version,
+        weight_identity=s.weight_identity,
         updates_completed=s.updates_completed,
         engine=engine_info(s.engine, s.running_requests, s.waiting_requests),
     )

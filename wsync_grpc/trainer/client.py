@@ -13,6 +13,7 @@ Units: sizes in bytes, times in seconds, throughputs in GB/s (10^9 bytes per sec
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -23,6 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from wsync_grpc.trainer.adapters import adapter_tensors
+from wsync_grpc.trainer.delta import sync_with_deltas
 from wsync_grpc.trainer.members import MemberCalls
 from wsync_grpc.trainer.operator import OperatorCalls, per_target
 from wsync_grpc.trainer.options import (
@@ -71,7 +73,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
     :meth:`checksums` may be called from other threads at any time, and
     :meth:`cancel` interrupts a ``sync`` in flight.
 
-    The keywords from ``master_address`` to ``digests`` are the client's settings, each declared once (type,
+    The keywords from ``master_address`` to ``delta_anchor_every`` are the client's settings, each declared once (type,
     default, unit and meaning) in :class:`~wsync_grpc.trainer.settings.Settings`, in the same order; each is also
     a public attribute of the client (``workers`` as the read-only ``fixed_workers``): assigning one applies
     from the next call.
@@ -144,6 +146,8 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         ramp_bytes: int = Settings.ramp_bytes,
         solo_bytes: int = Settings.solo_bytes,
         digests: bool | None = None,
+        delta: bool = Settings.delta,
+        delta_anchor_every: int = Settings.delta_anchor_every,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
@@ -253,6 +257,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         policy: FleetPolicy | None = None,
         timeout_s: float | None = None,
         transport: TransportName = "broadcast",
+        delta: bool | None = None,
     ) -> SyncResult:
         """Push ``named_tensors`` to every engine as ``weight_version``.
 
@@ -311,6 +316,10 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
                 :meth:`init`) or ``"shared_memory"`` (engines on this host: each bucket packed into a
                 shared-memory segment the engines' workers map read-only; no group, flattened layout only:
                 :mod:`wsync_grpc.transports.shared_memory`). Never chosen by the client itself.
+            delta: send only the elements whose value in the wire dtype changed since this client's last sync,
+                when every engine serves what it sent (whole otherwise; ``(name, tensor)`` pairs, flattened
+                layout: :mod:`wsync_grpc.trainer.delta`; :attr:`SyncResult.delta` says what was sent). ``None``:
+                the client's ``delta`` setting.
 
         Returns:
             A :class:`SyncResult` with per-engine results and trainer-side timings.
@@ -335,7 +344,21 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
             on_phase=on_phase,
         )
         source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
-        return self.run_update(source, request, policy=policy, timeout_s=timeout_s)
+        if not (self._settings.delta if delta is None else delta):
+            return self.run_update(source, request, policy=policy, timeout_s=timeout_s)
+        if not isinstance(source, NamedTensors) or request.layout.value != "flattened":
+            raise ValueError("deltas are sent from (name, tensor) pairs in the flattened layout")
+        self._deltas.anchor_every = self._settings.delta_anchor_every
+        with self._exclusive(timeout_s):
+            return sync_with_deltas(
+                self._deltas,
+                source,
+                dtype,
+                [e.target for e in self._fleet.engines],
+                lambda p: self._roster.run(
+                    policy or self._policy, dataclasses.replace(request, delta=p), lambda r: self._runner.run(r, source)
+                ),
+            )
 
     def run_update(
         self,

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from wsync_grpc.core.layout import Transport
 from wsync_grpc.trainer.deadline import CancelSignal, check_timeout
+from wsync_grpc.trainer.delta import DeltaTracker
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -94,6 +95,7 @@ class ClientParts:
         self._runner = UpdateRunner(calls, self._settings, self._senders, self._cancel_event)
         self._policy = policy if policy is not None else FleetPolicy()
         self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
+        self._deltas = DeltaTracker(self._settings.delta_anchor_every)
 
     @contextlib.contextmanager
     def _exclusive(self, timeout_s: float | None = None) -> Iterator[None]:

@@ -18,6 +18,7 @@ from typing import Protocol, cast
 import torch
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.delta import DeltaCoding
 from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.core.planning import PieceMeta, TensorMeta, plan_metadata, plan_pieces
@@ -64,6 +65,7 @@ class Planner:
         dtype: torch.dtype | None,
         layout: Layout,
         topology: SendTopology = ONE_PROCESS,
+        deltas: Mapping[str, DeltaCoding] | None = None,
     ) -> tuple[list[Bucket], list[pb.PrepareRequest]]:
         """Plan the buckets and their Prepare messages, reusing the last plan when nothing it depends on changed.
 
@@ -75,6 +77,8 @@ class Planner:
             dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
             layout: the bucket layout (tensors of at least ``solo_bytes`` travel alone in the flattened one).
             topology: which trainer ranks send (default one process).
+            deltas: a delta update's entries by tensor name (planned at their size, never cached; see
+                :func:`~wsync_grpc.core.planning.plan_metadata`); ``None``: every tensor whole.
 
         Returns:
             The buckets, and the Prepare messages that describe them (after the header).
@@ -85,16 +89,19 @@ class Planner:
         s = self._settings
         signature = (bucket_bytes, s.alignment, dtype, s.ramp_bytes, s.solo_bytes, layout, topology, list(metas))
         cached = self._cache
-        if cached is not None and cached[0] == signature:
+        if cached is not None and cached[0] == signature and not deltas:  # a delta's sizes change every time
             return cached[1], cached[2]
         solo = s.solo_bytes if layout is Layout.FLATTENED else 0  # individual: every tensor is alone
-        limits = {"ramp_bytes": s.ramp_bytes, "solo_bytes": solo}
         if topology.by_pieces:
-            buckets = plan_pieces(cast(Sequence[PieceMeta], metas), bucket_bytes, s.alignment, dtype, **limits)
+            pieces = cast(Sequence[PieceMeta], metas)
+            buckets = plan_pieces(pieces, bucket_bytes, s.alignment, dtype, ramp_bytes=s.ramp_bytes, solo_bytes=solo)
         else:
-            buckets = plan_metadata(cast(Sequence[TensorMeta], metas), bucket_bytes, s.alignment, dtype, **limits)
+            whole = cast(Sequence[TensorMeta], metas)
+            limits = {"ramp_bytes": s.ramp_bytes, "solo_bytes": solo}
+            buckets = plan_metadata(whole, bucket_bytes, s.alignment, dtype, **limits, deltas=deltas)
         messages = batch_bucket_specs([bucket_spec(b, layout) for b in buckets])
-        self._cache = (signature, buckets, messages)
+        if not deltas:
+            self._cache = (signature, buckets, messages)
         return buckets, messages
 
 

@@ -199,8 +199,9 @@ class UpdateProtocol:
         """
         first = pb.PrepareRequest(header=header_to_proto(header, self._fleet.owner))
 
-        def stream() -> Iterator[pb.PrepareRequest]:
-            yield first
+        def stream(target: str) -> Iterator[pb.PrepareRequest]:
+            own = request.header_for(header, target)  # a delta names each engine's own identity of its base
+            yield first if own is header else pb.PrepareRequest(header=header_to_proto(own, self._fleet.owner))
             yield from messages
 
         t0 = time.monotonic()
@@ -209,7 +210,7 @@ class UpdateProtocol:
         replies, failures = self._fleet.gather(
             "Prepare",
             lambda e: self._fleet.aio(e).Prepare(
-                stream(), timeout=self._cancel_event.bound(self._settings.rpc_timeout_s), metadata=metadata
+                stream(e.target), timeout=self._cancel_event.bound(self._settings.rpc_timeout_s), metadata=metadata
             ),
         )
         prepare_s = time.monotonic() - t0

@@ -15,6 +15,7 @@ Units: sizes in bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
@@ -28,6 +29,7 @@ from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.lora import LoraSpec
 from wsync_grpc.core.topology import SendTopology
+from wsync_grpc.trainer.delta import DeltaPayload
 from wsync_grpc.trainer.options import apply_mode_of, check_version, layout_of
 from wsync_grpc.trainer.results import SyncProgress
 
@@ -102,6 +104,10 @@ class UpdateRequest:
             digests_follow=digests_follow,
         )
 
+    def header_for(self, header: UpdateHeader, target: str) -> UpdateHeader:
+        """``header`` as engine ``target``'s Prepare sends it (the same for every engine, but a delta's)."""
+        return header
+
     def report(self, phase: str) -> None:
         """Tell ``on_phase`` that ``phase`` ended; an exception it raises is logged, not raised."""
         if self.on_phase is None:
@@ -125,6 +131,8 @@ class BroadcastRequest(UpdateRequest):
         adapter: the live LoRA adapter whose tensors are sent (name and shape); ``None`` for base weights.
         topology: which trainer ranks send which bytes (default one process; a sharded trainer's
             ``gather`` or ``direct`` over its ranks); the trainer's alone, never on the wire.
+        delta: the update's tensors in the wire dtype and, for a delta, its entries and base
+            (:mod:`wsync_grpc.trainer.delta`); ``None``: the tensors as the source gives them, whole.
     """
 
     transport: ClassVar[Transport] = Transport.BROADCAST
@@ -134,6 +142,7 @@ class BroadcastRequest(UpdateRequest):
     progress: Callable[[SyncProgress], None] | None = None
     adapter: LoraSpec | None = None
     topology: SendTopology = field(default_factory=SendTopology)
+    delta: DeltaPayload | None = None
 
     @classmethod
     def create(
@@ -184,8 +193,18 @@ class BroadcastRequest(UpdateRequest):
         return self.adapter.name if self.adapter is not None else ""
 
     def header(self, bucket_count: int = 0, total_bytes: int = 0, digests_follow: bool = False) -> UpdateHeader:
-        """The header of a broadcast: the buckets the Prepare stream declares and their wire bytes."""
-        return self._header(self.layout, bucket_count, total_bytes, digests_follow, adapter=self.adapter)
+        """The header of a broadcast: the buckets the Prepare stream declares and their wire bytes (a delta's
+        base version too; each engine's identity of it is :meth:`header_for`'s)."""
+        h = self._header(self.layout, bucket_count, total_bytes, digests_follow, adapter=self.adapter)
+        if self.delta is not None and self.delta.is_delta:
+            h = dataclasses.replace(h, base_weight_version=self.delta.base_version)
+        return h
+
+    def header_for(self, header: UpdateHeader, target: str) -> UpdateHeader:
+        """``header`` as engine ``target``'s Prepare sends it: a delta names that engine's identity of its base."""
+        if self.delta is None or not header.delta:
+            return header
+        return dataclasses.replace(header, base_weight_identity=self.delta.identities.get(target, ""))
 
 
 @dataclass(frozen=True, kw_only=True)

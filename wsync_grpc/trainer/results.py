@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -186,6 +187,8 @@ class EngineSyncResult:
             (0 for a streaming update).
         buckets_verified: buckets whose bytes matched their digest on every worker of the engine
             (``bucket_count`` when every bucket was checked; 0 when the trainer sent no digests).
+        weight_identity: the engine's identity of the weights it serves now (``wsync.v1.CompleteResponse``):
+            the base a delta to it names (:mod:`wsync_grpc.trainer.delta`); ``""`` for an adapter.
     """
 
     target: str
@@ -201,11 +204,45 @@ class EngineSyncResult:
     cache_flushed: bool
     verify_seconds: float = 0.0
     buckets_verified: int = 0
+    weight_identity: str = ""
 
     @property
     def gb_per_s(self) -> float:
         """``bytes_received`` over ``total_seconds``, in GB/s (10^9 bytes/s); 0 when unmeasurable."""
         return _gb_per_s(self.bytes_received, self.total_seconds)
+
+
+@dataclass(frozen=True)
+class DeltaSummary:
+    """What a sync with deltas on sent (``SyncResult.delta``).
+
+    Attributes:
+        base_version: the version the delta was taken against; ``""``: the sync was whole (the first, an anchor,
+            or an engine was not at the base).
+        tensors: tensors in the update.
+        delta_tensors: tensors sent as delta entries (the others whole).
+        changed_elements: elements whose value in the wire dtype changed, over every tensor diffed.
+        total_elements: elements of every tensor.
+        diff_seconds: copying to the wire dtype and diffing against the base, in seconds.
+        whole_bytes: what the same update sent whole would carry (its tensors' bytes), in bytes.
+    """
+
+    base_version: str
+    tensors: int
+    delta_tensors: int
+    changed_elements: int
+    total_elements: int
+    diff_seconds: float
+    whole_bytes: int
+
+    def as_whole(self) -> DeltaSummary:
+        """The same update sent whole (no base: every element counted as changed)."""
+        return dataclasses.replace(self, base_version="", delta_tensors=0, changed_elements=self.total_elements)
+
+    @property
+    def changed_share(self) -> float:
+        """``changed_elements / total_elements`` (0 for an update without elements)."""
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
 
 
 @dataclass(frozen=True)
@@ -240,6 +277,8 @@ class SyncResult:
             new version now, in target order.
         attempts: how many times the update ran (1, plus one for every time it was abandoned to
             leave engines out; the timings are the last attempt's).
+        delta: with deltas on (``sync(delta=True)``), what the update sent: a delta against
+            ``delta.base_version``, or whole (``base_version`` empty); ``None`` with deltas off.
     """
 
     update_id: str
@@ -262,6 +301,7 @@ class SyncResult:
     excluded: dict[str, EngineFailure] = field(default_factory=dict)
     rejoined: list[str] = field(default_factory=list)
     attempts: int = 1
+    delta: DeltaSummary | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -355,4 +395,5 @@ def engine_result(target: str, r: pb.CompleteResponse, prepared: pb.PrepareRespo
         cache_flushed=r.cache_flushed,
         verify_seconds=r.verify_seconds,
         buckets_verified=r.buckets_verified,
+        weight_identity=r.weight_identity,
     )

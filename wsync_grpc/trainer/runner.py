@@ -41,6 +41,7 @@ from typing import TypeVar
 
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket, Transport, total_wire_bytes
 from wsync_grpc.trainer.deadline import CancelSignal
 from wsync_grpc.trainer.digests import DigestCourier
@@ -101,6 +102,7 @@ def sync_result(request: UpdateRequest, shape: Shape, prepared: Prepared, commit
         verify_seconds=commit.verify_s,
         total_seconds=commit.done - prepared.started,
         engines=commit.results,
+        delta=request.delta.summary if isinstance(request, BroadcastRequest) and request.delta is not None else None,
     )
 
 
@@ -198,14 +200,15 @@ class UpdateRunner:
             return calls.applied(request, sync_result(request, shape, prepared, commit))
         sends, buckets, messages, shape = planned
         shape = dataclasses.replace(shape, init_s=init_s)
-        job = SendJob(
-            group, buckets, sends.layout, source.bucket_tensors, sends.topology, self._cancel_event, request.update_id
-        )
-        up_front = (
-            self._before_prepare(request, "digests", lambda: sender.digests_before_send(job))
-            if self._settings.digests
-            else {}
-        )
+        payload = sends.delta  # the tensors in the wire dtype (and a delta's entries), or None: the source's own
+        tensors = payload.bucket_tensors if payload is not None else source.bucket_tensors
+        job = SendJob(group, buckets, sends.layout, tensors, sends.topology, self._cancel_event, request.update_id)
+        if not self._settings.digests:
+            up_front: Mapping[int, Digest] | None = {}
+        elif payload is not None and payload.is_delta:  # of the whole tensors a delta bucket results in
+            up_front = self._before_prepare(request, "digests", lambda: payload.digests(buckets))
+        else:
+            up_front = self._before_prepare(request, "digests", lambda: sender.digests_before_send(job))
         set_spec_digests(messages, up_front or {})
         courier = calls.digest_courier(request) if up_front is None else None
         header = sends.header(len(buckets), shape.wire_bytes, digests_follow=courier is not None)
@@ -231,8 +234,9 @@ class UpdateRunner:
             raise ValueError(f"the trainer plans only the updates it sends, not a {type(request).__name__}")
         t_plan = time.monotonic()
         self._calls.phase("plan")
+        deltas = request.delta.codings if request.delta is not None and request.delta.is_delta else None
         buckets, messages = self._planner.plan(
-            source.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology
+            source.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology, deltas
         )
         if not buckets:
             raise ValueError("nothing to sync: no tensors given")

@@ -153,6 +153,15 @@ class Settings:
     ``device`` is the CPU (gloo), off for CUDA buckets (NCCL), which would first be copied to the host on both
     sides. ``True``/``False``: always/never. Unverified buckets give ``EngineSyncResult.buckets_verified == 0``."""
 
+    delta: bool = field(default=False, metadata=setting())
+    """Sync deltas by default (:meth:`~wsync_grpc.trainer.client.TrainerClient.sync`'s ``delta`` when it passes
+    ``None``): only the elements whose value in the wire dtype changed since the last sync, to engines serving
+    it; whole updates otherwise (:mod:`wsync_grpc.trainer.delta`). The client then keeps a copy of what it last
+    sent, in the wire dtype (2 bytes per parameter for bfloat16)."""
+
+    delta_anchor_every: int = field(default=0, metadata=setting())
+    """With deltas: send a whole update after this many deltas in a row (an anchor); 0 never does."""
+
 
 @dataclass
 class ClientSettings(Settings):

@@ -20,6 +20,7 @@ from typing import TypeVar
 from google.protobuf import duration_pb2
 from wsync.v1 import weight_sync_pb2 as pb
 
+from wsync_grpc.core.delta import Positions
 from wsync_grpc.core.digests import DIGEST_SIZES, Digest, DigestAlgorithm
 from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.engine import PauseMode
@@ -147,6 +148,8 @@ def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
         adapter=adapter_from_proto(h.adapter) if h.HasField("adapter") else None,
         digests_follow=h.digests_follow,
         shared_memory=shared_memory_from_proto(h.shared_memory) if h.HasField("shared_memory") else None,
+        base_weight_version=h.base_weight_version,
+        base_weight_identity=h.base_weight_identity,
     )
 
 
@@ -172,6 +175,8 @@ def header_to_proto(h: UpdateHeader, owner: str = "") -> pb.PrepareHeader:
         adapter=adapter_to_proto(h.adapter) if h.adapter is not None else None,
         digests_follow=h.digests_follow,
         shared_memory=shared_memory_to_proto(h.shared_memory) if h.shared_memory is not None else None,
+        base_weight_version=h.base_weight_version,
+        base_weight_identity=h.base_weight_identity,
     )
 
 
@@ -271,7 +276,20 @@ def bucket_spec(bucket: Bucket, layout: Layout = Layout.FLATTENED) -> pb.BucketS
         if t.piece is not None:
             spec.shard.global_shape.extend(t.piece.global_shape)
             spec.shard.offsets.extend(t.piece.offsets)
+        if t.delta is not None:
+            d = spec.delta
+            d.positions = DELTA_POSITIONS[t.delta.positions]
+            d.changed_elements = t.delta.changed
+            d.positions_bytes = t.delta.positions_bytes
     return msg
+
+
+DELTA_POSITIONS: dict[Positions, pb.DeltaPositions.ValueType] = {
+    Positions.INDICES: pb.DELTA_POSITIONS_INDICES,
+    Positions.BITMAP: pb.DELTA_POSITIONS_BITMAP,
+    Positions.GAPS: pb.DELTA_POSITIONS_GAPS,
+}
+"""``wsync.v1.DeltaPositions`` numbers of the delta encodings."""
 
 
 def batch_bucket_specs(specs: Sequence[pb.BucketSpec], max_bytes: int = PREPARE_BATCH_BYTES) -> list[pb.PrepareRequest]:

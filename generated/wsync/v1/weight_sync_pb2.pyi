@@ -181,6 +181,65 @@ channel that does (the control plane's TLS).
 """
 Global___DigestAlgorithm: _TypeAlias = DigestAlgorithm  # noqa: Y015
 
+class _DeltaPositions:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DeltaPositionsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeltaPositions.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DELTA_POSITIONS_UNSPECIFIED: _DeltaPositions.ValueType  # 0
+    """DELTA_POSITIONS_UNSPECIFIED is refused in a TensorDelta
+    (INVALID_ARGUMENT DELTA_ENCODING).
+    """
+    DELTA_POSITIONS_INDICES: _DeltaPositions.ValueType  # 1
+    """DELTA_POSITIONS_INDICES: changed_elements little-endian uint32 indices,
+    4 bytes each (tensors of fewer than 2^32 elements).
+    """
+    DELTA_POSITIONS_BITMAP: _DeltaPositions.ValueType  # 2
+    """DELTA_POSITIONS_BITMAP: one bit per element of the tensor, element i in
+    bit (i % 8) of byte i / 8 (LSB first, as numpy's packbits with
+    bitorder="little"); ceil(numel / 8) bytes, exactly changed_elements bits
+    set.
+    """
+    DELTA_POSITIONS_GAPS: _DeltaPositions.ValueType  # 3
+    """DELTA_POSITIONS_GAPS: one uint8 per entry, the distance from the
+    previous entry's index (the first from -1), 1 to 255. A trainer bridges a
+    longer gap with entries at positions that did not change, carrying their
+    unchanged value (an overwrite with the same bits); changed_elements
+    counts those entries too.
+    """
+
+class DeltaPositions(_DeltaPositions, metaclass=_DeltaPositionsEnumTypeWrapper):
+    """DeltaPositions says how a delta tensor's changed positions are written
+    (TensorDelta.positions). Positions are flat element indices into the
+    tensor in C order, strictly increasing. The trainer picks, per tensor, the
+    one that takes the fewest bytes: sorted indices when very few elements
+    changed, gaps at a density of about 0.5% to 20%, a bitmap above.
+    """
+
+DELTA_POSITIONS_UNSPECIFIED: DeltaPositions.ValueType  # 0
+"""DELTA_POSITIONS_UNSPECIFIED is refused in a TensorDelta
+(INVALID_ARGUMENT DELTA_ENCODING).
+"""
+DELTA_POSITIONS_INDICES: DeltaPositions.ValueType  # 1
+"""DELTA_POSITIONS_INDICES: changed_elements little-endian uint32 indices,
+4 bytes each (tensors of fewer than 2^32 elements).
+"""
+DELTA_POSITIONS_BITMAP: DeltaPositions.ValueType  # 2
+"""DELTA_POSITIONS_BITMAP: one bit per element of the tensor, element i in
+bit (i % 8) of byte i / 8 (LSB first, as numpy's packbits with
+bitorder="little"); ceil(numel / 8) bytes, exactly changed_elements bits
+set.
+"""
+DELTA_POSITIONS_GAPS: DeltaPositions.ValueType  # 3
+"""DELTA_POSITIONS_GAPS: one uint8 per entry, the distance from the
+previous entry's index (the first from -1), 1 to 255. A trainer bridges a
+longer gap with entries at positions that did not change, carrying their
+unchanged value (an overwrite with the same bits); changed_elements
+counts those entries too.
+"""
+Global___DeltaPositions: _TypeAlias = DeltaPositions  # noqa: Y015
+
 class _BucketLayout:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -727,6 +786,8 @@ class PrepareHeader(_message.Message):
     ADAPTER_FIELD_NUMBER: _builtins.int
     DIGESTS_FOLLOW_FIELD_NUMBER: _builtins.int
     SHARED_MEMORY_FIELD_NUMBER: _builtins.int
+    BASE_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    BASE_WEIGHT_IDENTITY_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id identifies the update in Update, Complete, Cancel and the
     status. Empty means the engine assigns one and returns it.
@@ -787,6 +848,24 @@ class PrepareHeader(_message.Message):
     that send none; CompleteResponse.buckets_verified counts the checked
     ones). Broadcast only.
     """
+    base_weight_version: _builtins.str
+    """base_weight_version, when set, makes this update a delta: its tensors
+    that carry a TensorDelta hold only the elements that changed since the
+    weights of this version, and the engine applies them to what it serves.
+    It must be the engine's weight_version and base_weight_identity its
+    weight_identity, and the engine must not be dirty (FAILED_PRECONDITION
+    BASE_VERSION_MISMATCH, ENGINE_DIRTY, before any byte moves); broadcast
+    and shared-memory transports, flattened layout and base weights only
+    (INVALID_ARGUMENT DELTA_UNSUPPORTED otherwise); an engine whose workers
+    cannot read their served weights answers UNIMPLEMENTED
+    DELTA_UNIMPLEMENTED. The digest of a bucket with a delta entry is of the
+    tensors it results in (see BucketDigest). Empty means a whole update.
+    """
+    base_weight_identity: _builtins.str
+    """base_weight_identity is the engine's weight_identity (GetStatusResponse,
+    CompleteResponse) of the weights a delta applies to. Required with
+    base_weight_version; empty otherwise.
+    """
     @_builtins.property
     def adapter(self) -> Global___AdapterSpec:
         """adapter, when set, makes this update load (or replace) a LoRA adapter
@@ -822,10 +901,12 @@ class PrepareHeader(_message.Message):
         adapter: Global___AdapterSpec | None = ...,
         digests_follow: _builtins.bool = ...,
         shared_memory: Global___SharedMemoryHandle | None = ...,
+        base_weight_version: _builtins.str = ...,
+        base_weight_identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "shared_memory", b"shared_memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "shared_memory", b"shared_memory", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "base_weight_identity", b"base_weight_identity", "base_weight_version", b"base_weight_version", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "shared_memory", b"shared_memory", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1015,7 +1096,11 @@ class BucketDigest(_message.Message):
     flattened layout, the bucket's size_bytes bytes as broadcast, padding
     included (a trainer zeroes it); in the individual layout, its tensors'
     bytes in the order of BucketSpec.tensors, each in its wire dtype and C
-    order, one after the other (size_bytes bytes in all).
+    order, one after the other (size_bytes bytes in all). A bucket with a
+    TensorSpec.delta: the bytes of the whole tensors it results in, each in
+    its wire dtype and C order, in the order of BucketSpec.tensors, no
+    padding: what the engine serves once the bucket is applied to its base,
+    so a match proves the result bit for bit.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1094,6 +1179,7 @@ class TensorSpec(_message.Message):
     SHAPE_FIELD_NUMBER: _builtins.int
     OFFSET_BYTES_FIELD_NUMBER: _builtins.int
     SHARD_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """name is the parameter name in the engine's model (Hugging Face naming,
     e.g. "model.layers.0.self_attn.q_proj.weight"). Required.
@@ -1126,6 +1212,18 @@ class TensorSpec(_message.Message):
         Unset means the whole tensor, sent once.
         """
 
+    @_builtins.property
+    def delta(self) -> Global___TensorDelta:
+        """delta, in an update with PrepareHeader.base_weight_version set, makes
+        this entry carry only the elements whose value in the wire dtype changed
+        since the base: its bytes in the bucket, from offset_bytes, are the
+        changed elements' new values (changed_elements of dtype, in position
+        order), then, from the next multiple of 8 bytes, their positions
+        (positions_bytes bytes). The engine writes the values over the served
+        tensor's (an overwrite: applying it twice gives the same tensor). Unset
+        means the whole tensor, as in any update. Not with shard.
+        """
+
     def __init__(
         self,
         *,
@@ -1134,14 +1232,52 @@ class TensorSpec(_message.Message):
         shape: _abc.Iterable[_builtins.int] | None = ...,
         offset_bytes: _builtins.int = ...,
         shard: Global___TensorShard | None = ...,
+        delta: Global___TensorDelta | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "shard", b"shard"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "offset_bytes", b"offset_bytes", "shape", b"shape", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "dtype", b"dtype", "name", b"name", "offset_bytes", b"offset_bytes", "shape", b"shape", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
+
+@_typing.final
+class TensorDelta(_message.Message):
+    """TensorDelta says which elements of a tensor a delta entry carries (see
+    TensorSpec.delta).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POSITIONS_FIELD_NUMBER: _builtins.int
+    CHANGED_ELEMENTS_FIELD_NUMBER: _builtins.int
+    POSITIONS_BYTES_FIELD_NUMBER: _builtins.int
+    positions: Global___DeltaPositions.ValueType
+    """positions is how the positions are written. Required."""
+    changed_elements: _builtins.int
+    """changed_elements is the number of values carried (for
+    DELTA_POSITIONS_GAPS, bridging entries included). 0 means the tensor is
+    unchanged (positions_bytes 0, or a bitmap of zeros).
+    """
+    positions_bytes: _builtins.int
+    """positions_bytes is the length of the positions, in bytes: 4 per index,
+    1 per gap, ceil(numel / 8) for a bitmap.
+    """
+    def __init__(
+        self,
+        *,
+        positions: Global___DeltaPositions.ValueType = ...,
+        changed_elements: _builtins.int = ...,
+        positions_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_elements", b"changed_elements", "positions", b"positions", "positions_bytes", b"positions_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorDelta: _TypeAlias = TensorDelta  # noqa: Y015
 
 @_typing.final
 class TensorShard(_message.Message):
@@ -1382,6 +1518,7 @@ class CompleteResponse(_message.Message):
     PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
     VERIFY_SECONDS_FIELD_NUMBER: _builtins.int
     BUCKETS_VERIFIED_FIELD_NUMBER: _builtins.int
+    WEIGHT_IDENTITY_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id is the update that completed."""
     weight_version: _builtins.str
@@ -1426,6 +1563,12 @@ class CompleteResponse(_message.Message):
     (a trainer that sends none, or a disk update, whose files are read on
     the engine's host).
     """
+    weight_identity: _builtins.str
+    """weight_identity is the engine's identity of the weights it now serves
+    (see GetStatusResponse.weight_identity), issued by this update's apply; a
+    delta that follows names it. Empty for verify_only, and after an adapter
+    update (the base weights keep theirs; GetStatus reports it).
+    """
     def __init__(
         self,
         *,
@@ -1442,10 +1585,11 @@ class CompleteResponse(_message.Message):
         prepare_seconds: _builtins.float = ...,
         verify_seconds: _builtins.float = ...,
         buckets_verified: _builtins.int = ...,
+        weight_identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_seconds", b"apply_seconds", "bucket_count", b"bucket_count", "buckets_verified", b"buckets_verified", "bytes_received", b"bytes_received", "cache_flushed", b"cache_flushed", "prepare_seconds", b"prepare_seconds", "receive_seconds", b"receive_seconds", "tensor_count", b"tensor_count", "total_seconds", b"total_seconds", "update_id", b"update_id", "verified_only", b"verified_only", "verify_seconds", b"verify_seconds", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_seconds", b"apply_seconds", "bucket_count", b"bucket_count", "buckets_verified", b"buckets_verified", "bytes_received", b"bytes_received", "cache_flushed", b"cache_flushed", "prepare_seconds", b"prepare_seconds", "receive_seconds", b"receive_seconds", "tensor_count", b"tensor_count", "total_seconds", b"total_seconds", "update_id", b"update_id", "verified_only", b"verified_only", "verify_seconds", b"verify_seconds", "weight_identity", b"weight_identity", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1835,6 +1979,7 @@ class GetStatusResponse(_message.Message):
     ENGINE_FIELD_NUMBER: _builtins.int
     UPDATES_COMPLETED_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    WEIGHT_IDENTITY_FIELD_NUMBER: _builtins.int
     state: Global___LifecycleState.ValueType
     """state is the lifecycle state."""
     paused: _builtins.bool
@@ -1851,6 +1996,14 @@ class GetStatusResponse(_message.Message):
     """
     updates_completed: _builtins.int
     """updates_completed is the number of updates that succeeded since start."""
+    weight_identity: _builtins.str
+    """weight_identity identifies the base weights served: a fresh random value
+    the engine issues each time an update of base weights is applied (a
+    label can be written twice with other weights; an identity cannot), the
+    only base a delta may name (PrepareHeader.base_weight_identity). Empty
+    when no update was applied since the engine started, or the weights are
+    dirty (then only a whole update is accepted).
+    """
     @_builtins.property
     def group(self) -> Global___GroupInfo:
         """group is the weight-sync group; unset when not a member."""
@@ -1887,10 +2040,11 @@ class GetStatusResponse(_message.Message):
         engine: Global___EngineInfo | None = ...,
         updates_completed: _builtins.int = ...,
         owner: Global___OwnerInfo | None = ...,
+        weight_identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "group", b"group", "last_error", b"last_error", "owner", b"owner", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dirty", b"dirty", "engine", b"engine", "group", b"group", "last_error", b"last_error", "owner", b"owner", "pause_mode", b"pause_mode", "paused", b"paused", "state", b"state", "update", b"update", "updates_completed", b"updates_completed", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dirty", b"dirty", "engine", b"engine", "group", b"group", "last_error", b"last_error", "owner", b"owner", "pause_mode", b"pause_mode", "paused", b"paused", "state", b"state", "update", b"update", "updates_completed", b"updates_completed", "weight_identity", b"weight_identity", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -58,10 +58,11 @@ from wsync_grpc.core.errors import (
     WsyncError,
 )
 from wsync_grpc.core.layout import Bucket, Layout, TensorSlot
-from wsync_grpc.core.packing import tensor_views
+from wsync_grpc.core.packing import NamedTensors, tensor_views
 from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
+from wsync_grpc.worker.delta import expand, loaded, whole_digest
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 from wsync_grpc.worker.swaps import SwapIn
@@ -304,6 +305,13 @@ class BroadcastReceiver(ReceiverThread):
             DeadlineExceeded, InvalidArgument: DIGEST_TIMEOUT, DIGEST_MISSING (see :meth:`_expected`).
         """
         bucket = posted.bucket
+        if bucket.has_delta:  # flattened only (a delta's header says so): made whole, then checked as whole
+            wholes = expand(posted.buffers[0][: bucket.size_bytes], bucket, self.target)
+            if self._verified(bucket):
+                check_digest(bucket.index, self._expected(bucket), whole_digest(wholes))
+                self.buckets_verified += 1
+            self._use(posted, loaded(wholes))
+            return
         if not self._verified(bucket):
             self._use(posted)
             return
@@ -355,11 +363,14 @@ class BroadcastReceiver(ReceiverThread):
             raise digest_missing(bucket.index)
         return digest
 
-    def _use(self, posted: _Posted) -> None:
-        """Stage or load what ``posted`` received (the whole bucket, or a chunk of it)."""
+    def _use(self, posted: _Posted, made_whole: NamedTensors | None = None) -> None:
+        """Stage or load what ``posted`` received (the whole bucket, or a chunk of it; ``whole``: a delta bucket's
+        tensors made whole: ``made_whole``, see :func:`~wsync_grpc.worker.delta.expand`)."""
         bucket = posted.bucket
         views = True  # whether what is staged views the flat buffer
-        if self.flattened:
+        if made_whole is not None:
+            named = made_whole
+        elif self.flattened:
             named = [] if posted.direct[0] else self._flat_named(posted.buffers[0], bucket)
             views = any(t.piece is None and t.load for t in bucket.tensors)
         else:

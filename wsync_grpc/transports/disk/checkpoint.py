@@ -257,6 +257,15 @@ class _Whole:
 
 
 @dataclass(frozen=True)
+class _NoDelta:
+    """No delta (``wsync.v1.TensorDelta`` unset): a checkpoint's tensors are whole."""
+
+    positions: int = 0
+    changed_elements: int = 0
+    positions_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class _TensorSpec:
     """A checkpoint tensor as bucket metadata (:class:`~wsync_grpc.core.validation.TensorSpecFields`)."""
 
@@ -265,6 +274,7 @@ class _TensorSpec:
     shape: tuple[int, ...]
     offset_bytes: int = 0
     shard: _Whole = _Whole()
+    delta: _NoDelta = _NoDelta()
 
 
 @dataclass(frozen=True)

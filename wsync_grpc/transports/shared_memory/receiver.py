@@ -64,7 +64,7 @@ from wsync_grpc.core.errors import (
     WsyncError,
 )
 from wsync_grpc.core.header import SharedMemoryHandle
-from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.layout import Bucket, TensorSlot
 from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.transports.shared_memory.protocol import (
@@ -79,6 +79,7 @@ from wsync_grpc.transports.shared_memory.protocol import (
     peer_credentials,
     recv_exact,
 )
+from wsync_grpc.worker.delta import expand, loaded, whole_digest
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 from wsync_grpc.worker.swaps import SwapIn
@@ -368,7 +369,10 @@ class SharedMemoryReceiver(ReceiverThread):
         self.last_arrival_at = time.monotonic()
         if self.feed.closed and i + 1 >= len(self.feed):
             self._close()  # the last bucket is out: no mapping outlives the transfer
-        if bucket.digest is not None or self._digests_follow:
+        if bucket.has_delta:  # made whole (a copy of each served tensor it changes), then checked as whole
+            received.whole = expand(flat, bucket, self.target)
+            received.digest = whole_digest(received.whole)
+        elif bucket.digest is not None or self._digests_follow:
             hasher = BucketHasher()
             hasher.update(flat)
             received.digest = hasher.digest()
@@ -441,7 +445,7 @@ class SharedMemoryReceiver(ReceiverThread):
         if received.swap:
             self.swap_in.add(bucket.tensors[0], flat)
             return
-        named = tensor_views(flat, bucket.tensors)
+        named = tensor_views(flat, bucket.tensors) if received.whole is None else loaded(received.whole)
         if self.streaming:
             if named:
                 self.wrote_served = True
@@ -480,10 +484,13 @@ class _Received:
         bucket: the bucket.
         flat: its bytes (a buffer of the worker's pool).
         swap: its one tensor is served from ``flat`` at Complete.
-        digest: the digest of ``flat``, when the bucket is checked; ``None`` otherwise.
+        digest: the digest of ``flat`` (of ``whole``, for a delta bucket), when the bucket is checked; ``None``
+            otherwise.
+        whole: a delta bucket's tensors made whole (:func:`~wsync_grpc.worker.delta.expand`); ``None`` otherwise.
     """
 
     bucket: Bucket
     flat: torch.Tensor
     swap: bool
     digest: Digest | None = None
+    whole: list[tuple[TensorSlot, torch.Tensor]] | None = None

@@ -1,0 +1,76 @@
+"""A received delta bucket made whole: each delta entry applied to a copy of the tensor the engine serves.
+
+The base of a delta is what the engine serves (checked at Prepare: ``wsync.v1.PrepareHeader.base_weight_identity``),
+read through the receive site's :class:`~wsync_grpc.core.engine.WeightTarget` (``get_weight``) and converted to
+the wire dtype: weights that a whole update of that dtype wrote convert back bit for bit. The result is a new
+tensor per delta entry, so a staged update leaves the served weights untouched until Complete, and the rest of
+the receive path (digests, staging, loading) sees whole tensors, as from a whole update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wsync_grpc.core.delta import apply_delta
+from wsync_grpc.core.digests import BucketHasher, Digest
+from wsync_grpc.core.engine import WeightTarget
+from wsync_grpc.core.errors import FailedPrecondition
+from wsync_grpc.core.layout import Bucket, TensorSlot
+from wsync_grpc.core.packing import NamedTensors
+
+
+def _served(target: WeightTarget, t: TensorSlot) -> torch.Tensor:
+    """The served tensor ``t`` stands for.
+
+    Raises:
+        FailedPrecondition: DELTA_BASE_UNREADABLE, the engine does not expose it here.
+    """
+    try:
+        return target.get_weight(t.canonical).detach()
+    except KeyError as e:
+        raise FailedPrecondition(
+            "DELTA_BASE_UNREADABLE",
+            f"this engine's workers cannot read the served tensor {t.canonical!r} to apply a delta to",
+            tensor=t.name,
+        ) from e
+
+
+def expand(flat: torch.Tensor, bucket: Bucket, target: WeightTarget) -> list[tuple[TensorSlot, torch.Tensor]]:
+    """Every tensor of ``bucket`` whole: a whole entry as a view of ``flat``, a delta entry applied to its base.
+
+    Args:
+        flat: the received bucket (1-D ``uint8``, ``bucket.size_bytes`` bytes).
+        bucket: a bucket of a delta update (flattened layout).
+        target: the served weights the deltas apply to.
+
+    Returns:
+        ``(slot, tensor)`` for every slot, in order, tied aliases included; each tensor in the wire dtype and shape.
+
+    Raises:
+        InvalidArgument: DELTA_CORRUPT.
+        FailedPrecondition: DELTA_BASE_UNREADABLE.
+    """
+    out: list[tuple[TensorSlot, torch.Tensor]] = []
+    for t in bucket.tensors:
+        entry = flat[t.offset : t.end]
+        if t.delta is None:
+            out.append((t, entry.view(t.dtype).view(t.shape)))
+            continue
+        served = _served(target, t)
+        base = served.to(dtype=t.dtype).reshape(t.shape)
+        converted = base.data_ptr() != served.data_ptr()  # a copy already: written in place
+        out.append((t, apply_delta(entry, t.delta, base, t.name, out=base if converted else None)))
+    return out
+
+
+def whole_digest(wholes: list[tuple[TensorSlot, torch.Tensor]]) -> Digest:
+    """The digest of a delta bucket: its whole tensors' bytes, in order (``wsync.v1.BucketDigest``)."""
+    h = BucketHasher()
+    for _t, w in wholes:
+        h.update(w)
+    return h.digest()
+
+
+def loaded(wholes: list[tuple[TensorSlot, torch.Tensor]]) -> NamedTensors:
+    """The ``(canonical name, tensor)`` pairs to load of ``wholes`` (tied aliases already in the update left out)."""
+    return [(t.canonical, w) for t, w in wholes if t.load]
