@@ -275,13 +275,13 @@ class UpdateValidator:
             raise InvalidArgument(
                 "UPDATE_ID_TOO_LONG", f"header.update_id has {len(h.update_id)} characters; at most {MAX_ID_CHARS}"
             )
+        check_delta_header(h)
         if self._transports is not None:
             rules = self._transports(h.transport)
             h = rules.check_header(h)
             self._from_source = rules.engine_builds_buckets
         elif h.transport is not Transport.BROADCAST:
             raise transport_unimplemented(h.transport)
-        check_delta_header(h)
         if h.shared_memory is not None and h.transport is not Transport.SHARED_MEMORY:
             raise InvalidArgument(
                 "UNEXPECTED_SHARED_MEMORY", "header.shared_memory is for transport TRANSPORT_SHARED_MEMORY only"

@@ -27,6 +27,7 @@ from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.engine import Engine, FusedGroups, ServedChecksums
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
+from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.layout import Transport
 from wsync_grpc.core.lifecycle import Event, Rpc, State, WrongState
 from wsync_grpc.core.lora import LoraAdapters, adapter_param_specs
@@ -276,9 +277,8 @@ class UpdateController:
         try:
             params = st.membership.params
             validator = update_validator(self.engine, params.trainer_ranks if params is not None else 1)
+            reader.on_header = self._check_header
             header, buckets = reader.read(validator, stream, stop_stream)
-            with self._lock:
-                st.check_delta_base(header)  # before any receive is posted
             transport = transport_for(header.transport)
             if transport.needs_group and st.lifecycle.origin is not State.READY:
                 raise WrongState(Rpc.PREPARE, st.lifecycle.origin, "a broadcast needs the group: call Init first")
@@ -315,6 +315,16 @@ class UpdateController:
         with self._lock:
             result = session.armed()
         return dataclasses.replace(result, lease_credential=leases[0].credential if leases else "")
+
+    def _check_header(self, header: UpdateHeader) -> None:
+        """What the engine's state says of a validated header, before any bucket is read: a delta must name the
+        base served (:meth:`~wsync_grpc.service.engine_state.EngineState.check_delta_base`).
+
+        Raises:
+            FailedPrecondition, Unimplemented: see there.
+        """
+        with self._lock:
+            self.state.check_delta_base(header)
 
     def _begin_prepare(self, reader: PrepareReader, credential: str, leases: list[Lease], owner: str) -> None:
         """The Prepare header named ``owner``: claim the engine for the caller, then enter PREPARING.

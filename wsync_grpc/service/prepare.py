@@ -81,6 +81,8 @@ class PrepareReader:
 
     Attributes:
         on_owner: see above (may be set after construction, before :meth:`read`).
+        on_header: called with the validated header before any bucket is read; raises to refuse the update
+            (e.g. a delta for another base); ``None``: nothing to check.
         cancel: set (by Cancel) to abandon the Prepare: the read ends with
             ABORTED/UPDATE_CANCELLED.
         update_id: the update's id once its header was read; ``None`` before.
@@ -89,6 +91,7 @@ class PrepareReader:
     def __init__(self, stall_timeout_s: float, on_owner: Callable[[str], None] | None = None) -> None:
         self.stall_timeout_s = stall_timeout_s
         self.on_owner = on_owner
+        self.on_header: Callable[[UpdateHeader], None] | None = None
         self.cancel = threading.Event()
         self.update_id: str | None = None
         self.validator: UpdateValidator | None = None
@@ -149,7 +152,10 @@ class PrepareReader:
         if isinstance(msg, HeaderMessage):
             if self.on_owner is not None and v.header is None:
                 self.on_owner(msg.owner)
-            self.update_id = v.header_message(msg.header()).update_id
+            header = v.header_message(msg.header())
+            self.update_id = header.update_id
+            if self.on_header is not None:
+                self.on_header(header)
             return
         if v.header is None:
             raise InvalidArgument("MISSING_HEADER", "a bucket arrived before the header")

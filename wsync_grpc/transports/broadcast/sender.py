@@ -374,6 +374,9 @@ class BroadcastSender:
         buffers: the two flat pack buffers the flattened layout packs into; ``None``: built from ``site``.
         corrupt: a test hook: flip a byte of one bucket after hashing it (:class:`Corruption`); ``None``
             (always, outside tests).
+
+    Attributes:
+        corrupt: the test hook, read at every update (a test may set it between two).
     """
 
     def __init__(
@@ -381,7 +384,7 @@ class BroadcastSender:
     ) -> None:
         self._peers = site.peers
         self._buffers = buffers if buffers is not None else PackBuffers(site.keep_buffers, site.device)
-        self._corrupt = corrupt
+        self.corrupt = corrupt
 
     def _direct(self) -> DirectSends:
         """The peers, as ranks that each send their own buckets.
@@ -422,7 +425,7 @@ class BroadcastSender:
             return self._direct().direct_send(job, self._buffers)
         gathered = job.topology.kind == "gather"
         src = self._peers.rank if gathered else SENDING_RANK
-        return Broadcast.of(job, src, materialises=gathered, corrupt=self._corrupt).run(job.layout, self._buffers)
+        return Broadcast.of(job, src, materialises=gathered, corrupt=self.corrupt).run(job.layout, self._buffers)
 
     def release(self) -> None:
         """Drop the pack buffers (see :class:`PackBuffers`)."""
