@@ -59,7 +59,8 @@ def test_the_constructor_settings_are_the_declared_ones_in_order() -> None:
     assert settings == [spec(f).keyword for f in SETTINGS]
     assert set(KEYWORDS) == set(settings)
     names = list(CONSTRUCTOR)
-    assert names[names.index("master_address") : names.index("delta_anchor_every") + 1] == settings, "one run of keywords"
+    run = names[names.index("master_address") : names.index("delta_anchor_every") + 1]
+    assert run == settings, "one run of keywords"
 
 
 @pytest.mark.parametrize("f", SETTINGS, ids=lambda f: f.name)
