@@ -26,8 +26,9 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["broadcast", "shared_memory"])
 def test_demo_one_step_syncs_smollm2_into_two_engines(transport: str) -> None:
+    steps = "2" if transport == "broadcast" else "1"  # the second step's sync is a delta
     r = subprocess.run(
-        [sys.executable, "-m", "wsync_grpc.tools.demo", "--steps", "1", "--transport", transport],
+        [sys.executable, "-m", "wsync_grpc.tools.demo", "--steps", steps, "--transport", transport],
         capture_output=True,
         text=True,
         timeout=540,
@@ -36,11 +37,18 @@ def test_demo_one_step_syncs_smollm2_into_two_engines(transport: str) -> None:
     )
     out = r.stdout
     assert r.returncode == 0, out[-4000:] + r.stderr[-4000:]
-    assert "all checks passed: 1 steps synced into 2 engines, bit-exact" in out
-    assert out.count("all 272 tensor checksums match") == 2
+    assert f"all checks passed: {steps} steps synced into 2 engines, bit-exact" in out
+    assert out.count("all 272 tensor checksums match") == 2 * int(steps)
     assert out.count("greedy (step-1): same") == 2
     assert out.count("stopped (exit 0)") == 2  # engines shut down cleanly on SIGTERM
-    assert re.search(r"sync step-1: \d+ buckets, 538\.1 MB to 2 engines", out), out[-3000:]
+    assert re.search(r"sync step-1: \d+ buckets, 269\.0 MB to 2 engines", out), out[-3000:]  # bfloat16, whole
+    assert "step-1: sent whole, 269.0 MB" in out
+    if steps == "2":
+        assert out.count("greedy (step-2): same") == 2
+        delta = re.search(r"step-2: delta against step-1: ([\d.]+) MB of 269\.0 MB whole, saved ([\d.]+) MB", out)
+        assert delta is not None, out[-3000:]
+        sent, saved = float(delta.group(1)), float(delta.group(2))
+        assert 0 < sent < 269.0 / 2 and abs(sent + saved - 269.0) < 0.2, delta.group(0)
     phases = re.search(r"phases \(s\): plan [\d.]+, prepare ([\d.]+), broadcast ([\d.]+), verify ([\d.]+), apply", out)
     assert phases is not None, out[-3000:]
 

@@ -115,6 +115,18 @@ def _align(n: int) -> int:
     return -(-n // POSITIONS_ALIGNMENT) * POSITIONS_ALIGNMENT
 
 
+_WIDER = {
+    torch.float32: (torch.bfloat16, torch.float16),
+    torch.float64: (torch.bfloat16, torch.float16, torch.float32),
+}
+
+
+def holds_exactly(served: torch.dtype, wire: torch.dtype) -> bool:
+    """Whether every value of dtype ``wire`` converts to ``served`` and back bit for bit (so an engine's served
+    tensor, read back in the wire dtype, is what the trainer sent): the same dtype, or a wider float."""
+    return served == wire or wire in _WIDER.get(served, ())
+
+
 def bitmap_bytes(numel: int) -> int:
     """The bytes of a ``BITMAP`` over ``numel`` elements: ``ceil(numel / 8)``."""
     return -(-numel // 8)
@@ -219,8 +231,12 @@ def decode_positions(coding: DeltaCoding, raw: torch.Tensor, numel: int, name: s
             bits are not ``coding.changed`` or that sets bits past ``numel``.
     """
     k = coding.changed
-    if raw.numel() != coding.positions_bytes:
-        raise _corrupt(name, f"{raw.numel()} bytes of positions, {coding.positions_bytes} declared")
+    if raw.numel() != coding.positions_bytes or coding.positions_bytes != coding.expected_positions_bytes(numel):
+        raise _corrupt(
+            name,
+            f"{raw.numel()} bytes of positions, {coding.positions_bytes} declared, "
+            f"{coding.expected_positions_bytes(numel)} for {k} {coding.positions.name} entries",
+        )
     if coding.positions is Positions.BITMAP:
         bits = ((raw.reshape(-1, 1) >> _BITS) & 1).reshape(-1)
         if bool(bits[numel:].any()):
@@ -264,7 +280,10 @@ def apply_delta(
 
     Raises:
         InvalidArgument: DELTA_CORRUPT (see :func:`decode_positions`); the entry's length is not the coding's.
+        ValueError: ``out`` is not contiguous.
     """
+    if out is not None and not out.is_contiguous():
+        raise ValueError("apply_delta writes into a contiguous out only")
     esize = base.element_size()
     if entry.numel() != coding.nbytes(esize):
         raise _corrupt(name, f"{entry.numel()} bytes, {coding.nbytes(esize)} declared")

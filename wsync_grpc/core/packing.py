@@ -108,7 +108,7 @@ def pack_bucket(
                 if zero_padding and t.offset > prev_end:
                     out[prev_end : t.offset].zero_()
                 out[t.offset : t.end].copy_(src.reshape(-1))
-                prev_end = t.end
+                prev_end = max(prev_end, t.end)  # an empty entry may sit before the end
                 continue
             if src.shape != t.shape:
                 raise ValueError(f"tensor {t.name!r} has shape {tuple(src.shape)}, planned {t.shape}")
@@ -123,7 +123,7 @@ def pack_bucket(
                     ctypes.memmove(base + t.offset, src.data_ptr(), t.nbytes)
                 else:
                     _typed_slice(out, t).copy_(src)
-            prev_end = t.end
+            prev_end = max(prev_end, t.end)  # an empty entry may sit before the end
     return out
 
 

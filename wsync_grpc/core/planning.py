@@ -83,6 +83,11 @@ each ``TensorSpec``'s size, so real messages stay below it.
 """
 
 
+DELTA_SPEC_BYTES = 36
+"""An upper bound of one ``TensorSpec.delta``'s serialized size, in bytes: its tag and length, three fields of a tag
+and a varint of at most 10 bytes each."""
+
+
 def _spec_bytes_bound(name: str, ndim: int) -> int:
     """An upper bound of one ``TensorSpec``'s serialized size inside a ``BucketSpec``, in bytes.
 
@@ -262,9 +267,12 @@ def plan_metadata(
     """
     _check_plan_args(bucket_bytes, alignment, dtype, max_spec_bytes, ramp_bytes, solo_bytes)
     entries = _wire_entries(metas, alignment, dtype)
-    if deltas:
+    if deltas:  # sized as their entries; a TensorSpec.delta adds at most 3 varints and their tags
         entries = [
-            e if e.name not in deltas else e._replace(nbytes=deltas[e.name].nbytes(e.dtype.itemsize)) for e in entries
+            e
+            if e.name not in deltas
+            else e._replace(nbytes=deltas[e.name].nbytes(e.dtype.itemsize), spec_bytes=e.spec_bytes + DELTA_SPEC_BYTES)
+            for e in entries
         ]
     packer = _Packer(bucket_bytes, max_spec_bytes, ramp_bytes, sum(e.nbytes for e in entries))
     for e in entries:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from wsync_grpc.core.delta import POSITIONS_BY_NUMBER, DeltaCoding
+from wsync_grpc.core.delta import POSITIONS_BY_NUMBER, DeltaCoding, holds_exactly
 from wsync_grpc.core.dtypes import can_convert, element_size, parse_dtype
 from wsync_grpc.core.errors import InvalidArgument
 from wsync_grpc.core.header import UpdateHeader, check_adapter_header, check_delta_header, transport_unimplemented
@@ -443,17 +443,26 @@ class UpdateValidator:
         else:
             shape, numel = _shape(t, spec, idx), spec.numel
         esize = element_size(dtype)
-        delta = self._delta(t, numel, sharded, idx)
+        delta = self._delta(t, numel, sharded, idx, spec.dtype, dtype)
         nbytes = numel * esize if delta is None else delta.nbytes(esize)
         offset = self._offset(t, b, esize, nbytes) if self.header is not None and self.header.flattened else 0
         return TensorSlot(name, dtype, shape, offset, nbytes, canonical, load, piece, delta)
 
-    def _delta(self, t: TensorSpecFields, numel: int, sharded: bool, idx: str) -> DeltaCoding | None:
+    def _delta(
+        self,
+        t: TensorSpecFields,
+        numel: int,
+        sharded: bool,
+        idx: str,
+        spec_dtype: torch.dtype,
+        wire_dtype: torch.dtype,
+    ) -> DeltaCoding | None:
         """The delta ``t`` carries (``None``: the whole tensor), its sizes checked against the tensor's.
 
         Raises:
             InvalidArgument: UNEXPECTED_DELTA (not a delta update), DELTA_UNSUPPORTED (a piece), DELTA_ENCODING
-                (positions unspecified or unknown), DELTA_SIZE_MISMATCH.
+                (positions unspecified or unknown), DELTA_DTYPE (the served dtype does not hold the wire dtype
+                exactly: its base read back would not be the trainer's), DELTA_SIZE_MISMATCH.
         """
         d = t.delta
         if not (d.positions or d.changed_elements or d.positions_bytes):
@@ -475,6 +484,14 @@ class UpdateValidator:
             raise InvalidArgument(
                 "DELTA_ENCODING",
                 f"tensor {_show(t.name)} carries a delta with positions {d.positions}: not one of the contract's",
+                **where,
+            )
+        if not holds_exactly(spec_dtype, wire_dtype):
+            raise InvalidArgument(
+                "DELTA_DTYPE",
+                f"tensor {_show(t.name)} is served as {str(spec_dtype).removeprefix('torch.')}, which does not hold "
+                f"its wire dtype {str(wire_dtype).removeprefix('torch.')} exactly: a delta cannot be applied to it; "
+                "send it whole, or in the served dtype",
                 **where,
             )
         coding = DeltaCoding(positions, int(d.changed_elements), int(d.positions_bytes))

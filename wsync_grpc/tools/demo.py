@@ -9,8 +9,11 @@
    supervised steps that teach it a fixed answer, so the policy visibly changes;
 3. after each step syncs every weight into all engines through wsync
    (:class:`~wsync_grpc.trainer.client.TrainerClient`), printing per-bucket progress, over
-   ``--transport`` (``broadcast``, the default, or ``shared_memory``: the engines run on this host);
-4. checks that each engine's SHA-256 of every tensor equals the trainer's, and
+   ``--transport`` (``broadcast``, the default, or ``shared_memory``: the engines run on this host),
+   in ``--wire-dtype`` (bfloat16 by default, as RL trainers send their float32 weights): the first
+   sync whole, every later one a delta (only the elements whose bfloat16 value changed; ``--no-delta``
+   sends every sync whole), printing what it sent and what it saved;
+4. checks that each engine's SHA-256 of every tensor equals the trainer's (as sent), and
    that each engine's greedy output for a fixed prompt equals the trainer's own
    greedy output with the new weights (computed by the same decoding code on a
    local copy of the policy);
@@ -41,7 +44,7 @@ from wsync.v1 import generation_pb2, generation_pb2_grpc
 from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.launch import EngineProcess, spawn_engine, stop_all, wait_all
 from wsync_grpc.tools.options import OneLineParser
-from wsync_grpc.trainer import SyncProgress, TrainerClient
+from wsync_grpc.trainer import SyncProgress, SyncResult, TrainerClient
 from wsync_grpc.trainer.options import SENT_TRANSPORTS, TransportName
 
 log = logging.getLogger("wsync.demo")
@@ -149,10 +152,15 @@ def _on_progress(p: SyncProgress) -> None:
 
 
 def _train_and_sync(
-    tr: _Trainer, client: TrainerClient, version: str, step: int, transport: TransportName = "broadcast"
+    tr: _Trainer,
+    client: TrainerClient,
+    version: str,
+    step: int,
+    transport: TransportName = "broadcast",
+    wire: torch.dtype | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """One supervised step, then a sync of every parameter as ``version`` over ``transport``; returns what was
-    sent."""
+    """One supervised step, then a sync of every parameter as ``version`` over ``transport`` in ``wire`` (``None``:
+    the policy's dtype); returns what the engines serve now (the parameters as sent, in the policy's dtype)."""
     t0 = time.monotonic()
     out = tr.policy(input_ids=tr.input_ids, labels=tr.labels)
     out.loss.backward()
@@ -161,7 +169,8 @@ def _train_and_sync(
     train_s = time.monotonic() - t0
     print(f"\nstep {step}: loss {out.loss.item():.3f} ({train_s:.1f} s); syncing {version} ...", flush=True)
     named = [(n, p.detach()) for n, p in tr.policy.named_parameters()]
-    result = client.sync(named, version, flush_cache=True, progress=_on_progress, transport=transport)
+    result = client.sync(named, version, flush_cache=True, progress=_on_progress, transport=transport, dtype=wire)
+    _print_delta(result)
     for e in result.engines.values():
         print(
             f"  {e.target}: version {e.weight_version}, {e.bucket_count} buckets, "
@@ -176,12 +185,31 @@ def _train_and_sync(
     )
     phases = ", ".join(f"{k} {v:.3f}" for k, v in {"plan": result.plan_seconds, **result.phases}.items())
     print(f"  phases (s): {phases} (packing {result.pack_seconds:.3f} s of the broadcast)", flush=True)
-    # The trainer's expectation: the same weights in the local copy.
+    # The trainer's expectation: the same weights in the local copy (as sent: through the wire dtype).
+    if wire is not None:
+        named = [(n, p.to(wire).to(p.dtype)) for n, p in named]
     with tr.local.weights_lock():
         tr.local.load_weights(0, named)
         tr.local.flush_cache()
         tr.local.set_weight_version(version)
     return named
+
+
+def _print_delta(result: SyncResult) -> None:
+    """What a sync sent, against what the same step sent whole would have (when deltas are on)."""
+    d = result.delta
+    if d is None:
+        return
+    mb = result.wire_bytes / 1e6
+    if not d.base_version:
+        print(f"  {result.weight_version}: sent whole, {mb:.1f} MB (the base of the next delta)", flush=True)
+        return
+    print(
+        f"  {result.weight_version}: delta against {d.base_version}: {mb:.1f} MB of {d.whole_bytes / 1e6:.1f} MB "
+        f"whole, saved {(d.whole_bytes - result.wire_bytes) / 1e6:.1f} MB; {100 * d.changed_share:.2f}% of the "
+        f"elements changed, {d.delta_tensors} of {d.tensors} tensors as deltas (diff {d.diff_seconds:.2f} s)",
+        flush=True,
+    )
 
 
 def _check_checksums(client: TrainerClient, named: list[tuple[str, torch.Tensor]], version: str) -> list[str]:
@@ -227,12 +255,13 @@ def run(args: argparse.Namespace) -> int:
         for t, r in zip(targets, before, strict=True):
             if r.text != mine.text:
                 failures.append(f"initial weights: {t} generated {r.text!r}, trainer {mine.text!r}")
-        with TrainerClient(targets, rpc_timeout_s=120, group_timeout_s=120) as client:
+        wire = getattr(torch, args.wire_dtype)
+        with TrainerClient(targets, rpc_timeout_s=120, group_timeout_s=120, delta=args.delta) as client:
             if args.transport == "broadcast":
                 client.init()  # the weight-sync group (shared memory needs none)
             for step in range(1, args.steps + 1):
                 version = f"step-{step}"
-                named = _train_and_sync(tr, client, version, step, args.transport)
+                named = _train_and_sync(tr, client, version, step, args.transport, wire)
                 failures += _check_checksums(client, named, version)
                 mine, failed = _check_generations(tr, targets, version, args.max_new_tokens)
                 failures += failed
@@ -262,6 +291,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=SENT_TRANSPORTS,
         help="how the weights travel: over the weight-sync group (broadcast), or through shared memory "
         "(shared_memory: the engines run on this host, as the demo's do)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the dtype the weights travel in (the engines serve them in --dtype)",
+    )
+    p.add_argument(
+        "--delta",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="after the first sync, send only the elements whose value in the wire dtype changed",
     )
     args = p.parse_args(argv)
     logging.basicConfig(

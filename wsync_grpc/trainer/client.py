@@ -24,7 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from wsync_grpc.trainer.adapters import adapter_tensors
-from wsync_grpc.trainer.delta import sync_with_deltas
+from wsync_grpc.trainer.delta import DeltaSync
 from wsync_grpc.trainer.members import MemberCalls
 from wsync_grpc.trainer.operator import OperatorCalls, per_target
 from wsync_grpc.trainer.options import (
@@ -349,16 +349,15 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         if not isinstance(source, NamedTensors) or request.layout.value != "flattened":
             raise ValueError("deltas are sent from (name, tensor) pairs in the flattened layout")
         self._deltas.anchor_every = self._settings.delta_anchor_every
+        deltas: DeltaSync[BroadcastRequest] = DeltaSync(
+            self._deltas,
+            source,
+            dtype,
+            lambda: [e.target for e in self._fleet.engines],  # those taking part, at each attempt
+            lambda r, p: self._runner.run(dataclasses.replace(r, delta=p), source),
+        )
         with self._exclusive(timeout_s):
-            return sync_with_deltas(
-                self._deltas,
-                source,
-                dtype,
-                [e.target for e in self._fleet.engines],
-                lambda p: self._roster.run(
-                    policy or self._policy, dataclasses.replace(request, delta=p), lambda r: self._runner.run(r, source)
-                ),
-            )
+            return deltas.applied(self._roster.run(policy or self._policy, request, deltas.attempt))
 
     def run_update(
         self,

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -190,45 +191,66 @@ class DeltaTracker:
             self._identities.pop(t, None)
 
 
-REFUSED_BASE = ("BASE_VERSION_MISMATCH", "ENGINE_DIRTY", "DELTA_UNIMPLEMENTED")
+REFUSED_BASE = ("BASE_VERSION_MISMATCH", "ENGINE_DIRTY", "DELTA_UNIMPLEMENTED", "DELTA_DTYPE", "MISSING_BASE_IDENTITY")
 """The reasons an engine refuses a delta at Prepare for what it serves or is: it takes a whole update instead."""
 
+R = TypeVar("R")
+"""The type of the request an attempt runs."""
 
-def sync_with_deltas(
-    tracker: DeltaTracker,
-    source: NamedTensors,
-    dtype: torch.dtype | None,
-    targets: Sequence[str],
-    run: Callable[[DeltaPayload], SyncResult],
-) -> SyncResult:
-    """One sync with deltas on: a delta when every engine of ``targets`` serves the tracker's base, else whole;
-    the base moves on once it succeeded.
+
+class DeltaSync(Generic[R]):
+    """One sync with deltas on, as the fleet's attempts run it (``Roster.run`` may run an update again over fewer
+    engines): each attempt sends a delta when every engine taking part then serves the tracker's base, else whole;
+    the base moves on once the sync succeeded (:meth:`applied`).
 
     An engine that refuses the delta for its base (:data:`REFUSED_BASE`: restarted, written by another trainer,
-    dirty; nothing was sent) makes the sync run again whole, at once (under the ``fail`` fleet policy: under
-    ``exclude`` it is left out and caught up as an engine behind).
+    dirty, its weights in worker processes; nothing was sent) makes the attempt run again whole, at once.
 
     Args:
         tracker: the client's last update and its engines' identities.
         source: the tensors to send.
         dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
-        targets: the engines taking part.
-        run: runs the update with the payload given (the request's ``delta``).
-
-    Raises:
-        SyncError: as ``run``'s.
+        targets: the engines taking part, asked at each attempt.
+        run: runs one attempt of ``request`` with the payload given (the request's ``delta``).
     """
-    payload = tracker.payload(source, dtype, targets)
-    try:
-        result = run(payload)
-    except SyncError as e:
-        refused = e.stage == "prepare" and e.failures and all(f.reason in REFUSED_BASE for f in e.failures.values())
-        if not (payload.is_delta and refused):
-            raise
-        log.info("engines %s refused the delta for their base; syncing whole", sorted(e.failures))
-        tracker.forget(list(e.failures))
-        summary = payload.summary.as_whole() if payload.summary is not None else None
-        payload = DeltaPayload(payload.wires, summary=summary)
-        result = run(payload)
-    tracker.applied(result.weight_version, payload, result.engines)
-    return result
+
+    def __init__(
+        self,
+        tracker: DeltaTracker,
+        source: NamedTensors,
+        dtype: torch.dtype | None,
+        targets: Callable[[], Sequence[str]],
+        run: Callable[[R, DeltaPayload], SyncResult],
+    ) -> None:
+        self._tracker = tracker
+        self._source = source
+        self._dtype = dtype
+        self._targets = targets
+        self._run = run
+        self._sent: DeltaPayload | None = None
+
+    def attempt(self, request: R) -> SyncResult:
+        """Run ``request`` once over the engines taking part: a delta if they all serve the base, else whole.
+
+        Raises:
+            SyncError: as ``run``'s (a refusal for the base is answered by a whole attempt instead).
+        """
+        payload = self._tracker.payload(self._source, self._dtype, self._targets())
+        self._sent = payload
+        try:
+            return self._run(request, payload)
+        except SyncError as e:
+            refused = e.stage == "prepare" and e.failures and all(f.reason in REFUSED_BASE for f in e.failures.values())
+            if not (payload.is_delta and refused):
+                raise
+            log.info("engines %s refused the delta for their base; syncing whole", sorted(e.failures))
+            self._tracker.forget(list(e.failures))
+            summary = payload.summary.as_whole() if payload.summary is not None else None
+            self._sent = DeltaPayload(payload.wires, summary=summary)
+            return self._run(request, self._sent)
+
+    def applied(self, result: SyncResult) -> SyncResult:
+        """The sync succeeded with ``result``: what its last attempt sent is the base of the next; returns it."""
+        if self._sent is not None:
+            self._tracker.applied(result.weight_version, self._sent, result.engines)
+        return result

@@ -57,7 +57,7 @@ def expand(flat: torch.Tensor, bucket: Bucket, target: WeightTarget) -> list[tup
             out.append((t, entry.view(t.dtype).view(t.shape)))
             continue
         served = _served(target, t)
-        base = served.to(dtype=t.dtype).reshape(t.shape)
+        base = served.to(dtype=t.dtype, memory_format=torch.contiguous_format).reshape(t.shape)
         converted = base.data_ptr() != served.data_ptr()  # a copy already: written in place
         out.append((t, apply_delta(entry, t.delta, base, t.name, out=base if converted else None)))
     return out

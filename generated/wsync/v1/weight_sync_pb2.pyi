@@ -214,7 +214,8 @@ class DeltaPositions(_DeltaPositions, metaclass=_DeltaPositionsEnumTypeWrapper):
     (TensorDelta.positions). Positions are flat element indices into the
     tensor in C order, strictly increasing. The trainer picks, per tensor, the
     one that takes the fewest bytes: sorted indices when very few elements
-    changed, gaps at a density of about 0.5% to 20%, a bitmap above.
+    changed, gaps at a density of about 0.3% to 12% (bfloat16), a bitmap
+    above.
     """
 
 DELTA_POSITIONS_UNSPECIFIED: DeltaPositions.ValueType  # 0
