@@ -17,6 +17,7 @@ from typing import Any
 from bench import (
     digest_case,
     report_colocated,
+    report_delta,
     report_detection,
     report_disk,
     report_fleet,
@@ -67,6 +68,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(report_vllm_tail.section(results["vllm_tail"]))
     if results.get("colocated"):
         parts.append(report_colocated.section(results["colocated"]))
+    if results.get("delta"):
+        parts.append(report_delta.section(results["delta"]))
     analysis = missed(results, cks)
     if analysis:
         parts.append(fill("s8", analysis="\n\n".join(analysis)))

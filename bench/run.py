@@ -24,7 +24,8 @@ mid-broadcast, and how long the engine takes to report it),
 (:mod:`bench.vllm_tail_case`: 31 staged syncs per configuration into a
 serving vLLM engine, the tail of sync time and token gaps) and ``colocated``
 (:mod:`bench.colocated_case`: the shared-memory transport against the raw
-broadcast and wsync's broadcast on the same host). One case alone:
+broadcast and wsync's broadcast on the same host) and ``delta`` (:mod:`bench.delta_case`: SmolLM2
+trained with AdamW at three learning rates, each step synced as a delta and whole, side by side). One case alone:
 ``python -m bench.run --cases vllm_tail --merge``. It writes ``BENCHMARKS.md``,
 ``bench/throughput.png``, ``bench/buckets.png``, ``bench/fleet.png``,
 ``bench/vllm_tail.png``, ``bench/colocated.png`` and ``bench/results.json``; with ``--merge`` the cases
@@ -695,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
     p.add_argument(
         "--cases",
-        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm,vllm_tail,colocated",
+        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm,vllm_tail,colocated,delta",
         help="which cases to run",
     )
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
@@ -714,6 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--colocated-vllm", type=int, default=5, help="colocated: vLLM rounds, broadcast and shared memory (0: none)"
     )
+    p.add_argument("--delta-steps", type=int, default=10, help="training steps per learning rate in the delta case")
+    p.add_argument("--delta-lrs", default="1e-6,1e-5,1e-4", help="AdamW learning rates of the delta case")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
@@ -797,6 +800,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from bench.colocated_case import case_colocated
 
                 results["colocated"] = case_colocated(h, args.colocated_reps, args.colocated_vllm)
+            elif case == "delta":
+                from bench.delta_case import case_delta
+
+                lrs = [float(x) for x in args.delta_lrs.split(",") if x.strip()]
+                results["delta"] = case_delta(h, args.delta_steps, lrs)
             elif case == "profile":
                 names = [m.strip() for m in args.profile_models.split(",") if m.strip()]
                 results["profile"] = case_profile(h, names, args.profile_syncs)

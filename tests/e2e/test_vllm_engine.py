@@ -106,6 +106,26 @@ def test_sync_changes_outputs_and_originals_restore_them(
     assert st.weight_version == CHECKPOINT_VERSION and not st.dirty and st.updates_completed >= 2
 
 
+def test_a_delta_to_vllm_is_refused_before_any_byte_moves_and_sent_whole(
+    at_checkpoint: Vllm, originals: dict[str, torch.Tensor]
+) -> None:
+    """vLLM's workers take no deltas yet: the engine refuses one at Prepare (UNIMPLEMENTED DELTA_UNIMPLEMENTED,
+    nothing sent) and a client with deltas on syncs whole at once; the engine serves the trainer's tensors."""
+    engine = at_checkpoint
+    new = perturbed(originals, seed=5)
+    with TrainerClient([engine.target], group_timeout_s=60, delta=True) as c:
+        first = c.sync(new.items(), "delta-0", dtype=SERVED)
+        assert first.delta is not None and first.delta.base_version == ""
+        assert first.engines[engine.target].weight_identity == engine.status().weight_identity != ""
+        newer = perturbed(originals, seed=6)
+        r = c.sync(newer.items(), "delta-1", dtype=SERVED)
+        assert r.delta is not None and r.delta.base_version == "", r.delta  # refused, then whole
+        assert r.wire_bytes == first.wire_bytes
+        assert_serves(c, engine.target, newer, "delta-1")
+        c.sync(originals.items(), CHECKPOINT_VERSION, delta=False)
+        assert_serves(c, engine.target, originals, CHECKPOINT_VERSION)
+
+
 @pytest.mark.parametrize("apply_mode", ["staged", "streaming"])
 def test_a_disk_update_reads_a_saved_checkpoint_in_every_worker(
     at_checkpoint: Vllm, originals: dict[str, torch.Tensor], apply_mode: str

@@ -138,7 +138,7 @@ class DeltaTracker:
         use_base = bool(self.version) and not whole and not anchor and all(identities.values()) and bool(targets)
         wires: dict[str, torch.Tensor] = {}
         entries: dict[str, EncodedTensor] = {}
-        changed = total = whole_bytes = 0
+        changed = total = whole_bytes = values = positions = 0
         with torch.no_grad():
             for meta in metas:
                 t = source.tensor(meta.name).detach()
@@ -156,6 +156,8 @@ class DeltaTracker:
                     changed += changed_positions(w, base).numel()
                     continue
                 changed += entry.changed_elements
+                values += entry.coding.values_bytes(w.element_size())
+                positions += entry.coding.positions_bytes
                 entries[meta.name] = entry
         summary = DeltaSummary(
             self.version if use_base else "",
@@ -165,6 +167,8 @@ class DeltaTracker:
             total,
             time.monotonic() - t0,
             whole_bytes,
+            values,
+            positions,
         )
         if not use_base:
             return DeltaPayload(wires, summary=summary)

@@ -225,6 +225,8 @@ class DeltaSummary:
         total_elements: elements of every tensor.
         diff_seconds: copying to the wire dtype and diffing against the base, in seconds.
         whole_bytes: what the same update sent whole would carry (its tensors' bytes), in bytes.
+        values_bytes: the delta entries' values, in bytes (0 for a whole update).
+        positions_bytes: the delta entries' positions, in bytes (0 for a whole update).
     """
 
     base_version: str
@@ -234,10 +236,19 @@ class DeltaSummary:
     total_elements: int
     diff_seconds: float
     whole_bytes: int
+    values_bytes: int = 0
+    positions_bytes: int = 0
 
     def as_whole(self) -> DeltaSummary:
         """The same update sent whole (no base: every element counted as changed)."""
-        return dataclasses.replace(self, base_version="", delta_tensors=0, changed_elements=self.total_elements)
+        return dataclasses.replace(
+            self,
+            base_version="",
+            delta_tensors=0,
+            changed_elements=self.total_elements,
+            values_bytes=0,
+            positions_bytes=0,
+        )
 
     @property
     def changed_share(self) -> float:
