@@ -223,11 +223,12 @@ def test_each_gap_takes_as_many_entries_as_255_byte_steps(gap: int) -> None:
 
 @pytest.mark.parametrize(
     ("k", "expected"),
-    [(1, Positions.INDICES), (50, Positions.INDICES), (1000, Positions.GAPS), (30_000, Positions.BITMAP)],
+    [(1, Positions.INDICES), (50, Positions.GAPS16), (1000, Positions.GAPS), (30_000, Positions.BITMAP)],
     ids=["one", "0.05%", "1%", "30%"],
 )
 def test_the_automatic_choice_follows_the_density(k: int, expected: Positions) -> None:
-    """INDICES at very low density, GAPS around 1%, BITMAP around 30% of a 100k-element bf16 tensor."""
+    """INDICES for one change, GAPS16 at very low density, GAPS around 1%, BITMAP around 30% of a 100k-element bf16
+    tensor."""
     base = random_tensor((100_000,), torch.bfloat16)
     new, _ = perturbed(base, k)
     enc = encode(new, base)
@@ -779,3 +780,16 @@ def test_bucket_specs_with_deltas_round_trip_through_the_validator() -> None:
     v.header_message(delta_header(bucket_count=len(buckets), total_bytes=total_wire_bytes(buckets)))
     assert v.bucket_messages(specs) == buckets
     v.finish_stream()
+
+
+def test_gaps16_bridges_a_gap_longer_than_65535() -> None:
+    """Two changes 70,000 elements apart in 2-byte gaps: one bridging entry at an unchanged position between them,
+    4 bytes of positions for 3 entries' 6 bytes of values, and the round trip is exact."""
+    base = random_tensor((100_000,), torch.bfloat16)
+    new = base.clone()
+    new[10] += 1
+    new[70_010] += 1
+    enc = encode(new, base, Positions.GAPS16)
+    assert enc is not None and enc.changed_elements == 2
+    assert enc.coding == DeltaCoding(Positions.GAPS16, 3, 6)
+    assert same_bits(apply_delta(enc.payload, enc.coding, base), new)

@@ -9,16 +9,18 @@ delta twice gives the same tensor, and the result is bit for bit the whole tenso
 
 Layout of one entry inside a bucket, from the tensor's ``offset_bytes``: ``changed`` values of
 the wire dtype (C order of their positions), zero padding to the next multiple of 8 bytes, then
-``positions_bytes`` bytes of positions in one of three encodings (:class:`Positions`), picked per
-tensor by :func:`encode` as the smallest:
+``positions_bytes`` bytes of positions in one of four encodings (:class:`Positions`), picked per
+tensor by :func:`encode` as the smallest (densities for bfloat16):
 
-- ``INDICES``: 4 bytes per changed element (little-endian ``uint32``); smallest when very few
-  elements changed (below about 0.4% of them);
-- ``GAPS``: 1 byte per entry, the distance from the previous one (a gap above 255 is bridged by
-  entries at unchanged positions that carry their unchanged value, so the overwrite is exact);
-  smallest between about 0.4% and 12%: at 1% the gaps average 100 and about 8% of them need a
-  bridge;
-- ``BITMAP``: one bit per element of the tensor; smallest above about 12%.
+- ``GAPS16``: 2 bytes per entry, the distance from the previous one (``uint16``); a gap above 65535 is
+  bridged by entries at unchanged positions that carry their unchanged value, so the overwrite is exact;
+  smallest below about 1% changed;
+- ``GAPS``: the same in 1 byte per entry (gaps of 255 at most): more bridges, but each costs 3 bytes
+  where an entry of ``GAPS16`` costs 4; smallest between about 1% and 12% (at 1% the gaps average 100
+  and about 8% of them need a bridge);
+- ``BITMAP``: one bit per element of the tensor; smallest above about 12%;
+- ``INDICES``: 4 bytes per changed element (``uint32``); smallest only for the sparsest tensors (gaps
+  above 65535 on average).
 
 A tensor whose delta would take at least :data:`DENSE_SHARE` of its whole bytes travels whole.
 
@@ -59,9 +61,16 @@ class Positions(enum.Enum):
     INDICES = "indices"
     BITMAP = "bitmap"
     GAPS = "gaps"
+    GAPS16 = "gaps16"
 
 
-POSITIONS_BY_NUMBER = {1: Positions.INDICES, 2: Positions.BITMAP, 3: Positions.GAPS}
+_GAP_LIMITS = {Positions.GAPS: 255, Positions.GAPS16: 65535}
+"""The largest gap one entry of each gaps encoding holds."""
+_GAP_BYTES = {Positions.GAPS: 1, Positions.GAPS16: 2}
+"""The bytes of one entry of each gaps encoding."""
+
+
+POSITIONS_BY_NUMBER = {1: Positions.INDICES, 2: Positions.BITMAP, 3: Positions.GAPS, 4: Positions.GAPS16}
 """The encodings by their ``wsync.v1.DeltaPositions`` numbers (the validator reads the messages as they are)."""
 
 
@@ -93,6 +102,8 @@ class DeltaCoding:
             return 4 * self.changed
         if self.positions is Positions.GAPS:
             return self.changed
+        if self.positions is Positions.GAPS16:
+            return 2 * self.changed
         return bitmap_bytes(numel)
 
 
@@ -156,27 +167,39 @@ def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(_bits(new.contiguous()) != _bits(base.contiguous())).squeeze(1)
 
 
-def _gap_entries(idx: torch.Tensor) -> torch.Tensor:
-    """The ``GAPS`` entries' positions for changed positions ``idx``: ``idx`` plus the bridges of long gaps."""
+def _gap_entries(idx: torch.Tensor, limit: int) -> torch.Tensor:
+    """The entries' positions of a gaps encoding whose gaps hold at most ``limit``, for changed positions ``idx``:
+    ``idx`` plus the bridges of longer gaps."""
     gaps = torch.diff(idx, prepend=torch.tensor([-1], dtype=torch.int64))
-    bridges = (gaps - 1) // GAP_LIMIT
+    bridges = (gaps - 1) // limit
     if int(bridges.sum()) == 0:
         return idx
     counts = bridges + 1
-    steps = torch.full((int(counts.sum()),), GAP_LIMIT, dtype=torch.int64)
+    steps = torch.full((int(counts.sum()),), limit, dtype=torch.int64)
     last = torch.cumsum(counts, 0) - 1
-    steps[last] = gaps - GAP_LIMIT * bridges
+    steps[last] = gaps - limit * bridges
     return torch.cumsum(steps, 0) - 1
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A flat boolean ``mask`` as a ``BITMAP`` (element i in bit i % 8 of byte i / 8)."""
+    bits = torch.zeros(bitmap_bytes(mask.numel()) * 8, dtype=torch.uint8)
+    bits[: mask.numel()] = mask
+    return (bits.view(-1, 8) << _BITS).sum(1, dtype=torch.uint8)
 
 
 def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = None) -> EncodedTensor | None:
     """The delta of ``new`` against ``base``, or ``None`` when ``new`` should travel whole.
 
+    The changed elements are counted first: a tensor that changed too densely for any encoding to save
+    :data:`DENSE_SHARE` is answered without finding their positions, and one dense enough for the bitmap to be the
+    smallest is encoded from the comparison's mask directly.
+
     Args:
         new: the tensor to send, in its wire dtype, on CPU.
         base: what the engine serves for it, in the same dtype and shape, on CPU.
-        positions: the encoding to use; ``None``: the smallest of the three (and ``None`` returned when that
-            takes at least :data:`DENSE_SHARE` of the whole tensor's bytes).
+        positions: the encoding to use; ``None``: the smallest (and ``None`` returned when that takes at least
+            :data:`DENSE_SHARE` of the whole tensor's bytes).
 
     Returns:
         The entry (``payload`` as it lies in the bucket), or ``None``: send the tensor whole.
@@ -184,38 +207,55 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
     Raises:
         ValueError: dtypes or shapes differ; ``INDICES`` asked for a tensor of ``2**32`` elements or more.
     """
-    idx = changed_positions(new, base)
-    numel, esize = new.numel(), new.element_size()
-    k = idx.numel()
-    gap_idx = _gap_entries(idx) if k else idx
+    if new.dtype != base.dtype or new.shape != base.shape:
+        raise ValueError(f"cannot diff {new.dtype} {tuple(new.shape)} against {base.dtype} {tuple(base.shape)}")
+    flat = new.detach().contiguous().reshape(-1)
+    mask = _bits(flat) != _bits(base.contiguous())
+    numel, esize = flat.numel(), flat.element_size()
+    k = int(mask.sum())
+    whole = numel * esize
+    bitmap = bitmap_bytes(numel)
+    if positions is None and _align(k * esize) + min(k, bitmap) >= DENSE_SHARE * whole:
+        return None  # no encoding can be small enough: every one carries the k values and a byte per k or the bitmap
+    if positions is Positions.BITMAP or (positions is None and k >= bitmap):
+        # Every gaps or indices encoding takes at least k >= the bitmap's bytes: the bitmap is the smallest.
+        coding = DeltaCoding(Positions.BITMAP, k, bitmap)
+        payload = torch.empty(coding.nbytes(esize), dtype=torch.uint8)
+        vbytes = coding.values_bytes(esize)
+        payload[:vbytes] = flat[mask].view(torch.uint8)
+        payload[vbytes : _align(vbytes)] = 0
+        payload[_align(vbytes) :] = _pack_bits(mask)
+        return EncodedTensor(coding, payload, k)
+    idx = torch.nonzero(mask).squeeze(1)
+    gaps = {p: _gap_entries(idx, limit) if k else idx for p, limit in _GAP_LIMITS.items()}
+    entries_of = {Positions.INDICES: idx, **gaps, Positions.BITMAP: idx}
     sizes = {
         Positions.INDICES: 4 * k if numel < _INDEX_LIMIT else math.inf,
-        Positions.GAPS: gap_idx.numel(),
-        Positions.BITMAP: bitmap_bytes(numel),
+        **{p: e.numel() * _GAP_BYTES[p] for p, e in gaps.items()},
+        Positions.BITMAP: bitmap,
     }
-    value_counts = {Positions.INDICES: k, Positions.GAPS: gap_idx.numel(), Positions.BITMAP: k}
-    chosen = positions or min(sizes, key=lambda p: _align(value_counts[p] * esize) + sizes[p])
+    chosen = positions or min(sizes, key=lambda p: _align(entries_of[p].numel() * esize) + sizes[p])
     if sizes[chosen] == math.inf:
         raise ValueError(f"INDICES hold fewer than 2**32 elements; the tensor has {numel}")
-    entries = gap_idx if chosen is Positions.GAPS else idx
+    entries = entries_of[chosen]
     coding = DeltaCoding(chosen, entries.numel(), int(sizes[chosen]))
     total = coding.nbytes(esize)
-    if positions is None and total >= DENSE_SHARE * numel * esize:
+    if positions is None and total >= DENSE_SHARE * whole:
         return None
     payload = torch.zeros(total, dtype=torch.uint8)
-    values = new.detach().reshape(-1)[entries]
     vbytes = coding.values_bytes(esize)
-    payload[:vbytes] = values.view(torch.uint8) if vbytes else payload[:0]
+    if vbytes:
+        payload[:vbytes] = flat[entries].view(torch.uint8)
     pos = payload[_align(vbytes) :]
     if chosen is Positions.INDICES:
-        pos.copy_(entries.to(torch.int64).to(torch.int32).view(torch.uint8) if k else pos)
-    elif chosen is Positions.GAPS:
+        if k:
+            pos.copy_(entries.to(torch.int32).view(torch.uint8))
+    elif chosen in _GAP_LIMITS:
         if entries.numel():
-            pos.copy_(torch.diff(entries, prepend=torch.tensor([-1], dtype=torch.int64)).to(torch.uint8))
+            steps = torch.diff(entries, prepend=torch.tensor([-1], dtype=torch.int64))
+            pos.copy_(steps.to(torch.int16 if chosen is Positions.GAPS16 else torch.uint8).view(torch.uint8))
     else:
-        bits = torch.zeros(bitmap_bytes(numel) * 8, dtype=torch.uint8)
-        bits[idx] = 1
-        pos.copy_((bits.view(-1, 8) << _BITS).sum(1, dtype=torch.uint8))
+        pos.copy_(_pack_bits(mask))
     return EncodedTensor(coding, payload, k)
 
 
@@ -252,7 +292,10 @@ def decode_positions(coding: DeltaCoding, raw: torch.Tensor, numel: int, name: s
         if bool((torch.diff(pos) <= 0).any()):
             raise _corrupt(name, "the indices are not strictly increasing")
     else:
-        gaps = raw.to(torch.int64)
+        if coding.positions is Positions.GAPS16:
+            gaps = raw.clone().view(torch.int16).to(torch.int64) % 65536
+        else:
+            gaps = raw.to(torch.int64)
         if bool((gaps == 0).any()):
             raise _corrupt(name, "a gap is 0")
         pos = torch.cumsum(gaps, 0) - 1

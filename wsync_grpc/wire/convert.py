@@ -288,6 +288,7 @@ DELTA_POSITIONS: dict[Positions, pb.DeltaPositions.ValueType] = {
     Positions.INDICES: pb.DELTA_POSITIONS_INDICES,
     Positions.BITMAP: pb.DELTA_POSITIONS_BITMAP,
     Positions.GAPS: pb.DELTA_POSITIONS_GAPS,
+    Positions.GAPS16: pb.DELTA_POSITIONS_GAPS16,
 }
 """``wsync.v1.DeltaPositions`` numbers of the delta encodings."""
 

@@ -208,14 +208,18 @@ class _DeltaPositionsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeltaP
     unchanged value (an overwrite with the same bits); changed_elements
     counts those entries too.
     """
+    DELTA_POSITIONS_GAPS16: _DeltaPositions.ValueType  # 4
+    """DELTA_POSITIONS_GAPS16: as DELTA_POSITIONS_GAPS with one little-endian
+    uint16 per entry (gaps 1 to 65535), bridged the same way; 2 bytes each.
+    """
 
 class DeltaPositions(_DeltaPositions, metaclass=_DeltaPositionsEnumTypeWrapper):
     """DeltaPositions says how a delta tensor's changed positions are written
     (TensorDelta.positions). Positions are flat element indices into the
     tensor in C order, strictly increasing. The trainer picks, per tensor, the
-    one that takes the fewest bytes: sorted indices when very few elements
-    changed, gaps at a density of about 0.3% to 12% (bfloat16), a bitmap
-    above.
+    one that takes the fewest bytes: 2-byte gaps below about 1% of elements
+    changed, 1-byte gaps to about 12% (bfloat16), a bitmap above; indices
+    for the sparsest tensors.
     """
 
 DELTA_POSITIONS_UNSPECIFIED: DeltaPositions.ValueType  # 0
@@ -238,6 +242,10 @@ previous entry's index (the first from -1), 1 to 255. A trainer bridges a
 longer gap with entries at positions that did not change, carrying their
 unchanged value (an overwrite with the same bits); changed_elements
 counts those entries too.
+"""
+DELTA_POSITIONS_GAPS16: DeltaPositions.ValueType  # 4
+"""DELTA_POSITIONS_GAPS16: as DELTA_POSITIONS_GAPS with one little-endian
+uint16 per entry (gaps 1 to 65535), bridged the same way; 2 bytes each.
 """
 Global___DeltaPositions: _TypeAlias = DeltaPositions  # noqa: Y015
 
@@ -1263,7 +1271,7 @@ class TensorDelta(_message.Message):
     """
     positions_bytes: _builtins.int
     """positions_bytes is the length of the positions, in bytes: 4 per index,
-    1 per gap, ceil(numel / 8) for a bitmap.
+    1 per gap (2 for DELTA_POSITIONS_GAPS16), ceil(numel / 8) for a bitmap.
     """
     def __init__(
         self,
