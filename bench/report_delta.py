@@ -62,7 +62,8 @@ def checks(c: dict[str, Any]) -> list[tuple[str, str, bool]]:
             continue
         wires = [_wire(r) for r in _later(rows)]
         m = statistics.median(wires)
-        out.append((target, f"{100 * m:.2f}% (max {100 * max(wires):.2f}%, step 1 {100 * _wire(rows[0]):.2f}%)", m <= limit))
+        measured = f"{100 * m:.2f}% (max {100 * max(wires):.2f}%, step 1 {100 * _wire(rows[0]):.2f}%)"
+        out.append((target, measured, m <= limit))
     sparse = [r for rows in lrs.values() for r in rows if _share(r) <= POSITIONS_DENSITY and r["delta"]["values_bytes"]]
     if sparse:
         x = max(r["delta"]["positions_bytes"] / r["delta"]["values_bytes"] for r in sparse)
@@ -133,7 +134,9 @@ def section(c: dict[str, Any]) -> str:
             f"| {lr} | {100 * statistics.median(shares):.2f}% ({100 * _share(first):.2f}%) "
             f"| {100 * statistics.median(wires):.2f}% ({100 * _wire(first):.2f}%, {100 * max(wires):.2f}%) "
             f"| {100 * statistics.median(limits):.2f}% "
-            f"| {statistics.median(pv):.2f} " if pv else "| - "
+            f"| {statistics.median(pv):.2f} "
+            if pv
+            else "| - "
         )
         lines[-1] += (
             f"| {statistics.median(r['delta']['total_s'] for r in later):.2f} "

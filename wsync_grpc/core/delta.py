@@ -229,12 +229,16 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
     idx = torch.nonzero(mask).squeeze(1)
     gaps = {p: _gap_entries(idx, limit) if k else idx for p, limit in _GAP_LIMITS.items()}
     entries_of = {Positions.INDICES: idx, **gaps, Positions.BITMAP: idx}
-    sizes = {
+    sizes: dict[Positions, float] = {
         Positions.INDICES: 4 * k if numel < _INDEX_LIMIT else math.inf,
         **{p: e.numel() * _GAP_BYTES[p] for p, e in gaps.items()},
         Positions.BITMAP: bitmap,
     }
-    chosen = positions or min(sizes, key=lambda p: _align(entries_of[p].numel() * esize) + sizes[p])
+    chosen: Positions = (
+        positions
+        if positions is not None
+        else min(sizes, key=lambda p: _align(entries_of[p].numel() * esize) + sizes[p])
+    )
     if sizes[chosen] == math.inf:
         raise ValueError(f"INDICES hold fewer than 2**32 elements; the tensor has {numel}")
     entries = entries_of[chosen]
