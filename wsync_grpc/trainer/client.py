@@ -13,7 +13,6 @@ Units: sizes in bytes, times in seconds, throughputs in GB/s (10^9 bytes per sec
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -24,7 +23,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from wsync_grpc.trainer.adapters import adapter_tensors
-from wsync_grpc.trainer.delta import DeltaSync
 from wsync_grpc.trainer.members import MemberCalls
 from wsync_grpc.trainer.operator import OperatorCalls, per_target
 from wsync_grpc.trainer.options import (
@@ -346,18 +344,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
         if not (self._settings.delta if delta is None else delta):
             return self.run_update(source, request, policy=policy, timeout_s=timeout_s)
-        if not isinstance(source, NamedTensors) or request.layout.value != "flattened":
-            raise ValueError("deltas are sent from (name, tensor) pairs in the flattened layout")
-        self._deltas.anchor_every = self._settings.delta_anchor_every
-        deltas: DeltaSync[BroadcastRequest] = DeltaSync(
-            self._deltas,
-            source,
-            dtype,
-            lambda: [e.target for e in self._fleet.engines],  # those taking part, at each attempt
-            lambda r, p: self._runner.run(dataclasses.replace(r, delta=p), source),
-        )
-        with self._exclusive(timeout_s):
-            return deltas.applied(self._roster.run(policy or self._policy, request, deltas.attempt))
+        return self._run_with_deltas(source, request, dtype, policy, timeout_s)
 
     def run_update(
         self,

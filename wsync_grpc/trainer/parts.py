@@ -11,6 +11,7 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import threading
@@ -19,20 +20,24 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
+import torch
 from prometheus_client import CollectorRegistry
 
-from wsync_grpc.core.layout import Transport
+from wsync_grpc.core.layout import Layout, Transport
 from wsync_grpc.trainer.deadline import CancelSignal, check_timeout
-from wsync_grpc.trainer.delta import DeltaTracker
+from wsync_grpc.trainer.delta import DeltaSync, DeltaTracker
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
 from wsync_grpc.trainer.metrics import TrainerMetrics
 from wsync_grpc.trainer.protocol import UpdateProtocol
+from wsync_grpc.trainer.request import BroadcastRequest
+from wsync_grpc.trainer.results import SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Roster
 from wsync_grpc.trainer.runner import Senders, UpdateRunner
 from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import ClientSettings
+from wsync_grpc.trainer.source import NamedTensors, WeightSource
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 from wsync_grpc.transports.sending import ONE_PROCESS, SendSite, TrainerPeers, TransportSender
 from wsync_grpc.wire.keepalive import Keepalive
@@ -96,6 +101,35 @@ class ClientParts:
         self._policy = policy if policy is not None else FleetPolicy()
         self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
         self._deltas = DeltaTracker(self._settings.delta_anchor_every)
+
+    def _run_with_deltas(
+        self,
+        source: WeightSource,
+        request: BroadcastRequest,
+        dtype: torch.dtype | None,
+        policy: FleetPolicy | None,
+        timeout_s: float | None,
+    ) -> SyncResult:
+        """Run ``request`` with deltas on (:class:`~wsync_grpc.trainer.delta.DeltaSync`): a delta at each attempt
+        whose engines all serve the client's base, else whole; the base moves on once it succeeded.
+
+        Raises:
+            ValueError: ``source`` is not ``(name, tensor)`` pairs, or the layout is not flattened.
+            SyncError, RuntimeError, ClientError: as :meth:`TrainerClient.sync
+                <wsync_grpc.trainer.client.TrainerClient.sync>`.
+        """
+        if not isinstance(source, NamedTensors) or request.layout is not Layout.FLATTENED:
+            raise ValueError("deltas are sent from (name, tensor) pairs in the flattened layout")
+        self._deltas.anchor_every = self._settings.delta_anchor_every
+        deltas: DeltaSync[BroadcastRequest] = DeltaSync(
+            self._deltas,
+            source,
+            dtype,
+            lambda: [e.target for e in self._fleet.engines],  # those taking part, at each attempt
+            lambda r, p: self._runner.run(dataclasses.replace(r, delta=p), source),
+        )
+        with self._exclusive(timeout_s):
+            return deltas.applied(self._roster.run(policy or self._policy, request, deltas.attempt))
 
     @contextlib.contextmanager
     def _exclusive(self, timeout_s: float | None = None) -> Iterator[None]:
