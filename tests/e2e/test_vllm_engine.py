@@ -106,24 +106,48 @@ def test_sync_changes_outputs_and_originals_restore_them(
     assert st.weight_version == CHECKPOINT_VERSION and not st.dirty and st.updates_completed >= 2
 
 
-def test_a_delta_to_vllm_is_refused_before_any_byte_moves_and_sent_whole(
+def test_deltas_into_vllm_are_served_bit_exact_staged_and_streaming(
     at_checkpoint: Vllm, originals: dict[str, torch.Tensor]
 ) -> None:
-    """vLLM's workers take no deltas yet: the engine refuses one at Prepare (UNIMPLEMENTED DELTA_UNIMPLEMENTED,
-    nothing sent) and a client with deltas on syncs whole at once; the engine serves the trainer's tensors."""
+    """vLLM's workers cannot read back what they serve (fused, sliced, prepacked): a client with deltas on asks
+    every update to leave a copy of its tensors in the workers (``PrepareHeader.delta_base``), and its deltas,
+    staged and streaming, apply through vLLM's own loaders, a few percent of the bytes each, bit-exact. A sync
+    without deltas between makes the next one whole (refused for its base, before any byte moves); a delta
+    naming weights whose update kept no copy is refused (FAILED_PRECONDITION NO_DELTA_BASE)."""
     engine = at_checkpoint
     new = perturbed(originals, seed=5)
     with TrainerClient([engine.target], group_timeout_s=60, delta=True) as c:
         first = c.sync(new.items(), "delta-0", dtype=SERVED)
         assert first.delta is not None and first.delta.base_version == ""
         assert first.engines[engine.target].weight_identity == engine.status().weight_identity != ""
-        newer = perturbed(originals, seed=6)
-        r = c.sync(newer.items(), "delta-1", dtype=SERVED)
-        assert r.delta is not None and r.delta.base_version == "", r.delta  # refused, then whole
-        assert r.wire_bytes == first.wire_bytes
-        assert_serves(c, engine.target, newer, "delta-1")
-        c.sync(originals.items(), CHECKPOINT_VERSION, delta=False)
+        for i, mode in enumerate(["staged", "streaming", "staged"], start=1):
+            g = torch.Generator().manual_seed(i)
+            for t in new.values():  # about 1% of every matrix moves
+                if t.dim() == 2:
+                    t[torch.rand(t.shape, generator=g) < 0.01] += 0.05 * t.std()
+            r = c.sync(new.items(), f"delta-{i}", dtype=SERVED, apply_mode=mode)  # type: ignore[arg-type]
+            assert r.delta is not None and r.delta.base_version == f"delta-{i - 1}", r.delta
+            assert r.wire_bytes < 0.1 * first.wire_bytes, (r.wire_bytes, first.wire_bytes)
+            assert r.engines[engine.target].buckets_verified == r.bucket_count
+            assert_serves(c, engine.target, new, f"delta-{i}")
+        c.sync(originals.items(), "plain", dtype=SERVED, delta=False)  # keeps no copy
+        r = c.sync(new.items(), "delta-4", dtype=SERVED)
+        assert r.delta is not None and r.delta.base_version == "", r.delta  # refused for its base: whole
+        assert_serves(c, engine.target, new, "delta-4")
+        c.sync(originals.items(), CHECKPOINT_VERSION, dtype=SERVED, delta=False)
         assert_serves(c, engine.target, originals, CHECKPOINT_VERSION)
+    st = engine.status()
+    header = pb.PrepareHeader(
+        weight_version="x",
+        bucket_count=1,
+        base_weight_version=CHECKPOINT_VERSION,
+        base_weight_identity=st.weight_identity,
+    )
+    with grpc.insecure_channel(engine.target) as ch, pytest.raises(grpc.RpcError) as e:
+        weight_sync_pb2_grpc.WeightSyncServiceStub(ch).Prepare(iter([pb.PrepareRequest(header=header)]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+    assert "NO_DELTA_BASE" in str(e.value.trailing_metadata())  # type: ignore[attr-defined]
+    assert engine.status().weight_identity == st.weight_identity
 
 
 @pytest.mark.parametrize("apply_mode", ["staged", "streaming"])

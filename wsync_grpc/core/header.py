@@ -60,6 +60,8 @@ class UpdateHeader:
         base_weight_version: a delta's base version (``wsync.v1.PrepareHeader.base_weight_version``); empty: a
             whole update.
         base_weight_identity: the engine-issued identity of that base (``GetStatusResponse.weight_identity``).
+        delta_base: be ready to take a delta against what this update leaves served
+            (``wsync.v1.PrepareHeader.delta_base``: workers that cannot read it back keep a copy).
     """
 
     update_id: str
@@ -76,6 +78,7 @@ class UpdateHeader:
     shared_memory: SharedMemoryHandle | None = None
     base_weight_version: str = ""
     base_weight_identity: str = ""
+    delta_base: bool = False
 
     @property
     def delta(self) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from wsync_grpc.core.delta import DeltaCoding, Positions
 from wsync_grpc.core.digests import Digest, DigestAlgorithm
 from wsync_grpc.core.dtypes import dtype_name, parse_dtype
 from wsync_grpc.core.engine import ReceiverProgress
@@ -68,6 +69,26 @@ def digests_from_msg(m: Sequence[Sequence[Any]]) -> dict[int, Digest]:
     return {int(i): Digest(DigestAlgorithm(str(a)), bytes(v)) for i, a, v in m}
 
 
+def _delta_to_msg(d: DeltaCoding) -> dict[str, Any]:
+    """A slot's delta coding, as the one dict that may end its list (a piece is two lists there)."""
+    return {"delta": [d.positions.value, d.changed, d.positions_bytes]}
+
+
+def _delta_from_msg(extra: Sequence[Any]) -> DeltaCoding | None:
+    """The delta coding at the end of a slot's list, if any."""
+    if len(extra) == 1 and isinstance(extra[0], Mapping):
+        positions, changed, positions_bytes = extra[0]["delta"]
+        return DeltaCoding(Positions(str(positions)), int(changed), int(positions_bytes))
+    return None
+
+
+def _piece_from_msg(extra: Sequence[Any]) -> Piece | None:
+    """The piece at the end of a slot's list (its global shape and offsets), if any."""
+    if len(extra) == 2:
+        return Piece(tuple(int(d) for d in extra[0]), tuple(int(o) for o in extra[1]))
+    return None
+
+
 def bucket_to_msg(b: Bucket) -> dict[str, Any]:
     """One bucket as a msgpack-native dict (inverse: :func:`bucket_from_msg`)."""
     return {
@@ -78,6 +99,7 @@ def bucket_to_msg(b: Bucket) -> dict[str, Any]:
         "tensors": [
             [t.name, dtype_name(t.dtype), list(t.shape), t.offset, t.nbytes, t.canonical, t.load]
             + ([] if t.piece is None else [list(t.piece.global_shape), list(t.piece.offsets)])
+            + ([] if t.delta is None else [_delta_to_msg(t.delta)])
             for t in b.tensors
         ],
     }
@@ -98,9 +120,10 @@ def bucket_from_msg(m: Mapping[str, Any]) -> Bucket:
             nbytes=int(nbytes),
             canonical=str(canonical),
             load=bool(load),
-            piece=Piece(tuple(int(d) for d in piece[0]), tuple(int(o) for o in piece[1])) if piece else None,
+            piece=_piece_from_msg(extra),
+            delta=_delta_from_msg(extra),
         )
-        for name, dtype, shape, offset, nbytes, canonical, load, *piece in m["tensors"]
+        for name, dtype, shape, offset, nbytes, canonical, load, *extra in m["tensors"]
     )
     return Bucket(
         index=int(m["index"]),
@@ -131,6 +154,7 @@ def plan_to_msg(p: ReceivePlan) -> dict[str, Any]:
         "digests_follow": p.digests_follow,
         "update_id": p.update_id,
         "shared_memory": dataclasses.asdict(p.shared_memory) if p.shared_memory is not None else None,
+        "keep_base": p.keep_base,
     }
 
 
@@ -155,6 +179,7 @@ def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
         },
         timeout_s=float(m["timeout_s"]),
         digests_follow=bool(m.get("digests_follow", False)),
+        keep_base=bool(m.get("keep_base", False)),
     )
 
 

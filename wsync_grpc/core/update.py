@@ -146,6 +146,9 @@ class ReceivePlan:
             ``""`` where none was given.
         shared_memory: where a shared-memory update's segment is handed over (``PrepareHeader.shared_memory``);
             ``None`` for other transports.
+        keep_base: every worker keeps a copy of the update's tensors (in the wire dtype, by canonical name) once
+            applied, the base a later delta is applied to (``PrepareHeader.delta_base``, on an engine whose workers
+            cannot read back what they serve).
     """
 
     transport: Transport
@@ -159,6 +162,7 @@ class ReceivePlan:
     digests_follow: bool = False
     update_id: str = ""
     shared_memory: SharedMemoryHandle | None = None
+    keep_base: bool = False
 
     @property
     def streaming(self) -> bool:

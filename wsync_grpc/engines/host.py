@@ -121,15 +121,20 @@ class Preparation(Protocol):
 
 
 class _ModelTarget:
-    """The worker's model as a receiver's streaming target (:class:`~wsync_grpc.core.engine.WeightTarget`).
+    """The worker's model as a receiver's target (:class:`~wsync_grpc.core.engine.WeightTarget`).
 
-    Loads go through the glue inside the reload the update began; the tensors
+    Loads (streaming) go through the glue inside the reload the update began; the tensors
     are copied first, because an engine may keep a layer's loads until all of
-    its tensors arrived, and the receiver reuses its buffers at once.
+    its tensors arrived, and the receiver reuses its buffers at once. The served tensors cannot be read
+    back (fused, sliced, prepacked): a delta's base is the copy the worker kept of the update that wrote
+    them (``base``, by canonical name, in the wire dtype), and what this update loads is kept for the next
+    in ``kept`` when the update asks (:attr:`~wsync_grpc.core.update.ReceivePlan.keep_base`).
     """
 
-    def __init__(self, glue: ModelGlue) -> None:
+    def __init__(self, glue: ModelGlue, base: Mapping[str, torch.Tensor], kept: dict[str, torch.Tensor] | None) -> None:
         self._glue = glue
+        self._base = base
+        self._kept = kept
         self._lock = threading.Lock()
 
     def weights_lock(self) -> contextlib.AbstractContextManager[object]:
@@ -138,10 +143,17 @@ class _ModelTarget:
     def load_weights(self, worker: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         owned = [(n, t.clone()) for n, t in tensors]
         self._glue.load(owned)
+        if self._kept is not None:
+            self._kept.update(owned)
         return len(owned)
 
     def get_weight(self, name: str) -> torch.Tensor:
-        raise KeyError(name)
+        """The kept copy of what the worker serves as ``name``, in the wire dtype of the update that wrote it.
+
+        Raises:
+            KeyError: the worker kept none.
+        """
+        return self._base[name]
 
 
 class WorkerHost:
@@ -168,6 +180,10 @@ class WorkerHost:
         self._swap: Swap | None = None
         self._preparer: threading.Thread | None = None
         self._arrived = threading.Event()  # set by the receiver after each bucket and at its end
+        self.base: dict[str, torch.Tensor] = {}
+        """The tensors the worker serves, as the updates that wrote them sent them (canonical name -> tensor in the
+        wire dtype), kept where those updates asked (``ReceivePlan.keep_base``): the base of a delta."""
+        self._kept: dict[str, torch.Tensor] | None = None  # what the update in flight keeps, once applied
         self.background_cpus: frozenset[int] = frozenset()
         """CPUs the update's threads (receiver, preparation) run on; empty: where the worker's main thread runs."""
 
@@ -240,9 +256,10 @@ class WorkerHost:
         if plan.closed:
             self.feed.close()
         self.cancel = threading.Event()
+        self._kept = {} if plan.keep_base else None
         if plan.streaming:
             self._begin_reload()
-        target = _ModelTarget(self.glue) if plan.payload is Payload.WEIGHTS else STAGED_APART
+        target = _ModelTarget(self.glue, self.base, self._kept) if plan.payload is Payload.WEIGHTS else STAGED_APART
         site = ReceiveSite(
             self.global_rank,
             self.device,
@@ -347,6 +364,9 @@ class WorkerHost:
         try:
             if self._preparer is not None:
                 self._preparer.join(Deadline(timeout_s).left())
+            kept = self._kept
+            if kept is not None and not self.plan.streaming:  # copied out before the buffers go back to the pool
+                kept.update((n, t.detach().clone()) for named in r.staged for n, t in named)
             if self._swap is not None:
                 self._swap()
                 r.tensors_applied = sum(len(named) for named in r.staged)
@@ -357,7 +377,12 @@ class WorkerHost:
                     r.tensors_applied += len(named)
             if self._reloading:
                 self._end_reload()
+            if kept is not None:
+                self.base = {**self.base, **kept}  # the tensors it did not carry still serve as kept before
+            elif self.plan.payload is Payload.WEIGHTS:
+                self.base = {}  # base weights written with no copy kept: the copies stand for nothing any more
         finally:
+            self._kept = None
             self._swap = None
             r.release(reuse=True)
             self.receiver = None
@@ -402,10 +427,12 @@ class WorkerHost:
         if self._preparer is not None:
             self._preparer.join(timeout=60.0)  # it reads the received buffers
         self._swap = None
+        self._kept = None
         # A receive may still be posted into these buffers unless the thread ended.
         r.release(reuse=ended and r.error is None)
         self.receiver = None
         if self._reloading:
+            self.base = {}  # a reload cut short: what is served is no longer what any copy says
             self._end_reload()
 
     def _begin_reload(self) -> None:

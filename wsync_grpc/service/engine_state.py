@@ -21,7 +21,7 @@ import uuid
 from typing import Generic, Protocol, TypeVar
 
 from wsync_grpc.core.engine import Engine, PauseMode, PauseOutcome, RemoteWorkers
-from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, Unimplemented, WsyncError
+from wsync_grpc.core.errors import DeadlineExceeded, FailedPrecondition, WsyncError
 from wsync_grpc.core.header import UpdateHeader
 from wsync_grpc.core.lifecycle import Event, Lifecycle, State
 from wsync_grpc.core.ownership import Lease, Ownership, OwnerView
@@ -47,11 +47,14 @@ class InFlight(Protocol):
         error: why the update failed; ``None`` while it has not.
         auto_paused: the update paused the engine (a streaming update) and resumes it afterwards; an
             operator's pause clears it.
+        keeps_base: the engine's workers keep the update's tensors as the base of a later delta
+            (``PrepareHeader.delta_base``, workers that cannot read back what they serve).
     """
 
     header: UpdateHeader
     error: WsyncError | None
     auto_paused: bool
+    keeps_base: bool
 
     def progress(self) -> Progress:
         """Where the update stands (GetStatus). Lock held."""
@@ -106,6 +109,9 @@ class EngineState(Generic[UpdateT]):
         self.facts = EngineFacts.of(engine.name, specs, len(devices))
         self.weight_version = ""
         self.weight_identity = ""
+        self.worker_base_identity = ""
+        """The identity of the weights the workers keep a copy of, as the base of a delta (an engine whose workers
+        cannot read back what they serve); ``""``: none."""
         self.dirty = False
         self.dirty_paused = False
         self.updates_completed = 0
@@ -167,17 +173,13 @@ class EngineState(Generic[UpdateT]):
         """A delta (``h.delta``) applies only to the base it names, on clean weights this engine can read. Lock held.
 
         Raises:
-            Unimplemented: DELTA_UNIMPLEMENTED, the engine's weights live in other processes (vLLM's workers).
             FailedPrecondition: ENGINE_DIRTY; BASE_VERSION_MISMATCH, the engine serves another version, or the same
-                label with another identity (weights another trainer wrote, an engine restarted, a forced resume).
+                label with another identity (weights another trainer wrote, an engine restarted, a forced resume);
+                NO_DELTA_BASE, the engine's weights live in worker processes that kept no copy of them (the update
+                that wrote them did not ask: ``PrepareHeader.delta_base``).
         """
         if not h.delta:
             return
-        if isinstance(self.engine, RemoteWorkers):
-            raise Unimplemented(
-                "DELTA_UNIMPLEMENTED",
-                "this engine's weights live in its worker processes, which do not apply deltas yet: send whole updates",
-            )
         if self.dirty:
             raise FailedPrecondition(
                 "ENGINE_DIRTY",
@@ -191,6 +193,12 @@ class EngineState(Generic[UpdateT]):
                 "update",
                 served_version=self.weight_version,
                 served_identity=self.weight_identity,
+            )
+        if isinstance(self.engine, RemoteWorkers) and self.worker_base_identity != self.weight_identity:
+            raise FailedPrecondition(
+                "NO_DELTA_BASE",
+                "this engine's workers cannot read back the weights they serve and kept no copy of them: the update "
+                "that wrote them did not ask for one (PrepareHeader.delta_base); send a whole update that does",
             )
 
     def start_update(self, update: UpdateT) -> None:
@@ -206,6 +214,7 @@ class EngineState(Generic[UpdateT]):
         if base:
             self.weight_version = update.header.weight_version
             self.weight_identity = uuid.uuid4().hex
+            self.worker_base_identity = self.weight_identity if update.keeps_base else ""
             self.dirty = False
         self.updates_completed += 1
         self.update = None
@@ -227,7 +236,7 @@ class EngineState(Generic[UpdateT]):
         """Flag half-updated weights and keep the engine paused until an update succeeds (``auto_paused``: the
         failed update had paused the engine itself). Lock held."""
         self.dirty = True
-        self.weight_identity = ""
+        self.weight_identity = self.worker_base_identity = ""
         if may_step(self.engine):  # serving, or a WAIT pause whose requests still run
             self.dirty_paused = not self.engine.is_paused()
             self.engine.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)

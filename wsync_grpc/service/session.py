@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from opentelemetry.context import Context
 
 from wsync_grpc.core.digests import Digest
-from wsync_grpc.core.engine import PauseMode
+from wsync_grpc.core.engine import PauseMode, RemoteWorkers
 from wsync_grpc.core.errors import (
     Aborted,
     DeadlineExceeded,
@@ -51,6 +51,7 @@ from wsync_grpc.core.errors import (
     clip,
     domain_error,
 )
+from wsync_grpc.core.header import DELTA_TRANSPORTS
 from wsync_grpc.core.layout import with_digests
 from wsync_grpc.core.lifecycle import Event
 from wsync_grpc.core.lora import LoraAdapters
@@ -137,6 +138,8 @@ class UpdateSession:
         self.completing = self.verifying = self.verified = False
         self.verify_s = 0.0
         self.auto_paused = False
+        self.keeps_base = False
+        """The engine's workers keep this update's tensors as the base of a later delta (set at :meth:`start`)."""
         self.held_watches = 0
         self.error: WsyncError | None = None
         self.trace_context: Context | None = None
@@ -156,6 +159,12 @@ class UpdateSession:
             eng.engine.pause(PauseMode.KEEP, DEFAULT_PAUSE_TIMEOUT_S)
         eng.start_update(self)
         h = self.header
+        self.keeps_base = (
+            h.delta_base
+            and self.payload is Payload.WEIGHTS
+            and h.transport in DELTA_TRANSPORTS
+            and isinstance(eng.engine, RemoteWorkers)
+        )
         plan = ReceivePlan(
             transport=h.transport,
             payload=self.payload,
@@ -168,6 +177,7 @@ class UpdateSession:
             digests_follow=h.digests_follow,
             update_id=h.update_id,
             shared_memory=h.shared_memory,
+            keep_base=self.keeps_base,
         )
         self.workers = update_workers(
             eng.engine,

@@ -195,7 +195,7 @@ class DeltaTracker:
             self._identities.pop(t, None)
 
 
-REFUSED_BASE = ("BASE_VERSION_MISMATCH", "ENGINE_DIRTY", "DELTA_UNIMPLEMENTED", "DELTA_DTYPE", "MISSING_BASE_IDENTITY")
+REFUSED_BASE = ("BASE_VERSION_MISMATCH", "ENGINE_DIRTY", "NO_DELTA_BASE", "DELTA_DTYPE", "MISSING_BASE_IDENTITY")
 """The reasons an engine refuses a delta at Prepare for what it serves or is: it takes a whole update instead."""
 
 R = TypeVar("R")

@@ -196,8 +196,8 @@ class BroadcastRequest(UpdateRequest):
         """The header of a broadcast: the buckets the Prepare stream declares and their wire bytes (a delta's
         base version too; each engine's identity of it is :meth:`header_for`'s)."""
         h = self._header(self.layout, bucket_count, total_bytes, digests_follow, adapter=self.adapter)
-        if self.delta is not None and self.delta.is_delta:
-            h = dataclasses.replace(h, base_weight_version=self.delta.base_version)
+        if self.delta is not None:  # deltas on: every update leaves the engines ready for the next delta
+            h = dataclasses.replace(h, delta_base=True, base_weight_version=self.delta.base_version)
         return h
 
     def header_for(self, header: UpdateHeader, target: str) -> UpdateHeader:

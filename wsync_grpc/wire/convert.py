@@ -150,6 +150,7 @@ def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
         shared_memory=shared_memory_from_proto(h.shared_memory) if h.HasField("shared_memory") else None,
         base_weight_version=h.base_weight_version,
         base_weight_identity=h.base_weight_identity,
+        delta_base=h.delta_base,
     )
 
 
@@ -177,6 +178,7 @@ def header_to_proto(h: UpdateHeader, owner: str = "") -> pb.PrepareHeader:
         shared_memory=shared_memory_to_proto(h.shared_memory) if h.shared_memory is not None else None,
         base_weight_version=h.base_weight_version,
         base_weight_identity=h.base_weight_identity,
+        delta_base=h.delta_base,
     )
 
 

@@ -797,6 +797,7 @@ class PrepareHeader(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _builtins.int
     BASE_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     BASE_WEIGHT_IDENTITY_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id identifies the update in Update, Complete, Cancel and the
     status. Empty means the engine assigns one and returns it.
@@ -866,14 +867,26 @@ class PrepareHeader(_message.Message):
     BASE_VERSION_MISMATCH, ENGINE_DIRTY, before any byte moves); broadcast
     and shared-memory transports, flattened layout and base weights only
     (INVALID_ARGUMENT DELTA_UNSUPPORTED otherwise); an engine whose workers
-    cannot read their served weights answers UNIMPLEMENTED
-    DELTA_UNIMPLEMENTED. The digest of a bucket with a delta entry is of the
-    tensors it results in (see BucketDigest). Empty means a whole update.
+    cannot read their served weights needs the copy the base's update asked
+    for (delta_base; FAILED_PRECONDITION NO_DELTA_BASE otherwise). The
+    digest of a bucket with a delta entry is of the tensors it results in
+    (see BucketDigest). Empty means a whole update.
     """
     base_weight_identity: _builtins.str
     """base_weight_identity is the engine's weight_identity (GetStatusResponse,
     CompleteResponse) of the weights a delta applies to. Required with
     base_weight_version; empty otherwise.
+    """
+    delta_base: _builtins.bool
+    """delta_base asks the engine to be ready to take a delta against the
+    weights this update leaves it serving: an engine whose workers cannot
+    read back what they serve (vLLM's, whose layers are fused, sliced and
+    prepacked) then keeps, in each worker, a copy of the update's tensors in
+    the wire dtype (2 bytes per parameter for bfloat16, per worker) until
+    the next update of base weights; engines that read their served weights
+    back ignore it. A delta to an engine whose workers hold no such copy
+    fails with FAILED_PRECONDITION NO_DELTA_BASE. Default false: keep
+    nothing.
     """
     @_builtins.property
     def adapter(self) -> Global___AdapterSpec:
@@ -912,10 +925,11 @@ class PrepareHeader(_message.Message):
         shared_memory: Global___SharedMemoryHandle | None = ...,
         base_weight_version: _builtins.str = ...,
         base_weight_identity: _builtins.str = ...,
+        delta_base: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "shared_memory", b"shared_memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "base_weight_identity", b"base_weight_identity", "base_weight_version", b"base_weight_version", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "shared_memory", b"shared_memory", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "base_weight_identity", b"base_weight_identity", "base_weight_version", b"base_weight_version", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "delta_base", b"delta_base", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "shared_memory", b"shared_memory", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
