@@ -9,6 +9,7 @@ trainer's tensors in the wire dtype; every byte count is what the engine says it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -315,3 +316,96 @@ def test_a_trainer_killed_mid_delta_leaves_staged_engines_at_their_base_and_stre
             assert r.delta is not None and r.delta.base_version == ""  # a new trainer process starts whole
             assert served(client)[srv.address] == expected(new)
             assert not status(stub).dirty
+
+
+class Fleet:
+    """Three tensor engines behind real servers, one of which (``c``) can be restarted at its address."""
+
+    def __init__(self) -> None:
+        self.servers: dict[str, Any] = {}
+        self.engines: dict[str, TensorEngine] = {}
+        self._stack = contextlib.ExitStack()
+
+    def start(self, name: str, seed: int, port: int = 0) -> str:
+        engine = TensorEngine(synthetic.build("tiny", seed=seed), aliases=synthetic.aliases("tiny"))
+        srv, _stub = self._stack.enter_context(
+            in_process_server(engine, port=port) if port else in_process_server(engine)
+        )
+        self.servers[name], self.engines[name] = srv, engine
+        return str(srv.address)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def test_a_fleet_with_an_engine_behind_takes_one_mixed_commit() -> None:
+    """Three engines at the client's base; one restarts (other weights, no identity). The next staged sync refuses
+    nothing twice: that engine takes the whole weights over a group of its own while the other two take the delta
+    over theirs, in one commit; each engine received what it was sent (counted by the engine), all three serve the
+    trainer's tensors exactly, and the sync after that is a delta to all three."""
+    new = synthetic.build("tiny", seed=7)
+    fleet = Fleet()
+    try:
+        targets = [fleet.start("a", 0), fleet.start("b", 1)]
+        restarted = TensorEngine(synthetic.build("tiny", seed=2), aliases=synthetic.aliases("tiny"))
+        with in_process_server(restarted) as (old_c, _stub):
+            port = old_c.port
+            targets.append(old_c.address)
+            with TrainerClient(targets, delta=True, **SMALL) as client:  # type: ignore[arg-type]
+                first = client.sync(new.items(), "v0")
+                whole = first.wire_bytes
+                # c restarts at its address with other weights: it serves no identity the client knows
+                old_c.stop(0)
+                c = fleet.start("c", 3, port=port)
+                perturb(new, 0.01, 1)
+                phases: list[str] = []
+                r = client.sync(new.items(), "v1", on_phase=phases.append)
+                assert r.delta is not None and r.delta.base_version == "v0" and r.delta.whole_targets == (c,), r.delta
+                received = {t: e.bytes_received for t, e in r.engines.items()}
+                assert received[c] == whole, received
+                assert all(received[t] < 0.06 * whole for t in targets[:2]), received
+                assert list(r.engines) == targets and r.wire_bytes == sum(received[t] for t in (targets[0], c))
+                assert phases.count("verified") == 2 and phases[-1] == "applied"
+                got = served(client)
+                assert got == {t: expected(new) for t in targets}
+                assert len({e.weight_identity for e in r.engines.values()}) == 3
+                perturb(new, 0.01, 2)
+                r = client.sync(new.items(), "v2")
+                assert r.delta is not None and r.delta.base_version == "v1" and r.delta.whole_targets == ()
+                assert all(e.bytes_received < 0.06 * whole for e in r.engines.values())
+                assert served(client) == {t: expected(new) for t in targets}
+    finally:
+        fleet.close()
+
+
+def test_a_mixed_commit_applies_nothing_when_the_delta_part_fails() -> None:
+    """The engine behind (restarted) verified its whole update; then the engine at the base goes away before the
+    delta's Prepare: the delta fails, the whole update is cancelled before it applied, and the engine behind serves
+    what it served before (one commit: all or nothing)."""
+    new = synthetic.build("tiny", seed=7)
+    fleet = Fleet()
+    try:
+        a = fleet.start("a", 0)
+        old_b = TensorEngine(synthetic.build("tiny", seed=1), aliases=synthetic.aliases("tiny"))
+        with in_process_server(old_b) as (srv_b, _stub):
+            b, port = srv_b.address, srv_b.port
+            client = TrainerClient([a, b], delta=True, **SMALL)  # type: ignore[arg-type]
+            client.sync(new.items(), "v0")
+        with contextlib.closing(client):
+            fleet.start("b", 5, port=port)  # restarted: behind
+            before_b = {n: t.clone() for n, t in fleet.engines["b"].tensors.items()}
+            perturb(new, 0.01, 1)
+
+            def stop_a_once_b_verified(phase: str) -> None:
+                if phase == "verified" and fleet.servers["a"] is not None:
+                    fleet.servers["a"].stop(0)
+                    fleet.servers["a"] = None
+
+            with pytest.raises(SyncError) as e:
+                client.sync(new.items(), "v1", on_phase=stop_a_once_b_verified)
+            assert a in e.value.failures, e.value
+            for n, t in fleet.engines["b"].tensors.items():
+                assert torch.equal(t, before_b[n]), n  # b verified the whole update but never applied it
+            assert fleet.engines["b"].weight_version == ""
+    finally:
+        fleet.close()

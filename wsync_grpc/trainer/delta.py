@@ -23,11 +23,13 @@ flattened layout; the broadcast and shared-memory transports.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -53,6 +55,8 @@ class DeltaPayload:
         identities: target -> the identity of the base that engine serves (each engine's Prepare names its own).
         entries: name -> its delta entry, for the tensors sent as one.
         summary: what the payload holds.
+        whole_targets: engines taking part that are not at the base: they take the same weights whole, in the same
+            commit (:class:`DeltaSync`); empty: every engine takes the delta.
     """
 
     wires: Mapping[str, torch.Tensor]
@@ -60,6 +64,12 @@ class DeltaPayload:
     identities: Mapping[str, str] = field(default_factory=dict)
     entries: Mapping[str, EncodedTensor] = field(default_factory=dict)
     summary: DeltaSummary | None = None
+    whole_targets: tuple[str, ...] = ()
+
+    @property
+    def whole(self) -> DeltaPayload:
+        """The same tensors as a whole update (no base)."""
+        return DeltaPayload(self.wires, summary=self.summary.as_whole() if self.summary is not None else None)
 
     @property
     def is_delta(self) -> bool:
@@ -116,26 +126,22 @@ class DeltaTracker:
         """The identity engine ``target`` answered the last sync with; ``""``: none known."""
         return self._identities.get(target, "")
 
-    def payload(
-        self, source: NamedTensors, dtype: torch.dtype | None, targets: Sequence[str], whole: bool = False
-    ) -> DeltaPayload:
-        """The next update's tensors in the wire dtype and, when every engine of ``targets`` serves the base, the
-        delta entries of those that changed little enough.
+    def encode(self, source: NamedTensors, dtype: torch.dtype | None) -> DeltaPayload:
+        """The next update's tensors in the wire dtype and, unless a whole update is due (no base yet, or an
+        anchor), the delta entries against the base of those that changed little enough; for no engine yet
+        (:meth:`for_targets`).
 
         Args:
             source: the tensors to send.
             dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
-            targets: the engines taking part.
-            whole: send a whole update anyway.
 
         Raises:
             ValueError: a name appears twice.
         """
         t0 = time.monotonic()
         metas: Sequence[TensorMeta] = source.metadata()
-        identities = {t: self._identities.get(t, "") for t in targets}
         anchor = self.anchor_every > 0 and self._deltas_in_a_row >= self.anchor_every
-        use_base = bool(self.version) and not whole and not anchor and all(identities.values()) and bool(targets)
+        diff = bool(self.version) and not anchor
         wires: dict[str, torch.Tensor] = {}
         entries: dict[str, EncodedTensor] = {}
         changed = total = whole_bytes = values = positions = 0
@@ -147,9 +153,9 @@ class DeltaTracker:
                 wires[meta.name] = w
                 total += w.numel()
                 whole_bytes += w.nbytes
-                base = self._base.get(meta.name) if use_base else None
+                base = self._base.get(meta.name) if diff else None
                 if base is None or base.dtype != w.dtype or base.shape != w.shape:
-                    changed += w.numel() if use_base else 0
+                    changed += w.numel()
                     continue
                 entry = encode(w, base)
                 if entry is None:
@@ -159,20 +165,24 @@ class DeltaTracker:
                 values += entry.coding.values_bytes(w.element_size())
                 positions += entry.coding.positions_bytes
                 entries[meta.name] = entry
+        version = self.version if diff else ""
         summary = DeltaSummary(
-            self.version if use_base else "",
-            len(metas),
-            len(entries),
-            changed if use_base else total,
-            total,
-            time.monotonic() - t0,
-            whole_bytes,
-            values,
-            positions,
+            version, len(metas), len(entries), changed, total, time.monotonic() - t0, whole_bytes, values, positions
         )
-        if not use_base:
-            return DeltaPayload(wires, summary=summary)
-        return DeltaPayload(wires, self.version, identities, entries, summary)
+        return DeltaPayload(wires, version, {}, entries, summary)
+
+    def for_targets(self, encoded: DeltaPayload, targets: Sequence[str], mixed: bool = False) -> DeltaPayload:
+        """``encoded`` (:meth:`encode`) for the engines ``targets``: a delta to those at the base, each named by its
+        identity, when that is every one of them or, ``mixed``, at least one (the others then in
+        :attr:`DeltaPayload.whole_targets`); whole otherwise.
+        """
+        identities = {t: self._identities.get(t, "") for t in targets}
+        at_base = {t: i for t, i in identities.items() if i}
+        behind = tuple(t for t in targets if not identities[t])
+        if not encoded.is_delta or not at_base or (behind and not mixed):
+            return encoded.whole
+        summary = dataclasses.replace(encoded.summary, whole_targets=behind) if encoded.summary is not None else None
+        return dataclasses.replace(encoded, identities=at_base, summary=summary, whole_targets=behind)
 
     def applied(self, version: str, payload: DeltaPayload, engines: Mapping[str, EngineSyncResult]) -> None:
         """``payload`` was applied as ``version`` on ``engines``: it is the base of the next sync.
@@ -202,20 +212,52 @@ R = TypeVar("R")
 """The type of the request an attempt runs."""
 
 
+class DeltaRuns(Protocol[R]):
+    """How :class:`DeltaSync` runs its updates (the client's runner and roster)."""
+
+    def run(self, request: R, payload: DeltaPayload, before_commit: Callable[[], None] | None) -> SyncResult:
+        """Run ``request`` once, with ``payload`` as its tensors, over the engines taking part (``before_commit``:
+        see :meth:`UpdateRunner.run <wsync_grpc.trainer.runner.UpdateRunner.run>`).
+
+        Raises:
+            SyncError: the update failed; it was abandoned on every engine.
+        """
+        ...
+
+    def taking_part(self, targets: Collection[str]) -> AbstractContextManager[None]:
+        """Only ``targets`` take part inside the block."""
+        ...
+
+    def fresh(self, request: R) -> R:
+        """``request`` again under a new update id."""
+        ...
+
+
 class DeltaSync(Generic[R]):
     """One sync with deltas on, as the fleet's attempts run it (``Roster.run`` may run an update again over fewer
-    engines): each attempt sends a delta when every engine taking part then serves the tracker's base, else whole;
-    the base moves on once the sync succeeded (:meth:`applied`).
+    engines); the base moves on once the sync succeeded (:meth:`applied`).
+
+    At each attempt, over the engines then taking part:
+
+    - every one answered the client's last sync with an identity: a delta to them all;
+    - some did and some did not (behind, restarted, new), in a staged sync: a **mixed** one, in one fleet
+      commit: the whole weights to those behind, over a group of their own, verified; then the delta to the
+      others over theirs, verified and applied; then the whole update applied (between its two phases:
+      :meth:`UpdateProtocol.transfer_and_commit <wsync_grpc.trainer.protocol.UpdateProtocol.transfer_and_commit>`).
+      No engine applies anything unless every one of both updates verified. One broadcast reaches every member
+      of a group, so the two payloads cannot share one;
+    - otherwise (none at the base, or a streaming sync with one behind): whole.
 
     An engine that refuses the delta for its base (:data:`REFUSED_BASE`: restarted, written by another trainer,
-    dirty, its weights in worker processes; nothing was sent) makes the attempt run again whole, at once.
+    dirty, no copy kept in its workers; nothing was sent) makes the attempt run again whole, at once.
 
     Args:
         tracker: the client's last update and its engines' identities.
         source: the tensors to send.
         dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
         targets: the engines taking part, asked at each attempt.
-        run: runs one attempt of ``request`` with the payload given (the request's ``delta``).
+        runs: how the updates run.
+        mixed: a mixed sync is allowed (a staged one).
     """
 
     def __init__(
@@ -224,34 +266,71 @@ class DeltaSync(Generic[R]):
         source: NamedTensors,
         dtype: torch.dtype | None,
         targets: Callable[[], Sequence[str]],
-        run: Callable[[R, DeltaPayload], SyncResult],
+        runs: DeltaRuns[R],
+        mixed: bool,
     ) -> None:
         self._tracker = tracker
         self._source = source
         self._dtype = dtype
         self._targets = targets
-        self._run = run
+        self._runs = runs
+        self._mixed = mixed
+        self._encoded: DeltaPayload | None = None
         self._sent: DeltaPayload | None = None
 
     def attempt(self, request: R) -> SyncResult:
-        """Run ``request`` once over the engines taking part: a delta if they all serve the base, else whole.
+        """Run ``request`` once over the engines taking part (see the class).
 
         Raises:
-            SyncError: as ``run``'s (a refusal for the base is answered by a whole attempt instead).
+            SyncError: as the runs' (a refusal for the base is answered by an attempt that sends the refusing
+                engines the whole weights instead).
         """
-        payload = self._tracker.payload(self._source, self._dtype, self._targets())
-        self._sent = payload
-        try:
-            return self._run(request, payload)
-        except SyncError as e:
-            refused = e.stage == "prepare" and e.failures and all(f.reason in REFUSED_BASE for f in e.failures.values())
-            if not (payload.is_delta and refused):
-                raise
-            log.info("engines %s refused the delta for their base; syncing whole", sorted(e.failures))
-            self._tracker.forget(list(e.failures))
-            summary = payload.summary.as_whole() if payload.summary is not None else None
-            self._sent = DeltaPayload(payload.wires, summary=summary)
-            return self._run(request, self._sent)
+        if self._encoded is None:  # once per sync: the attempts differ only by the engines taking part
+            self._encoded = self._tracker.encode(self._source, self._dtype)
+        targets = list(self._targets())
+        for again in (False, True):
+            payload = self._tracker.for_targets(self._encoded, targets, mixed=self._mixed)
+            self._sent = payload
+            try:
+                if payload.whole_targets:
+                    return self._mixed_sync(request, payload, targets)
+                return self._runs.run(request, payload, None)
+            except SyncError as e:
+                refused = e.stage == "prepare" and bool(e.failures)
+                refused = refused and all(f.reason in REFUSED_BASE for f in e.failures.values())
+                if again or not (payload.is_delta and refused):
+                    raise
+                log.info("engines %s refused the delta for their base; they take the weights whole", sorted(e.failures))
+                self._tracker.forget(list(e.failures))
+                request = self._runs.fresh(request)
+        raise AssertionError("unreachable")
+
+    def _mixed_sync(self, request: R, payload: DeltaPayload, targets: Sequence[str]) -> SyncResult:
+        """The whole weights to ``payload.whole_targets`` and the delta to the others, in one commit.
+
+        Raises:
+            SyncError: either update failed; both were abandoned (nothing applied), or, failing in an engine's own
+                apply, as the fleet commit says.
+        """
+        at_base = [t for t in targets if t in payload.identities]
+        delta: list[SyncResult] = []
+
+        def delta_part() -> None:  # the whole update verified: now the delta, up to its own commit
+            with self._runs.taking_part(at_base):
+                delta.append(self._runs.run(self._runs.fresh(request), payload, None))
+
+        with self._runs.taking_part(payload.whole_targets):
+            whole = self._runs.run(request, payload.whole, delta_part)
+        (d,) = delta
+        engines = {**whole.engines, **d.engines}
+        return dataclasses.replace(
+            whole,
+            engines={t: engines[t] for t in targets if t in engines},
+            bucket_count=whole.bucket_count + d.bucket_count,
+            wire_bytes=whole.wire_bytes + d.wire_bytes,
+            payload_bytes=whole.payload_bytes + d.payload_bytes,
+            delta=d.delta,
+        )
 
     def applied(self, result: SyncResult) -> SyncResult:
         """The sync succeeded with ``result``: what its last attempt sent is the base of the next; returns it."""

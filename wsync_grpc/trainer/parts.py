@@ -16,16 +16,16 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from wsync_grpc.core.layout import Layout, Transport
+from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.trainer.deadline import CancelSignal, check_timeout
-from wsync_grpc.trainer.delta import DeltaSync, DeltaTracker
+from wsync_grpc.trainer.delta import DeltaPayload, DeltaSync, DeltaTracker
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -41,6 +41,27 @@ from wsync_grpc.trainer.source import NamedTensors, WeightSource
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 from wsync_grpc.transports.sending import ONE_PROCESS, SendSite, TrainerPeers, TransportSender
 from wsync_grpc.wire.keepalive import Keepalive
+
+
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+    """How a sync with deltas runs its updates (:class:`~wsync_grpc.trainer.delta.DeltaRuns`): the client's runner
+    over the engines its roster lets take part."""
+
+    runner: UpdateRunner
+    roster: Roster
+    source: WeightSource
+
+    def run(
+        self, request: BroadcastRequest, payload: DeltaPayload, before_commit: Callable[[], None] | None
+    ) -> SyncResult:
+        return self.runner.run(dataclasses.replace(request, delta=payload), self.source, before_commit)
+
+    def taking_part(self, targets: Collection[str]) -> contextlib.AbstractContextManager[None]:
+        return self.roster.taking_part(targets)
+
+    def fresh(self, request: BroadcastRequest) -> BroadcastRequest:
+        return dataclasses.replace(request, update_id=uuid.uuid4().hex)
 
 
 class ClientParts:
@@ -126,7 +147,8 @@ class ClientParts:
             source,
             dtype,
             lambda: [e.target for e in self._fleet.engines],  # those taking part, at each attempt
-            lambda r, p: self._runner.run(dataclasses.replace(r, delta=p), source),
+            _Runs(self._runner, self._roster, source),
+            mixed=request.apply_mode is ApplyMode.STAGED,
         )
         with self._exclusive(timeout_s):
             return deltas.applied(self._roster.run(policy or self._policy, request, deltas.attempt))

@@ -223,17 +223,27 @@ class UpdateProtocol:
     # ------------------------------------------------------------------ transfer and commit
 
     def transfer_and_commit(
-        self, request: UpdateRequest, prepared: Prepared, transfer: Callable[[], float] | None
+        self,
+        request: UpdateRequest,
+        prepared: Prepared,
+        transfer: Callable[[], float] | None,
+        before_commit: Callable[[], None] | None = None,
     ) -> Commit:
         """Everything after Prepare replied, every engine held: ``transfer`` (the send; it returns
         its packing seconds; ``None`` when the engines read the bytes themselves), then Complete, in
         two phases for a staged update.
 
+        ``before_commit`` (a staged update's only) runs once every engine verified, before the applying
+        Complete: another update over other engines that commits with this one (a delta to the engines at its
+        base while this one carries the whole weights to those behind: :class:`~wsync_grpc.trainer.delta.DeltaSync`).
+        The engines are no longer held while it runs (it holds its own); if it raises, this update is cancelled
+        everywhere and its error goes on.
+
         Returns:
             The per-engine results in target order, and the phases' timings.
 
         Raises:
-            SyncError: the transfer's own, or see :meth:`_verify` and :meth:`_complete`.
+            SyncError: the transfer's own, or see :meth:`_verify` and :meth:`_complete`; ``before_commit``'s.
         """
         request.report("prepared")
         # Held from Prepare's reply to Complete's: a dead engine or trainer is noticed at once.
@@ -258,12 +268,34 @@ class UpdateProtocol:
                 self._verify(request)
                 verify_s = time.monotonic() - t_complete
                 request.report("verified")
+                if before_commit is not None:
+                    self._run_before_commit(request, before_commit)
             results, done = self._complete(request, prepared.replies)
         finally:
             holds, self._holds = self._holds, None
-            holds.close()
+            if holds is not None:
+                holds.close()
         in_order = {e.target: results[e.target] for e in self._fleet.engines}
         return Commit(in_order, done, t_complete, verify_s, t_complete - t_transfer, pack_s)
+
+    def _run_before_commit(self, request: UpdateRequest, before_commit: Callable[[], None]) -> None:
+        """Run ``before_commit`` between this verified update's two phases, with its engines no longer held and its
+        trace put back afterwards (the hook runs an update of its own through this protocol).
+
+        Raises:
+            BaseException: ``before_commit``'s, once this update was cancelled everywhere.
+        """
+        if self._holds is not None:
+            self._holds.close()
+            self._holds = None
+        trace = self._trace
+        try:
+            before_commit()
+        except BaseException:
+            self._trace = trace
+            self.abandon(request, "verify", {}, broadcast_started=True)  # cancelled; the hook's error says why
+            raise
+        self._trace = trace
 
     def _verify(self, request: UpdateRequest) -> None:
         """The first phase of a staged update's commit: ``Complete(verify_only)`` everywhere.

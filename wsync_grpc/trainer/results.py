@@ -227,6 +227,8 @@ class DeltaSummary:
         whole_bytes: what the same update sent whole would carry (its tensors' bytes), in bytes.
         values_bytes: the delta entries' values, in bytes (0 for a whole update).
         positions_bytes: the delta entries' positions, in bytes (0 for a whole update).
+        whole_targets: the engines that took the same weights whole in the same commit, not being at the base
+            (a mixed fleet: :class:`~wsync_grpc.trainer.delta.DeltaSync`); empty: every engine took the delta.
     """
 
     base_version: str
@@ -238,6 +240,7 @@ class DeltaSummary:
     whole_bytes: int
     values_bytes: int = 0
     positions_bytes: int = 0
+    whole_targets: tuple[str, ...] = ()
 
     def as_whole(self) -> DeltaSummary:
         """The same update sent whole (no base: every element counted as changed)."""
@@ -248,6 +251,7 @@ class DeltaSummary:
             changed_elements=self.total_elements,
             values_bytes=0,
             positions_bytes=0,
+            whole_targets=(),
         )
 
     @property

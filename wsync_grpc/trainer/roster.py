@@ -35,11 +35,12 @@ Units: times in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -440,21 +441,26 @@ class Roster:
         self._count()
         return late
 
+    @contextlib.contextmanager
+    def taking_part(self, targets: Collection[str]) -> Iterator[None]:
+        """Only the members of ``targets`` take part inside the block; those that did before it, afterwards."""
+        was = {e.target: e.taking_part for e in self._fleet.members}
+        for e in self._fleet.members:
+            e.taking_part = e.target in targets
+        try:
+            yield
+        finally:
+            for e in self._fleet.members:
+                e.taking_part = was[e.target]
+
     def only(self, engines: list[RemoteEngine], attempt: Callable[[], SyncResult]) -> SyncResult:
         """Run ``attempt`` with only ``engines`` taking part, then every answering member again.
 
         Raises:
             whatever ``attempt`` raises.
         """
-        chosen = {e.target for e in engines}
-        was = {e.target: e.taking_part for e in self._fleet.members}
-        for e in self._fleet.members:
-            e.taking_part = e.target in chosen
-        try:
+        with self.taking_part({e.target for e in engines}):
             result = attempt()
-        finally:
-            for e in self._fleet.members:
-                e.taking_part = was[e.target]
         self._applied(engines, result)
         self._count()
         return result

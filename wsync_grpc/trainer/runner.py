@@ -159,13 +159,20 @@ class UpdateRunner:
         self._cancel_event = cancel_event
         self._planner = Planner(settings)
 
-    def run(self, request: UpdateRequest, source: WeightSource | None = None) -> SyncResult:
+    def run(
+        self,
+        request: UpdateRequest,
+        source: WeightSource | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> SyncResult:
         """Run ``request`` over its transport (:func:`~wsync_grpc.transports.transport_for`), as one trace:
 
         the trainer plans ``source``'s buckets unless the transport's engines build them
         (``engine_builds_buckets``); the group is (re-)formed only if the transport needs one
         (``needs_group``; without one the engines' leases are held for the update); then Prepare, the
-        transport's send (none where the engines read the bytes), the commit.
+        transport's send (none where the engines read the bytes), the commit (``before_commit`` runs between a
+        staged update's two phases: :meth:`UpdateProtocol.transfer_and_commit
+        <wsync_grpc.trainer.protocol.UpdateProtocol.transfer_and_commit>`).
 
         Raises:
             ValueError: nothing to send, or a planning error; a ``source`` where the engines read the bytes
@@ -181,12 +188,17 @@ class UpdateRunner:
                 raise ValueError(f"the engines read a {name} update's bytes themselves: it takes no weight source")
             raise ValueError(f"the trainer sends a {name} update's bytes: it needs a weight source")
         sender = self._senders.of(part)  # a transport without a trainer half here is refused before anything starts
-        return self._calls.run(request, lambda: self._run(part, sender, request, source))
+        return self._calls.run(request, lambda: self._run(part, sender, request, source, before_commit))
 
     # ------------------------------------------------------------------ the steps
 
     def _run(
-        self, part: TransportPart, sender: TransportSender, request: UpdateRequest, source: WeightSource | None
+        self,
+        part: TransportPart,
+        sender: TransportSender,
+        request: UpdateRequest,
+        source: WeightSource | None,
+        before_commit: Callable[[], None] | None = None,
     ) -> SyncResult:
         calls = self._calls
         planned = self._plan(request, source) if source is not None else None
@@ -194,7 +206,7 @@ class UpdateRunner:
         if source is None or planned is None:
             # A header-only Prepare: every engine replies once it validated its own plan (stage "prepare").
             prepared = calls.prepare(request, request.header())
-            commit = calls.transfer_and_commit(request, prepared, None)  # the engines read the bytes themselves
+            commit = calls.transfer_and_commit(request, prepared, None, before_commit)  # the engines read the bytes
             reply: pb.PrepareResponse = next(iter(prepared.replies.values()))  # every engine planned the same
             shape = Shape(reply.bucket_count, reply.tensor_count, reply.total_bytes, wire_bytes=0)
             return calls.applied(request, sync_result(request, shape, prepared, commit))
@@ -217,7 +229,7 @@ class UpdateRunner:
         )
         prepared = calls.prepare(request, header, messages)
         commit = calls.transfer_and_commit(
-            request, prepared, lambda: self._send(sender, sends, job, shape.wire_bytes, courier)
+            request, prepared, lambda: self._send(sender, sends, job, shape.wire_bytes, courier), before_commit
         )
         return calls.applied(request, sync_result(request, shape, prepared, commit))
 
