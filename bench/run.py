@@ -717,6 +717,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--delta-steps", type=int, default=10, help="training steps per learning rate in the delta case")
     p.add_argument("--delta-lrs", default="1e-6,1e-5,1e-4", help="AdamW learning rates of the delta case")
+    p.add_argument(
+        "--delta-vllm", type=int, default=6, help="delta case: vLLM rounds of a whole and a delta sync (0: none)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")
@@ -804,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from bench.delta_case import case_delta
 
                 lrs = [float(x) for x in args.delta_lrs.split(",") if x.strip()]
-                results["delta"] = case_delta(h, args.delta_steps, lrs)
+                results["delta"] = case_delta(h, args.delta_steps, lrs, args.delta_vllm, args.delta_link)
             elif case == "profile":
                 names = [m.strip() for m in args.profile_models.split(",") if m.strip()]
                 results["profile"] = case_profile(h, names, args.profile_syncs)

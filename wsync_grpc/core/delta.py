@@ -227,20 +227,22 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
         payload[_align(vbytes) :] = _pack_bits(mask)
         return EncodedTensor(coding, payload, k)
     idx = torch.nonzero(mask).squeeze(1)
-    gaps = {p: _gap_entries(idx, limit) if k else idx for p, limit in _GAP_LIMITS.items()}
-    entries_of = {Positions.INDICES: idx, **gaps, Positions.BITMAP: idx}
+    gaps = torch.diff(idx, prepend=torch.tensor([-1], dtype=torch.int64)) if k else idx
+    counts = {p: k + (int(((gaps - 1) // limit).sum()) if k else 0) for p, limit in _GAP_LIMITS.items()}
+    entry_counts = {Positions.INDICES: k, **counts, Positions.BITMAP: k}
     sizes: dict[Positions, float] = {
         Positions.INDICES: 4 * k if numel < _INDEX_LIMIT else math.inf,
-        **{p: e.numel() * _GAP_BYTES[p] for p, e in gaps.items()},
+        **{p: n * _GAP_BYTES[p] for p, n in counts.items()},
         Positions.BITMAP: bitmap,
     }
     chosen: Positions = (
-        positions
-        if positions is not None
-        else min(sizes, key=lambda p: _align(entries_of[p].numel() * esize) + sizes[p])
+        positions if positions is not None else min(sizes, key=lambda p: _align(entry_counts[p] * esize) + sizes[p])
     )
     if sizes[chosen] == math.inf:
         raise ValueError(f"INDICES hold fewer than 2**32 elements; the tensor has {numel}")
+    if positions is None and _align(entry_counts[chosen] * esize) + sizes[chosen] >= DENSE_SHARE * whole:
+        return None
+    entries_of = {chosen: _gap_entries(idx, _GAP_LIMITS[chosen]) if chosen in _GAP_LIMITS and k else idx}
     entries = entries_of[chosen]
     coding = DeltaCoding(chosen, entries.numel(), int(sizes[chosen]))
     total = coding.nbytes(esize)

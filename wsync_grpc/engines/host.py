@@ -135,6 +135,9 @@ class _ModelTarget:
         self._glue = glue
         self._base = base
         self._kept = kept
+        self.base_writable = kept is not None
+        """A delta may be applied into the kept copy itself (:func:`~wsync_grpc.worker.delta.expand`): the update
+        keeps what it results in, and a failed one drops the copy (:meth:`WorkerHost.abandon`)."""
         self._lock = threading.Lock()
 
     def weights_lock(self) -> contextlib.AbstractContextManager[object]:
@@ -366,7 +369,10 @@ class WorkerHost:
                 self._preparer.join(Deadline(timeout_s).left())
             kept = self._kept
             if kept is not None and not self.plan.streaming:  # copied out before the buffers go back to the pool
-                kept.update((n, t.detach().clone()) for named in r.staged for n, t in named)
+                # (a delta's tensors were rebuilt in the kept copy itself: kept as they are)
+                kept.update(
+                    (n, t if self.base.get(n) is t else t.detach().clone()) for named in r.staged for n, t in named
+                )
             if self._swap is not None:
                 self._swap()
                 r.tensors_applied = sum(len(named) for named in r.staged)
@@ -427,6 +433,8 @@ class WorkerHost:
         if self._preparer is not None:
             self._preparer.join(timeout=60.0)  # it reads the received buffers
         self._swap = None
+        if self._kept is not None:
+            self.base = {}  # a delta may have been applied into the copy: it stands for nothing any more
         self._kept = None
         # A receive may still be posted into these buffers unless the thread ended.
         r.release(reuse=ended and r.error is None)

@@ -227,6 +227,8 @@ class EngineState(Generic[UpdateT]):
         """The update in flight failed with ``err``: leave the group, move to FAILED, remember the update (until
         the next Init: Complete reports its error) and the error (GetStatus). Lock held."""
         self.membership.leave()  # remote workers abandon their receive as they leave
+        if update.keeps_base:
+            self.worker_base_identity = ""  # the workers drop their copy with the update (a delta may be in it)
         self.lifecycle.fire(Event.FAIL)
         self.update = None
         self.failed_update = update

@@ -4,7 +4,9 @@ The base of a delta is what the engine serves (checked at Prepare: ``wsync.v1.Pr
 read through the receive site's :class:`~wsync_grpc.core.engine.WeightTarget` (``get_weight``) and converted to
 the wire dtype: weights that a whole update of that dtype wrote convert back bit for bit. The result is a new
 tensor per delta entry, so a staged update leaves the served weights untouched until Complete, and the rest of
-the receive path (digests, staging, loading) sees whole tensors, as from a whole update.
+the receive path (digests, staging, loading) sees whole tensors, as from a whole update. A target whose base is
+a copy of its own that it gives up (``base_writable``: a vLLM worker's kept copy, which the update replaces) has
+the entries applied into that copy instead, saving a copy of every changed tensor.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def expand(flat: torch.Tensor, bucket: Bucket, target: WeightTarget) -> list[tup
             continue
         served = _served(target, t)
         base = served.to(dtype=t.dtype, memory_format=torch.contiguous_format).reshape(t.shape)
-        converted = base.data_ptr() != served.data_ptr()  # a copy already: written in place
+        # Written in place: a copy made just now, or a copy of its own the target gives up (a worker's kept base).
+        converted = base.data_ptr() != served.data_ptr() or bool(getattr(target, "base_writable", False))
         out.append((t, apply_delta(entry, t.delta, base, t.name, out=base if converted else None)))
     return out
 
