@@ -720,6 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--delta-vllm", type=int, default=6, help="delta case: vLLM rounds of a whole and a delta sync (0: none)"
     )
+    p.add_argument("--delta-link", type=int, default=6, help="delta case: steps over the rate-limited link (0: none)")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--plots", type=Path, default=ROOT / "bench")
     p.add_argument("--report-only", action="store_true", help="only rewrite --out and the plots from results.json")

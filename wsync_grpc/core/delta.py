@@ -212,7 +212,7 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
     flat = new.detach().contiguous().reshape(-1)
     mask = _bits(flat) != _bits(base.contiguous())
     numel, esize = flat.numel(), flat.element_size()
-    k = int(mask.sum())
+    k = int(torch.count_nonzero(mask))  # several times faster than a sum of booleans
     whole = numel * esize
     bitmap = bitmap_bytes(numel)
     if positions is None and _align(k * esize) + min(k, bitmap) >= DENSE_SHARE * whole:

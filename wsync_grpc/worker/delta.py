@@ -19,6 +19,7 @@ from wsync_grpc.core.engine import WeightTarget
 from wsync_grpc.core.errors import FailedPrecondition
 from wsync_grpc.core.layout import Bucket, TensorSlot
 from wsync_grpc.core.packing import NamedTensors
+from wsync_grpc.worker.swaps import SwapIn
 
 
 def _served(target: WeightTarget, t: TensorSlot) -> torch.Tensor:
@@ -72,6 +73,21 @@ def whole_digest(wholes: list[tuple[TensorSlot, torch.Tensor]]) -> Digest:
     for _t, w in wholes:
         h.update(w)
     return h.digest()
+
+
+def staged(wholes: list[tuple[TensorSlot, torch.Tensor]], swap_in: SwapIn) -> NamedTensors:
+    """Staged apply: the ``(canonical name, tensor)`` pairs to keep for Complete of a delta bucket made whole, less
+    the rebuilt tensors ``swap_in`` takes to serve as they are (fresh tensors of the served dtype and shape: no copy
+    at Complete; :class:`~wsync_grpc.worker.swaps.SwapIn`)."""
+    out: NamedTensors = []
+    for t, w in wholes:
+        if not t.load:
+            continue
+        if t.delta is not None and swap_in.swappable(t):
+            swap_in.add(t, w.reshape(-1).view(torch.uint8))
+        else:
+            out.append((t.canonical, w))
+    return out
 
 
 def loaded(wholes: list[tuple[TensorSlot, torch.Tensor]]) -> NamedTensors:

@@ -62,7 +62,7 @@ from wsync_grpc.core.packing import NamedTensors, tensor_views
 from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
-from wsync_grpc.worker.delta import expand, loaded, whole_digest
+from wsync_grpc.worker.delta import expand, loaded, staged, whole_digest
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 from wsync_grpc.worker.swaps import SwapIn
@@ -310,7 +310,7 @@ class BroadcastReceiver(ReceiverThread):
             if self._verified(bucket):
                 check_digest(bucket.index, self._expected(bucket), whole_digest(wholes))
                 self.buckets_verified += 1
-            self._use(posted, loaded(wholes))
+            self._use(posted, loaded(wholes) if self.streaming else staged(wholes, self.swap_in))
             return
         if not self._verified(bucket):
             self._use(posted)

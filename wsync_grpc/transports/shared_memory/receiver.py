@@ -79,7 +79,7 @@ from wsync_grpc.transports.shared_memory.protocol import (
     peer_credentials,
     recv_exact,
 )
-from wsync_grpc.worker.delta import expand, loaded, whole_digest
+from wsync_grpc.worker.delta import expand, loaded, staged, whole_digest
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 from wsync_grpc.worker.swaps import SwapIn
@@ -445,7 +445,10 @@ class SharedMemoryReceiver(ReceiverThread):
         if received.swap:
             self.swap_in.add(bucket.tensors[0], flat)
             return
-        named = tensor_views(flat, bucket.tensors) if received.whole is None else loaded(received.whole)
+        if received.whole is None:
+            named = tensor_views(flat, bucket.tensors)
+        else:
+            named = loaded(received.whole) if self.streaming else staged(received.whole, self.swap_in)
         if self.streaming:
             if named:
                 self.wrote_served = True
