@@ -180,6 +180,18 @@ def section(c: dict[str, Any]) -> str:
             f"steps 2+: {statistics.median(_time(r) for r in later):.2f} x (max {max(_time(r) for r in later):.2f} "
             f"x; step 1 {_time(link['rows'][0]):.2f} x).",
         ]
+        lines += [
+            "",
+            "Why the time targets are missed: a delta sync costs the trainer a diff (converting every tensor to "
+            "bfloat16, comparing it with the base, listing the changed positions: passes over the whole model, "
+            "bound by memory bandwidth on this 2-core host, and done before the Prepare because each entry's size "
+            "goes in its bucket's spec) and the engine a rebuild (a copy of each changed tensor, the scatter, the "
+            "digest of the result) where a whole sync only moves bytes. On loopback, whose wire is itself a memory "
+            "copy, those passes cost more than the bytes they save; over the rate-limited link they are what is left "
+            "of the delta's time. What would close them: overlapping the diff with the sends (entries declared "
+            "incrementally, `PrepareHeader.incremental`, as they are encoded) and rebuilding in place where the "
+            "engine keeps its own copy of the base.",
+        ]
     elif link and link.get("error"):
         lines += ["", f"The rate-limited link part did not run: {link['error'][:300]}"]
     v = c.get("vllm")
@@ -187,6 +199,9 @@ def section(c: dict[str, Any]) -> str:
         d, w = _vllm_split(v)
         if d and w:
             lines += [
+                "",
+                "On this 2-core host the trainer's diff and the engine's rebuild take CPU that vLLM's generation "
+                "would use; a trainer on its own host leaves only the engine's share.",
                 "",
                 "vLLM (`wsync serve --engine vllm`, SmolLM2-135M-Instruct in bfloat16), staged syncs alternately delta "
                 "and whole (`delta_anchor_every=1`), about 1% of every matrix moved before each, while a request "
