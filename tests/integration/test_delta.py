@@ -409,3 +409,20 @@ def test_a_mixed_commit_applies_nothing_when_the_delta_part_fails() -> None:
             assert fleet.engines["b"].weight_version == ""
     finally:
         fleet.close()
+
+
+def test_an_anchor_every_two_deltas_sends_the_third_sync_after_a_whole_one_whole() -> None:
+    """``delta_anchor_every=2``: whole, delta, delta, whole (the anchor), delta; every one served exactly."""
+    new = synthetic.build("tiny", seed=7)
+    with (
+        tensor_server("tiny", seed=0) as (srv, _engine, _stub),
+        TrainerClient([srv.address], delta=True, delta_anchor_every=2, **SMALL) as client,  # type: ignore[arg-type]
+    ):
+        kinds = []
+        for step in range(5):
+            perturb(new, 0.01, step)
+            r = client.sync(new.items(), f"v{step}")
+            assert r.delta is not None
+            kinds.append("delta" if r.delta.base_version else "whole")
+            assert served(client)[srv.address] == expected(new)
+        assert kinds == ["whole", "delta", "delta", "whole", "delta"]
