@@ -168,13 +168,13 @@ class _State:
             # restarting the engine: empty the servicer's buffer pools, and forget the group's
             # completed collectives, whose Work objects still reference the last receive buffers
             # until the group's next broadcast prunes them.
-            servicer = self.server.servicer
-            for pool in getattr(servicer, "_pools", []):
+            state = self.server.servicer.controller.state
+            for pool in state.pools:
                 dropped += pool.free_bytes
                 keep, pool.keep = pool.keep, False
                 pool.trim()
                 pool.keep = keep
-            for group in getattr(servicer, "_groups", []):
+            for group in state.membership.groups:
                 with group._lock:
                     group._pending = [w for w in group._pending if not w.is_completed()]
         gc.collect()
