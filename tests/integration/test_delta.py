@@ -242,8 +242,11 @@ def test_a_corrupted_streaming_delta_leaves_the_engine_dirty_and_only_a_whole_up
         with pytest.raises(SyncError) as e:
             client.sync(new.items(), "v1", apply_mode="streaming")
         assert e.value.failures[srv.address].reason == "BUCKET_DIGEST_MISMATCH", e.value
+        deadline = time.monotonic() + 30
+        while not status(stub).dirty and time.monotonic() < deadline:  # the engine ends the update on its own
+            time.sleep(0.02)
         st = status(stub)
-        assert st.dirty and st.paused and st.weight_identity == "" and st.weight_version == "v0"
+        assert st.dirty and st.paused and st.weight_identity == "" and st.weight_version == "v0", st
         senders[-1].corrupt = None
         r = client.sync(new.items(), "v1", apply_mode="streaming")
         assert r.delta is not None and r.delta.base_version == "", r.delta  # refused for the dirt: sent whole

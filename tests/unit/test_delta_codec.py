@@ -549,12 +549,18 @@ def test_a_delta_in_a_whole_update_is_refused() -> None:
     )
 
 
-def test_a_piece_of_a_tensor_cannot_carry_a_delta() -> None:
-    """A shard of a sharded trainer's direct send with a delta: DELTA_UNSUPPORTED."""
-    piece = spec("w", "float32", [2, 8], INDICES, 1, 4)
+def test_a_piece_of_a_tensor_carries_a_delta_sized_as_the_piece() -> None:
+    """A shard of a sharded trainer's direct send with a delta: its entry is sized against the piece's elements
+    (a bitmap of 16 elements is 2 bytes), and a bitmap sized for the whole tensor is refused."""
+    piece = spec("w", "float32", [2, 8], BITMAP, 3, 2)
     piece.shard.CopyFrom(pb.TensorShard(global_shape=[4, 8], offsets=[0, 0]))
-    e = refused(validator(trainer_ranks=2), piece)
-    assert e.reason == "DELTA_UNSUPPORTED" and e.metadata["tensor"] == "w"
+    (b,) = validator(trainer_ranks=2).bucket_messages([pb.BucketSpec(index=0, size_bytes=4096, tensors=[piece])])
+    (slot,) = b.tensors
+    assert slot.piece is not None and slot.delta == DeltaCoding(Positions.BITMAP, 3, 2)
+    assert slot.nbytes == slot.delta.nbytes(4) and slot.shape == (2, 8)
+    whole_sized = spec("w", "float32", [2, 8], BITMAP, 3, 4)
+    whole_sized.shard.CopyFrom(pb.TensorShard(global_shape=[4, 8], offsets=[0, 0]))
+    assert refused(validator(trainer_ranks=2), whole_sized).reason == "DELTA_SIZE_MISMATCH"
 
 
 def test_a_delta_entry_must_fit_its_bucket() -> None:

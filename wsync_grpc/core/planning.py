@@ -329,6 +329,7 @@ def plan_pieces(
     max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
     ramp_bytes: int = 0,
     solo_bytes: int = 0,
+    deltas: Mapping[int, Mapping[str, DeltaCoding]] | None = None,
 ) -> list[Bucket]:
     """Plan the buckets of a direct send: each trainer rank's pieces in buckets of their own, ranks taking turns.
 
@@ -342,6 +343,8 @@ def plan_pieces(
         pieces: every rank's pieces, each rank's in its order (a name at most once per rank).
         bucket_bytes, alignment, dtype, max_spec_bytes, ramp_bytes, solo_bytes: as for
             :func:`plan_buckets`.
+        deltas: trainer rank -> name -> the delta entry that rank's piece travels as (a delta update: see
+            :func:`plan_metadata`); ``None``: every piece whole.
 
     Returns:
         The buckets, indexed from 0; ``[]`` when there is nothing to send.
@@ -356,7 +359,8 @@ def plan_pieces(
         mine = [p for p in pieces if p.src == r]
         where = {p.name: p.piece for p in mine}
         metas = [new_meta(TensorMeta, (p.name, p.dtype, p.shape)) for p in mine]
-        buckets = plan_metadata(metas, bucket_bytes, alignment, dtype, **limits)  # type: ignore[arg-type]
+        mine_deltas = (deltas or {}).get(r)
+        buckets = plan_metadata(metas, bucket_bytes, alignment, dtype, **limits, deltas=mine_deltas)  # type: ignore[arg-type]
         per_rank.append(
             [
                 Bucket(b.index, b.size_bytes, tuple(dataclasses.replace(t, piece=where[t.name]) for t in b.tensors), r)

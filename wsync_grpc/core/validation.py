@@ -443,7 +443,7 @@ class UpdateValidator:
         else:
             shape, numel = _shape(t, spec, idx), spec.numel
         esize = element_size(dtype)
-        delta = self._delta(t, numel, sharded, idx, spec.dtype, dtype)
+        delta = self._delta(t, numel, idx, spec.dtype, dtype)
         nbytes = numel * esize if delta is None else delta.nbytes(esize)
         offset = self._offset(t, b, esize, nbytes) if self.header is not None and self.header.flattened else 0
         return TensorSlot(name, dtype, shape, offset, nbytes, canonical, load, piece, delta)
@@ -452,15 +452,15 @@ class UpdateValidator:
         self,
         t: TensorSpecFields,
         numel: int,
-        sharded: bool,
         idx: str,
         spec_dtype: torch.dtype,
         wire_dtype: torch.dtype,
     ) -> DeltaCoding | None:
-        """The delta ``t`` carries (``None``: the whole tensor), its sizes checked against the tensor's.
+        """The delta ``t`` carries (``None``: the whole tensor), its sizes checked against the tensor's (a piece's:
+        ``numel`` is then the piece's).
 
         Raises:
-            InvalidArgument: UNEXPECTED_DELTA (not a delta update), DELTA_UNSUPPORTED (a piece), DELTA_ENCODING
+            InvalidArgument: UNEXPECTED_DELTA (not a delta update), DELTA_ENCODING
                 (positions unspecified or unknown), DELTA_DTYPE (the served dtype does not hold the wire dtype
                 exactly: its base read back would not be the trainer's), DELTA_SIZE_MISMATCH.
         """
@@ -474,10 +474,6 @@ class UpdateValidator:
                 "UNEXPECTED_DELTA",
                 f"tensor {_show(t.name)} carries a delta, but the header names no base_weight_version",
                 **where,
-            )
-        if sharded:
-            raise InvalidArgument(
-                "DELTA_UNSUPPORTED", f"tensor {_show(t.name)}: a piece of a tensor cannot carry a delta", **where
             )
         positions = POSITIONS_BY_NUMBER.get(d.positions)
         if positions is None:

@@ -91,7 +91,8 @@ def _check(
     targets: list[str] | None = None,
 ) -> list[str]:
     """Rank 0: every engine of ``targets`` (default: every member) serves ``version`` with exactly the gathered
-    weights (in the wire dtype ``wire``) and, with a ``local`` copy of the policy, the same greedy answer.
+    weights (through the wire dtype ``wire``, in the dtype each tensor is served in) and, with a ``local`` copy of
+    the policy, the same greedy answer.
 
     Collective (every rank gathers); only rank 0 compares. Returns the failures.
     """
@@ -101,16 +102,19 @@ def _check(
     if client.rank != 0:
         return []
     failures = []
-    want = {n: tensor_sha256(t.detach().to(wire) if wire is not None else t.detach()) for n, t in whole.items()}
+    sent = {n: t.detach().to(wire) if wire is not None else t.detach() for n, t in whole.items()}
     from wsync.v1 import weight_sync_pb2 as pb
+
+    from wsync_grpc.core.dtypes import parse_dtype
 
     stubs = client.client.stubs
     for target in targets if targets is not None else client.client.targets:
         sums = stubs[target].GetWeightChecksums(
             pb.GetWeightChecksumsRequest(), timeout=60, metadata=client.client.call_metadata
         )
+        served = {c.name: parse_dtype(c.dtype) for c in sums.checksums}
         got = {c.name: c.sha256 for c in sums.checksums}
-        bad = [n for n, s in want.items() if got.get(n) != s]
+        bad = [n for n, t in sent.items() if got.get(n) != tensor_sha256(t.to(served.get(n, t.dtype)))]
         if sums.weight_version != version or bad:
             failures.append(f"{target} serves {sums.weight_version!r}; {len(bad)} tensors differ ({bad[:3]})")
     if local is None:
@@ -203,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
                         apply_mode=args.apply_mode,
                         dtype=wire,
                         progress=_progress(version, args.bucket_delay) if args.progress else None,
+                        delta=args.delta,
                     )
                 except (ClientError, ValueError) as e:  # RanksDisagree is a ValueError
                     lost = e.lost if isinstance(e, TrainerRankLost) else []
@@ -229,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
                     engines=sorted(r.engines),
                     excluded=sorted(r.excluded),
                     attempts=r.attempts,
+                    delta_base=r.delta.base_version if r.delta is not None else None,
+                    received={t: e.bytes_received for t, e in r.engines.items()},
                 )
                 if args.check != "none":
                     local_copy = local if args.check == "all" else None
@@ -270,6 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="wire dtype (default: float32)")
     p.add_argument("--progress", action="store_true", help="rank 0 prints a 'bucket' event per bucket sent")
+    p.add_argument(
+        "--delta", action="store_true", help="sync deltas after the first sync (mode direct; every rank its own pieces)"
+    )
     p.add_argument("--version-suffix", default="", help="appended to every version (tests: ranks that disagree)")
     p.add_argument("--model", default=None, help="local Hugging Face directory (default SmolLM2-135M-Instruct)")
     p.add_argument(

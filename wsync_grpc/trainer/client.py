@@ -23,6 +23,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from wsync_grpc.trainer.adapters import adapter_tensors
+from wsync_grpc.trainer.delta import DeltaPayload
 from wsync_grpc.trainer.members import MemberCalls
 from wsync_grpc.trainer.operator import OperatorCalls, per_target
 from wsync_grpc.trainer.options import (
@@ -353,16 +354,20 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         *,
         policy: FleetPolicy | None = None,
         timeout_s: float | None = None,
+        delta: DeltaPayload | None = None,
     ) -> SyncResult:
         """Run one broadcast update built beforehand: :meth:`sync` once its arguments are converted.
 
         For trainers that build the :class:`~wsync_grpc.trainer.request.BroadcastRequest` themselves, e.g. a
         sharded trainer's rank 0 with its send topology (:class:`~wsync_grpc.core.topology.SendTopology`,
-        which this client's sender must serve).
+        which this client's sender must serve). ``delta``: the update's payload encoded already, with deltas on
+        (a sharded trainer's direct send, each rank's pieces encoded against :attr:`deltas`).
 
         Raises:
             as :meth:`sync`.
         """
+        if delta is not None:
+            return self._run_with_deltas(source, request, request.dtype, policy, timeout_s, encoded=delta)
         with self._exclusive(timeout_s):
             return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
 

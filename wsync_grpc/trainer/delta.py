@@ -57,6 +57,10 @@ class DeltaPayload:
         summary: what the payload holds.
         whole_targets: engines taking part that are not at the base: they take the same weights whole, in the same
             commit (:class:`DeltaSync`); empty: every engine takes the delta.
+        rank: the trainer rank whose tensors (or, in a sharded trainer's direct send, pieces) ``wires`` and
+            ``entries`` are (0 for one process).
+        rank_codings: a sharded trainer's direct send: every trainer rank's entries' codings, by rank then name
+            (exchanged before planning: rank 0 plans every rank's buckets); empty: ``entries`` alone.
     """
 
     wires: Mapping[str, torch.Tensor]
@@ -65,11 +69,32 @@ class DeltaPayload:
     entries: Mapping[str, EncodedTensor] = field(default_factory=dict)
     summary: DeltaSummary | None = None
     whole_targets: tuple[str, ...] = ()
+    rank: int = 0
+    rank_codings: Mapping[int, Mapping[str, DeltaCoding]] = field(default_factory=dict)
 
     @property
     def whole(self) -> DeltaPayload:
         """The same tensors as a whole update (no base)."""
-        return DeltaPayload(self.wires, summary=self.summary.as_whole() if self.summary is not None else None)
+        summary = self.summary.as_whole() if self.summary is not None else None
+        return DeltaPayload(self.wires, summary=summary, rank=self.rank)
+
+    def plan_deltas(self) -> dict[int, dict[str, DeltaCoding]]:
+        """Every sending rank's entries' codings, by rank then name (for planning); empty for a whole update."""
+        if not self.is_delta:
+            return {}
+        if self.rank_codings:
+            return {r: dict(c) for r, c in self.rank_codings.items()}
+        return {self.rank: self.codings}
+
+    def digest_of(self, bucket: Bucket) -> Digest:
+        """One bucket's digest (``wsync.v1.BucketDigest``), from this rank's tensors: of the whole tensors a
+        bucket with a delta entry results in; of its flattened bytes otherwise."""
+        if bucket.has_delta:
+            h = BucketHasher()
+            for t in bucket.tensors:
+                h.update(self.wires[t.name])
+            return h.digest()
+        return bucket_digest(bucket, self.wires, Layout.FLATTENED)
 
     @property
     def is_delta(self) -> bool:
@@ -91,16 +116,7 @@ class DeltaPayload:
     def digests(self, buckets: Sequence[Bucket]) -> dict[int, Digest]:
         """Every bucket's digest (``wsync.v1.BucketDigest``): of the whole tensors a bucket with a delta entry
         results in; of its flattened bytes for the others."""
-        out: dict[int, Digest] = {}
-        for b in buckets:
-            if b.has_delta:
-                h = BucketHasher()
-                for t in b.tensors:
-                    h.update(self.wires[t.name])
-                out[b.index] = h.digest()
-            else:
-                out[b.index] = bucket_digest(b, self.wires, Layout.FLATTENED)
-        return out
+        return {b.index: self.digest_of(b) for b in buckets}
 
 
 class DeltaTracker:
@@ -138,22 +154,30 @@ class DeltaTracker:
         Raises:
             ValueError: a name appears twice.
         """
-        t0 = time.monotonic()
         metas: Sequence[TensorMeta] = source.metadata()
+        return self.encode_tensors({m.name: source.tensor(m.name) for m in metas}, dtype)
+
+    def encode_tensors(
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rank: int = 0
+    ) -> DeltaPayload:
+        """As :meth:`encode`, for ``tensors`` by name: a process's whole tensors, or a sharded trainer rank's own
+        pieces (``rank``: that rank, in a direct send).
+        """
+        t0 = time.monotonic()
         anchor = self.anchor_every > 0 and self._deltas_in_a_row >= self.anchor_every
         diff = bool(self.version) and not anchor
         wires: dict[str, torch.Tensor] = {}
         entries: dict[str, EncodedTensor] = {}
         changed = total = whole_bytes = values = positions = 0
         with torch.no_grad():
-            for meta in metas:
-                t = source.tensor(meta.name).detach()
+            for name, given in tensors.items():
+                t = given.detach()
                 wire_dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
                 w = t.to(device="cpu", dtype=wire_dtype, copy=True).contiguous()
-                wires[meta.name] = w
+                wires[name] = w
                 total += w.numel()
                 whole_bytes += w.nbytes
-                base = self._base.get(meta.name) if diff else None
+                base = self._base.get(name) if diff else None
                 if base is None or base.dtype != w.dtype or base.shape != w.shape:
                     changed += w.numel()
                     continue
@@ -164,12 +188,12 @@ class DeltaTracker:
                 changed += entry.changed_elements
                 values += entry.coding.values_bytes(w.element_size())
                 positions += entry.coding.positions_bytes
-                entries[meta.name] = entry
+                entries[name] = entry
         version = self.version if diff else ""
         summary = DeltaSummary(
-            version, len(metas), len(entries), changed, total, time.monotonic() - t0, whole_bytes, values, positions
+            version, len(tensors), len(entries), changed, total, time.monotonic() - t0, whole_bytes, values, positions
         )
-        return DeltaPayload(wires, version, {}, entries, summary)
+        return DeltaPayload(wires, version, {}, entries, summary, rank=rank)
 
     def for_targets(self, encoded: DeltaPayload, targets: Sequence[str], mixed: bool = False) -> DeltaPayload:
         """``encoded`` (:meth:`encode`) for the engines ``targets``: a delta to those at the base, each named by its
@@ -258,16 +282,20 @@ class DeltaSync(Generic[R]):
         targets: the engines taking part, asked at each attempt.
         runs: how the updates run.
         mixed: a mixed sync is allowed (a staged one).
+        encoded: the update's payload encoded already (a sharded trainer's direct send, whose ranks each encode
+            their own pieces: :class:`~wsync_grpc.trainer.sharded.source.DirectSource`); ``None``: encoded from
+            ``source`` at the first attempt.
     """
 
     def __init__(
         self,
         tracker: DeltaTracker,
-        source: NamedTensors,
+        source: NamedTensors | None,
         dtype: torch.dtype | None,
         targets: Callable[[], Sequence[str]],
         runs: DeltaRuns[R],
         mixed: bool,
+        encoded: DeltaPayload | None = None,
     ) -> None:
         self._tracker = tracker
         self._source = source
@@ -275,7 +303,7 @@ class DeltaSync(Generic[R]):
         self._targets = targets
         self._runs = runs
         self._mixed = mixed
-        self._encoded: DeltaPayload | None = None
+        self._encoded = encoded
         self._sent: DeltaPayload | None = None
 
     def attempt(self, request: R) -> SyncResult:
@@ -286,6 +314,7 @@ class DeltaSync(Generic[R]):
                 engines the whole weights instead).
         """
         if self._encoded is None:  # once per sync: the attempts differ only by the engines taking part
+            assert self._source is not None, "a sync without its payload encoded needs its tensors"
             self._encoded = self._tracker.encode(self._source, self._dtype)
         targets = list(self._targets())
         for again in (False, True):

@@ -123,6 +123,11 @@ class ClientParts:
         self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
         self._deltas = DeltaTracker(self._settings.delta_anchor_every)
 
+    @property
+    def deltas(self) -> DeltaTracker:
+        """What this client last sent with deltas on, and the identities its engines answered it with."""
+        return self._deltas
+
     def _run_with_deltas(
         self,
         source: WeightSource,
@@ -130,25 +135,32 @@ class ClientParts:
         dtype: torch.dtype | None,
         policy: FleetPolicy | None,
         timeout_s: float | None,
+        encoded: DeltaPayload | None = None,
     ) -> SyncResult:
         """Run ``request`` with deltas on (:class:`~wsync_grpc.trainer.delta.DeltaSync`): a delta at each attempt
         whose engines all serve the client's base, else whole; the base moves on once it succeeded.
 
+        ``encoded``: the payload encoded already (a sharded trainer's direct send, each rank its own pieces:
+        ``source`` is then its :class:`~wsync_grpc.trainer.sharded.source.DirectSource`).
+
         Raises:
-            ValueError: ``source`` is not ``(name, tensor)`` pairs, or the layout is not flattened.
+            ValueError: ``source`` is not ``(name, tensor)`` pairs (and nothing is encoded), or the layout is not
+                flattened.
             SyncError, RuntimeError, ClientError: as :meth:`TrainerClient.sync
                 <wsync_grpc.trainer.client.TrainerClient.sync>`.
         """
-        if not isinstance(source, NamedTensors) or request.layout is not Layout.FLATTENED:
+        named = source if isinstance(source, NamedTensors) else None
+        if (named is None and encoded is None) or request.layout is not Layout.FLATTENED:
             raise ValueError("deltas are sent from (name, tensor) pairs in the flattened layout")
         self._deltas.anchor_every = self._settings.delta_anchor_every
         deltas: DeltaSync[BroadcastRequest] = DeltaSync(
             self._deltas,
-            source,
+            named,
             dtype,
             lambda: [e.target for e in self._fleet.engines],  # those taking part, at each attempt
             _Runs(self._runner, self._roster, source),
             mixed=request.apply_mode is ApplyMode.STAGED,
+            encoded=encoded,
         )
         with self._exclusive(timeout_s):
             return deltas.applied(self._roster.run(policy or self._policy, request, deltas.attempt))

@@ -65,7 +65,7 @@ class Planner:
         dtype: torch.dtype | None,
         layout: Layout,
         topology: SendTopology = ONE_PROCESS,
-        deltas: Mapping[str, DeltaCoding] | None = None,
+        deltas: Mapping[int, Mapping[str, DeltaCoding]] | None = None,
     ) -> tuple[list[Bucket], list[pb.PrepareRequest]]:
         """Plan the buckets and their Prepare messages, reusing the last plan when nothing it depends on changed.
 
@@ -77,8 +77,9 @@ class Planner:
             dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
             layout: the bucket layout (tensors of at least ``solo_bytes`` travel alone in the flattened one).
             topology: which trainer ranks send (default one process).
-            deltas: a delta update's entries by tensor name (planned at their size, never cached; see
-                :func:`~wsync_grpc.core.planning.plan_metadata`); ``None``: every tensor whole.
+            deltas: a delta update's entries, by the trainer rank that sends them (0 for one process), then by
+                tensor name (planned at their size, never cached; see :func:`~wsync_grpc.core.planning.plan_metadata`
+                and :func:`~wsync_grpc.core.planning.plan_pieces`); ``None``: every tensor whole.
 
         Returns:
             The buckets, and the Prepare messages that describe them (after the header).
@@ -94,11 +95,19 @@ class Planner:
         solo = s.solo_bytes if layout is Layout.FLATTENED else 0  # individual: every tensor is alone
         if topology.by_pieces:
             pieces = cast(Sequence[PieceMeta], metas)
-            buckets = plan_pieces(pieces, bucket_bytes, s.alignment, dtype, ramp_bytes=s.ramp_bytes, solo_bytes=solo)
+            limits = {"ramp_bytes": s.ramp_bytes, "solo_bytes": solo}
+            buckets = plan_pieces(pieces, bucket_bytes, s.alignment, dtype, **limits, deltas=deltas)
         else:
             whole = cast(Sequence[TensorMeta], metas)
             limits = {"ramp_bytes": s.ramp_bytes, "solo_bytes": solo}
-            buckets = plan_metadata(whole, bucket_bytes, s.alignment, dtype, **limits, deltas=deltas)
+            buckets = plan_metadata(
+                whole,
+                bucket_bytes,
+                s.alignment,
+                dtype,
+                **limits,
+                deltas=(deltas or {}).get(0),  # one process: rank 0
+            )
         messages = batch_bucket_specs([bucket_spec(b, layout) for b in buckets])
         if not deltas:
             self._cache = (signature, buckets, messages)

@@ -215,9 +215,11 @@ class UpdateRunner:
         payload = sends.delta  # the tensors in the wire dtype (and a delta's entries), or None: the source's own
         tensors = payload.bucket_tensors if payload is not None else source.bucket_tensors
         job = SendJob(group, buckets, sends.layout, tensors, sends.topology, self._cancel_event, request.update_id)
+        if payload is not None and payload.is_delta:  # a delta bucket's digest: of the tensors it results in
+            job = dataclasses.replace(job, digest_of=payload.digest_of)
         if not self._settings.digests:
             up_front: Mapping[int, Digest] | None = {}
-        elif payload is not None and payload.is_delta:  # of the whole tensors a delta bucket results in
+        elif payload is not None and payload.is_delta and not sends.topology.by_pieces:
             up_front = self._before_prepare(request, "digests", lambda: payload.digests(buckets))
         else:
             up_front = self._before_prepare(request, "digests", lambda: sender.digests_before_send(job))
@@ -246,7 +248,7 @@ class UpdateRunner:
             raise ValueError(f"the trainer plans only the updates it sends, not a {type(request).__name__}")
         t_plan = time.monotonic()
         self._calls.phase("plan")
-        deltas = request.delta.codings if request.delta is not None and request.delta.is_delta else None
+        deltas = request.delta.plan_deltas() if request.delta is not None else None
         buckets, messages = self._planner.plan(
             source.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology, deltas
         )

@@ -133,6 +133,9 @@ class SendJob:
             bytes on every engine so far (bytes); ``None`` for none.
         on_digest: called with each bucket and its digest as soon as it was hashed (while it is on the
             wire); ``None``: nothing is hashed while sending.
+        digest_of: a bucket's digest where it is not the hash of its bytes (a delta bucket's: of the tensors it
+            results in, :meth:`DeltaPayload.digest_of <wsync_grpc.trainer.delta.DeltaPayload.digest_of>`), for the
+            digests hashed before Prepare; ``None``: of its bytes.
     """
 
     group: WeightSyncGroup | None
@@ -144,6 +147,7 @@ class SendJob:
     update_id: str = ""
     on_sent: Callable[[Bucket, int], None] | None = None
     on_digest: Callable[[Bucket, Digest], None] | None = None
+    digest_of: Callable[[Bucket], Digest] | None = None
 
     def own(self, rank: int) -> SendJob:
         """The same job restricted to the buckets group rank ``rank`` sends (a sharded trainer's direct send)."""

@@ -19,6 +19,7 @@ from wsync_grpc.core.engine import WeightTarget
 from wsync_grpc.core.errors import FailedPrecondition
 from wsync_grpc.core.layout import Bucket, TensorSlot
 from wsync_grpc.core.packing import NamedTensors
+from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.worker.swaps import SwapIn
 
 
@@ -47,23 +48,26 @@ def expand(flat: torch.Tensor, bucket: Bucket, target: WeightTarget) -> list[tup
         target: the served weights the deltas apply to.
 
     Returns:
-        ``(slot, tensor)`` for every slot, in order, tied aliases included; each tensor in the wire dtype and shape.
+        ``(slot, tensor)`` for every slot, in order, tied aliases included; each tensor in the wire dtype and shape
+        (a piece's: the piece, rebuilt from its place in the served tensor).
 
     Raises:
         InvalidArgument: DELTA_CORRUPT.
         FailedPrecondition: DELTA_BASE_UNREADABLE.
     """
     out: list[tuple[TensorSlot, torch.Tensor]] = []
+    writable = bool(getattr(target, "base_writable", False))
     for t in bucket.tensors:
         entry = flat[t.offset : t.end]
         if t.delta is None:
             out.append((t, entry.view(t.dtype).view(t.shape)))
             continue
         served = _served(target, t)
-        base = served.to(dtype=t.dtype, memory_format=torch.contiguous_format).reshape(t.shape)
+        source = served if t.piece is None else served[t.piece.index(t.shape)]  # a piece: its place in the tensor
+        base = source.to(dtype=t.dtype, memory_format=torch.contiguous_format).reshape(t.shape)
         # Written in place: a copy made just now, or a copy of its own the target gives up (a worker's kept base).
-        converted = base.data_ptr() != served.data_ptr() or bool(getattr(target, "base_writable", False))
-        out.append((t, apply_delta(entry, t.delta, base, t.name, out=base if converted else None)))
+        copied = base.untyped_storage().data_ptr() != served.untyped_storage().data_ptr()
+        out.append((t, apply_delta(entry, t.delta, base, t.name, out=base if copied or writable else None)))
     return out
 
 
@@ -75,21 +79,42 @@ def whole_digest(wholes: list[tuple[TensorSlot, torch.Tensor]]) -> Digest:
     return h.digest()
 
 
-def staged(wholes: list[tuple[TensorSlot, torch.Tensor]], swap_in: SwapIn) -> NamedTensors:
+def staged(
+    wholes: list[tuple[TensorSlot, torch.Tensor]], swap_in: SwapIn, pieces: PieceAssembler | None = None
+) -> NamedTensors:
     """Staged apply: the ``(canonical name, tensor)`` pairs to keep for Complete of a delta bucket made whole, less
     the rebuilt tensors ``swap_in`` takes to serve as they are (fresh tensors of the served dtype and shape: no copy
-    at Complete; :class:`~wsync_grpc.worker.swaps.SwapIn`)."""
+    at Complete; :class:`~wsync_grpc.worker.swaps.SwapIn`); pieces go to ``pieces`` (see :func:`loaded`)."""
     out: NamedTensors = []
     for t, w in wholes:
-        if not t.load:
+        if not t.load or t.piece is not None:
             continue
         if t.delta is not None and swap_in.swappable(t):
             swap_in.add(t, w.reshape(-1).view(torch.uint8))
         else:
             out.append((t.canonical, w))
+    return out + _assembled(wholes, pieces)
+
+
+def loaded(wholes: list[tuple[TensorSlot, torch.Tensor]], pieces: PieceAssembler | None = None) -> NamedTensors:
+    """The ``(canonical name, tensor)`` pairs to load of ``wholes`` (tied aliases already in the update left out);
+    a piece is copied into its tensor in ``pieces`` (a sharded trainer's direct send), which is loaded once whole.
+
+    Raises:
+        ValueError: a piece, and no ``pieces`` to assemble it in.
+    """
+    return [(t.canonical, w) for t, w in wholes if t.load and t.piece is None] + _assembled(wholes, pieces)
+
+
+def _assembled(wholes: list[tuple[TensorSlot, torch.Tensor]], pieces: PieceAssembler | None) -> NamedTensors:
+    """The tensors that the pieces among ``wholes`` complete in ``pieces``."""
+    out: NamedTensors = []
+    for t, w in wholes:
+        if t.piece is None or not t.load:
+            continue
+        if pieces is None:
+            raise ValueError(f"a piece of {t.name!r} arrived where no tensor is assembled from pieces")
+        whole = pieces.add(t, w)
+        if whole is not None:
+            out.append(whole)
     return out
-
-
-def loaded(wholes: list[tuple[TensorSlot, torch.Tensor]]) -> NamedTensors:
-    """The ``(canonical name, tensor)`` pairs to load of ``wholes`` (tied aliases already in the update left out)."""
-    return [(t.canonical, w) for t, w in wholes if t.load]

@@ -164,6 +164,7 @@ class ShardedTrainerClient:
         flush_cache: bool = False,
         progress: Callable[[SyncProgress], None] | None = None,
         on_phase: Callable[[str], None] | None = None,
+        delta: bool | None = None,
     ) -> SyncResult:
         """Push this trainer's weights to every engine as ``weight_version``: collective, on every rank.
 
@@ -183,6 +184,10 @@ class ShardedTrainerClient:
                 sends its own shards (each ``DTensor``'s local shard, placed by its offsets), no
                 all-gather, the engines assemble each tensor from its pieces.
             progress, on_phase: as for :meth:`TrainerClient.sync`; called on rank 0 only.
+            delta: as for :meth:`TrainerClient.sync` (``None``: rank 0's client's ``delta`` setting), in the
+                ``"direct"`` mode: every rank encodes its own pieces against its own copy of what it last sent
+                (2 bytes per parameter of its shards for bfloat16), the ranks exchange the entries' sizes, and each
+                sends its own; a rank without that copy (a new process) makes the sync whole.
 
         Returns:
             Rank 0's :class:`SyncResult`, on every rank.
@@ -197,9 +202,12 @@ class ShardedTrainerClient:
         c = self._client
         source = ShardedTensors(named_tensors)
         problem, metas, request = "", [], None
+        deltas = c.delta if delta is None else delta
         try:  # a bad argument is agreed on too: it fails every rank, not this one alone
             if mode not in SEND_MODES:
                 raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
+            if deltas and (mode != "direct" or layout != "flattened"):
+                raise ValueError("a sharded trainer sends deltas in mode='direct', flattened layout")
             topology = SendTopology(mode, self._ranks.size)
             request = BroadcastRequest.create(
                 weight_version,
@@ -219,7 +227,7 @@ class ShardedTrainerClient:
             "sync",
             {
                 "weight version": weight_version,
-                "options": [mode, layout, apply_mode, bucket_bytes or c.bucket_bytes, str(dtype), flush_cache],
+                "options": [mode, layout, apply_mode, bucket_bytes or c.bucket_bytes, str(dtype), flush_cache, deltas],
                 "client settings": [c.alignment, c.ramp_bytes, c.solo_bytes],
                 "tensors (names, dtypes, global shapes)": metas,
                 "argument checks": problem,
@@ -228,14 +236,18 @@ class ShardedTrainerClient:
         if problem or request is None:
             raise ValueError(problem)
         sending: WeightSource = source
-        if mode == "direct":
-            sending = DirectSource(source, self._ranks)  # collective: the ranks' pieces, exchanged
+        direct: DirectSource | None = None
+        if mode == "direct":  # collective: the ranks' pieces (and, with deltas, their entries' sizes), exchanged
+            sending = direct = DirectSource(source, self._ranks, self._client.deltas if deltas else None, dtype)
         elif self._ranks.leader:
             sending = LockstepSource(source, self._ranks)
+        payload = direct.delta if direct is not None else None
         if self._follower is None:
-            result = self._lead(lambda: self._client.run_update(sending, request))
+            result = self._lead(lambda: self._client.run_update(sending, request, delta=payload))
         else:
             result = follow(self._follower.call(sending, request))  # every round, until rank 0's outcome
+            if payload is not None and result is not None:  # rank 0's client moved its own base on
+                self._client.deltas.applied(result.weight_version, payload, {})
         assert result is not None  # a sync always has an outcome
         return result
 

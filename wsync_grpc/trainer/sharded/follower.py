@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
 
+from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.group.process_group import WeightSyncGroup, join_group
+from wsync_grpc.trainer.delta import DeltaPayload
 from wsync_grpc.trainer.options import BackendName
 from wsync_grpc.trainer.planning import Planner
 from wsync_grpc.trainer.request import BroadcastRequest
@@ -166,7 +169,18 @@ class Follower:
         buckets, _messages = self._planner.plan(
             source.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology
         )
-        return FollowedCall(self, source, request, buckets)
+        delta: DeltaPayload | None = getattr(source, "delta", None)
+        if delta is None or not delta.is_delta:
+            return FollowedCall(self, source, request, buckets)
+        delta_buckets, _messages = self._planner.plan(
+            source.metadata(),
+            request.bucket_bytes,
+            request.dtype,
+            request.layout,
+            request.topology,
+            delta.plan_deltas(),
+        )
+        return FollowedCall(self, source, request, buckets, delta=delta, delta_buckets=delta_buckets)
 
     def close(self) -> None:
         """Leave the weight-sync group and drop the buffers (not collective; idempotent)."""
@@ -185,6 +199,10 @@ class FollowedCall:
         request: the update, as every rank built it.
         buckets: the planned buckets, the same on every rank.
         error: this rank's first failure in the call (raised once rank 0 shares the outcome).
+        delta: this rank's delta payload (a direct send with deltas on,
+            :attr:`~wsync_grpc.trainer.sharded.source.DirectSource.delta`); ``None``: none.
+        delta_buckets: the buckets planned for the delta (rank 0 runs it when every engine serves the base: it
+            says so in the rounds that send); ``None``: none.
     """
 
     follower: Follower
@@ -192,6 +210,23 @@ class FollowedCall:
     request: BroadcastRequest
     buckets: list[Bucket]
     error: BaseException | None = None
+    delta: DeltaPayload | None = None
+    delta_buckets: list[Bucket] | None = None
+
+    def plan(
+        self, delta: bool
+    ) -> tuple[list[Bucket], Callable[[Bucket], Mapping[str, torch.Tensor]], Callable[[Bucket], Digest] | None]:
+        """The buckets this update sends, how to read a bucket's tensors and its digest (``None``: from its bytes):
+        the delta's (``delta``: rank 0 runs the delta) or the whole update's.
+
+        Raises:
+            RuntimeError: rank 0 runs a delta this rank planned none for (the ranks' bases differ).
+        """
+        if not delta:
+            return self.buckets, self.source.bucket_tensors, None
+        if self.delta is None or self.delta_buckets is None:
+            raise RuntimeError("trainer rank 0 sends a delta this rank has no payload for")
+        return self.delta_buckets, self.delta.bucket_tensors, self.delta.digest_of
 
     @property
     def ranks(self) -> TrainerRanks:

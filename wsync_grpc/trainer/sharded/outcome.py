@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from wsync_grpc.trainer.results import ClientError, EngineFailure, EngineSyncResult, SyncError, SyncResult
+from wsync_grpc.trainer.results import ClientError, DeltaSummary, EngineFailure, EngineSyncResult, SyncError, SyncResult
 
 __all__ = ["decode_outcome", "encode_error", "encode_result"]
 
@@ -80,7 +80,9 @@ def decode_outcome(payload: bytes) -> SyncResult | None:
             return None
         engines = {t: EngineSyncResult(**e) for t, e in r.pop("engines").items()}
         excluded = {t: _decode_failure(f) for t, f in r.pop("excluded").items()}
-        return SyncResult(**r, engines=engines, excluded=excluded)
+        delta = r.pop("delta", None)
+        summary = None if delta is None else DeltaSummary(**{**delta, "whole_targets": tuple(delta["whole_targets"])})
+        return SyncResult(**r, engines=engines, excluded=excluded, delta=summary)
     if d["kind"] == "SyncError":
         failures = {t: _decode_failure(f) for t, f in d["failures"].items()}
         raise SyncError(

@@ -162,15 +162,21 @@ _DIGEST_ENTRY = struct.Struct(">I16s")
 
 
 def own_digests(
-    buckets: Sequence[Bucket], layout: Layout, tensors: Callable[[Bucket], Mapping[str, torch.Tensor]], rank: int
+    buckets: Sequence[Bucket],
+    layout: Layout,
+    tensors: Callable[[Bucket], Mapping[str, torch.Tensor]],
+    rank: int,
+    digest_of: Callable[[Bucket], Digest] | None = None,
 ) -> dict[int, Digest]:
     """The digests of the buckets of ``buckets`` that group rank ``rank`` sends, hashed from its own pieces
     (``tensors(bucket)``, e.g. a :meth:`WeightSource.bucket_tensors
-    <wsync_grpc.trainer.source.WeightSource.bucket_tensors>`).
+    <wsync_grpc.trainer.source.WeightSource.bucket_tensors>``; a delta's: ``digest_of(bucket)``).
 
     Raises:
         Exception: reading a piece failed.
     """
+    if digest_of is not None:
+        return {b.index: digest_of(b) for b in buckets if b.src == rank}
     return {b.index: bucket_digest(b, tensors(b), layout) for b in buckets if b.src == rank}
 
 
@@ -200,10 +206,10 @@ class DigestsRound(Round):
             TrainerRankFailed: a rank could not hash its buckets (it reported failure), or a rank failed
                 its part of the previous command.
         """
-        ranks.lead(Command.DIGESTS)
+        ranks.lead(Command.DIGESTS, int(job.digest_of is not None))  # 1: the delta's buckets
         error: Exception | None = None
         try:
-            mine = encode_digests(own_digests(job.buckets, job.layout, job.tensors, ranks.rank))
+            mine = encode_digests(own_digests(job.buckets, job.layout, job.tensors, ranks.rank, job.digest_of))
         except Exception as e:  # the exchange is collective: take part, then fail
             error, mine = e, b""
         shares = ranks.exchange(mine, _DIGESTS_EXCHANGE)
@@ -224,9 +230,8 @@ class DigestsRound(Round):
         rank 0 names this rank as the one whose digests are missing)."""
         mine = b""
         try:
-            mine = encode_digests(
-                own_digests(call.buckets, call.request.layout, call.source.bucket_tensors, call.ranks.rank)
-            )
+            buckets, tensors, digest_of = call.plan(delta=bool(arg))
+            mine = encode_digests(own_digests(buckets, call.request.layout, tensors, call.ranks.rank, digest_of))
         except Exception as e:
             log.exception("trainer rank %d: hashing its buckets failed", call.ranks.rank)
             call.failed(e, report=False)
@@ -317,7 +322,7 @@ class SendRound(Round):
             Exception: as for :func:`send_own`.
         """
         stop = _Either(job.cancel)
-        ranks.lead(Command.SEND)
+        ranks.lead(Command.SEND, int(job.digest_of is not None))  # 1: the delta's buckets
         sent = SENT.lead(ranks, stop)
         waiting(sent)
         try:
@@ -342,9 +347,8 @@ class SendRound(Round):
         watch = ranks.watch_leader(stop)
         try:
             request = call.request
-            job = SendJob(
-                follower.group.group(), call.buckets, request.layout, call.source.bucket_tensors, request.topology, stop
-            )
+            buckets, tensors, _digest_of = call.plan(delta=bool(arg))
+            job = SendJob(follower.group.group(), buckets, request.layout, tensors, request.topology, stop)
             send_own(job, follower.buffers)
             watch.join(ranks.timeout_s)  # rank 0's word that its own sends ended
         except Exception as e:  # rank 0 gone or failed (stop set), or this rank's own failure

@@ -24,17 +24,21 @@ Units: sizes in bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from wsync_grpc.core.delta import DeltaCoding, Positions
 from wsync_grpc.core.layout import Bucket, Piece
 from wsync_grpc.core.planning import PieceMeta, TensorMeta
+from wsync_grpc.trainer.delta import DeltaPayload, DeltaTracker
 from wsync_grpc.trainer.sharded.ranks import TrainerRanks
 from wsync_grpc.trainer.sharded.rounds import GATHER
 from wsync_grpc.trainer.source import NamedTensors
@@ -138,9 +142,19 @@ class DirectSource:
     replicated tensor, or a plain one) is sent by the lowest of them; a piece that is the whole
     tensor travels as a whole tensor.
 
+    With deltas on (``deltas``: this rank's last update, :class:`~wsync_grpc.trainer.delta.DeltaTracker`), each
+    rank also encodes its own pieces against its own copy of what it last sent and the ranks exchange the
+    entries' codings with their pieces: :attr:`delta` is then this rank's payload, carrying every rank's codings
+    when every rank holds a base of the same version (rank 0 plans every rank's buckets; whole otherwise).
+
     Args:
         source: this rank's tensors.
         ranks: the trainer's ranks.
+        deltas: this rank's last update, to encode against; ``None``: deltas off.
+        dtype: the wire dtype of floating tensors (with deltas); ``None`` keeps theirs.
+
+    Attributes:
+        delta: this rank's pieces in the wire dtype and its delta entries (see above); ``None`` with deltas off.
 
     Raises:
         ValueError: a shard the direct mode cannot place (:func:`local`), or pieces that do not
@@ -148,7 +162,13 @@ class DirectSource:
         TrainerRankLost: the exchange failed.
     """
 
-    def __init__(self, source: ShardedTensors, ranks: TrainerRanks) -> None:
+    def __init__(
+        self,
+        source: ShardedTensors,
+        ranks: TrainerRanks,
+        deltas: DeltaTracker | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         metas = source.metadata()
         self._parts: dict[str, torch.Tensor] = {}  # name -> this rank's part, to send from
         mine: list[list[object]] = []
@@ -161,12 +181,18 @@ class DirectSource:
                     mine.append([m.name, list(offsets), list(part.shape)])
         except ValueError as e:
             problem = str(e)
-        payload = json.dumps({"pieces": mine, "problem": problem}).encode()
-        lists = [json.loads(p) for p in ranks.exchange(payload, "exchanging the ranks' pieces")]
+        self.delta: DeltaPayload | None = None
+        share: dict[str, object] = {"pieces": mine, "problem": problem}
+        if deltas is not None and not problem:
+            self.delta = deltas.encode_tensors({n: p for n, p in self._parts.items() if p.numel()}, dtype, ranks.rank)
+            share.update(_delta_share(self.delta))
+        lists = [json.loads(p) for p in ranks.exchange(json.dumps(share).encode(), "exchanging the ranks' pieces")]
         problems = [f"trainer rank {r}: {p['problem']}" for r, p in enumerate(lists) if p["problem"]]
         if problems:
             raise ValueError("; ".join(problems))
         self._pieces = _pieces(metas, [p["pieces"] for p in lists])
+        if self.delta is not None:
+            self.delta = _with_ranks(self.delta, lists)
 
     def metadata(self) -> Sequence[PieceMeta]:
         """See :meth:`WeightSource.metadata`: every rank's pieces, each rank's in the tensors' order."""
@@ -179,6 +205,45 @@ class DirectSource:
             KeyError: a slot the source does not hold.
         """
         return {s.name: self._parts[s.name] for s in bucket.tensors}
+
+
+def _delta_share(payload: DeltaPayload) -> dict[str, object]:
+    """What a rank tells the others of its delta: its base version, its entries' codings, its counts."""
+    s = payload.summary
+    return {
+        "base": payload.base_version,
+        "codings": {
+            n: [e.coding.positions.value, e.coding.changed, e.coding.positions_bytes]
+            for n, e in payload.entries.items()
+        },
+        "counts": [s.changed_elements, s.total_elements, s.values_bytes, s.positions_bytes, s.delta_tensors]
+        if s is not None
+        else [0, 0, 0, 0, 0],
+    }
+
+
+def _with_ranks(payload: DeltaPayload, shares: Sequence[Mapping[str, Any]]) -> DeltaPayload:
+    """This rank's payload with every rank's codings and counts, when every rank holds a base of the same version;
+    whole otherwise (the same decision on every rank, from the same shares)."""
+    bases = {str(s.get("base", "")) for s in shares}
+    if len(bases) != 1 or "" in bases:
+        return payload.whole
+    codings = {
+        r: {str(n): DeltaCoding(Positions(str(c[0])), int(c[1]), int(c[2])) for n, c in s["codings"].items()}
+        for r, s in enumerate(shares)
+    }
+    counts = [sum(int(s["counts"][i]) for s in shares) for i in range(5)]
+    summary = payload.summary
+    if summary is not None:
+        summary = dataclasses.replace(
+            summary,
+            changed_elements=counts[0],
+            total_elements=counts[1],
+            values_bytes=counts[2],
+            positions_bytes=counts[3],
+            delta_tensors=counts[4],
+        )
+    return dataclasses.replace(payload, rank_codings=codings, summary=summary)
 
 
 def _pieces(metas: Sequence[TensorMeta], per_rank: Sequence[Sequence[Sequence[object]]]) -> list[PieceMeta]:

@@ -310,7 +310,8 @@ class BroadcastReceiver(ReceiverThread):
             if self._verified(bucket):
                 check_digest(bucket.index, self._expected(bucket), whole_digest(wholes))
                 self.buckets_verified += 1
-            self._use(posted, loaded(wholes) if self.streaming else staged(wholes, self.swap_in))
+            whole = loaded(wholes, self._pieces) if self.streaming else staged(wholes, self.swap_in, self._pieces)
+            self._use(posted, whole)
             return
         if not self._verified(bucket):
             self._use(posted)
