@@ -11,6 +11,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from bench.colocated_case import p95
+
 WIRE_TARGETS = {"1e-06": 0.025, "1e-05": 0.07}
 """Target: a delta's wire bytes at most this share of the whole update's, per learning rate (median, steps 2+)."""
 POSITIONS_DENSITY = 0.03
@@ -19,16 +21,6 @@ TIME_RATIO = 1.1
 """Target: a delta sync at most this times the whole sync's time on loopback, at every learning rate."""
 LINK_RATIO = 0.3
 """Target: on a link rate-limited to 2 Gbit/s, a delta sync at most this times the whole one (lr 1e-6)."""
-
-
-def _p95(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    if not s:
-        return 0.0
-    k = 0.95 * (len(s) - 1)
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def _share(row: dict[str, Any]) -> float:
@@ -150,7 +142,7 @@ def section(c: dict[str, Any]) -> str:
             f"| {statistics.median(r['delta']['total_s'] for r in later):.2f} "
             f"({statistics.median(r['delta']['diff_s'] for r in later):.2f}) "
             f"| {statistics.median(r['whole']['total_s'] for r in later):.2f} "
-            f"| {statistics.median(times):.2f} ({_p95(times):.2f}, {max(times):.2f}) |"
+            f"| {statistics.median(times):.2f} ({p95(times):.2f}, {max(times):.2f}) |"
         )
     phases = []
     for lr, rows in c["lrs"].items():

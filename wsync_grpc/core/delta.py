@@ -188,8 +188,11 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return (bits.view(-1, 8) << _BITS).sum(1, dtype=torch.uint8)
 
 
-def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = None) -> EncodedTensor | None:
-    """The delta of ``new`` against ``base``, or ``None`` when ``new`` should travel whole.
+def delta_of(
+    new: torch.Tensor, base: torch.Tensor, positions: Positions | None = None
+) -> tuple[EncodedTensor | None, int]:
+    """The delta of ``new`` against ``base`` (``None`` when ``new`` should travel whole) and the number of elements
+    whose bits differ, counted once for both.
 
     The changed elements are counted first: a tensor that changed too densely for any encoding to save
     :data:`DENSE_SHARE` is answered without finding their positions, and one dense enough for the bitmap to be the
@@ -202,7 +205,8 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
             :data:`DENSE_SHARE` of the whole tensor's bytes).
 
     Returns:
-        The entry (``payload`` as it lies in the bucket), or ``None``: send the tensor whole.
+        The entry (``payload`` as it lies in the bucket), or ``None``: send the tensor whole; and the changed
+        elements' count.
 
     Raises:
         ValueError: dtypes or shapes differ; ``INDICES`` asked for a tensor of ``2**32`` elements or more.
@@ -216,7 +220,7 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
     whole = numel * esize
     bitmap = bitmap_bytes(numel)
     if positions is None and _align(k * esize) + min(k, bitmap) >= DENSE_SHARE * whole:
-        return None  # no encoding can be small enough: every one carries the k values and a byte per k or the bitmap
+        return None, k  # no encoding can be small enough: every one carries the k values and a byte per k or the bitmap
     if positions is Positions.BITMAP or (positions is None and k >= bitmap):
         # Every gaps or indices encoding takes at least k >= the bitmap's bytes: the bitmap is the smallest.
         coding = DeltaCoding(Positions.BITMAP, k, bitmap)
@@ -225,7 +229,7 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
         payload[:vbytes] = flat[mask].view(torch.uint8)
         payload[vbytes : _align(vbytes)] = 0
         payload[_align(vbytes) :] = _pack_bits(mask)
-        return EncodedTensor(coding, payload, k)
+        return EncodedTensor(coding, payload, k), k
     idx = torch.nonzero(mask).squeeze(1)
     gaps = torch.diff(idx, prepend=torch.tensor([-1], dtype=torch.int64)) if k else idx
     counts = {p: k + (int(((gaps - 1) // limit).sum()) if k else 0) for p, limit in _GAP_LIMITS.items()}
@@ -241,13 +245,13 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
     if sizes[chosen] == math.inf:
         raise ValueError(f"INDICES hold fewer than 2**32 elements; the tensor has {numel}")
     if positions is None and _align(entry_counts[chosen] * esize) + sizes[chosen] >= DENSE_SHARE * whole:
-        return None
+        return None, k
     entries_of = {chosen: _gap_entries(idx, _GAP_LIMITS[chosen]) if chosen in _GAP_LIMITS and k else idx}
     entries = entries_of[chosen]
     coding = DeltaCoding(chosen, entries.numel(), int(sizes[chosen]))
     total = coding.nbytes(esize)
     if positions is None and total >= DENSE_SHARE * whole:
-        return None
+        return None, k
     payload = torch.zeros(total, dtype=torch.uint8)
     vbytes = coding.values_bytes(esize)
     if vbytes:
@@ -262,7 +266,16 @@ def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = 
             pos.copy_(steps.to(torch.int16 if chosen is Positions.GAPS16 else torch.uint8).view(torch.uint8))
     else:
         pos.copy_(_pack_bits(mask))
-    return EncodedTensor(coding, payload, k)
+    return EncodedTensor(coding, payload, k), k
+
+
+def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = None) -> EncodedTensor | None:
+    """The delta of ``new`` against ``base``, or ``None`` when ``new`` should travel whole (see :func:`delta_of`).
+
+    Raises:
+        ValueError: as :func:`delta_of`.
+    """
+    return delta_of(new, base, positions)[0]
 
 
 def _corrupt(name: str, why: str) -> InvalidArgument:

@@ -33,7 +33,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from wsync_grpc.core.delta import DeltaCoding, EncodedTensor, changed_positions, encode
+from wsync_grpc.core.delta import DeltaCoding, EncodedTensor, delta_of
 from wsync_grpc.core.digests import BucketHasher, Digest
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.core.planning import TensorMeta
@@ -113,11 +113,6 @@ class DeltaPayload:
             t.name: self.entries[t.name].payload if t.delta is not None else self.wires[t.name] for t in bucket.tensors
         }
 
-    def digests(self, buckets: Sequence[Bucket]) -> dict[int, Digest]:
-        """Every bucket's digest (``wsync.v1.BucketDigest``): of the whole tensors a bucket with a delta entry
-        results in; of its flattened bytes for the others."""
-        return {b.index: self.digest_of(b) for b in buckets}
-
 
 class DeltaTracker:
     """The last update a client sent with deltas on, and the identities its engines answered it with.
@@ -181,11 +176,10 @@ class DeltaTracker:
                 if base is None or base.dtype != w.dtype or base.shape != w.shape:
                     changed += w.numel()
                     continue
-                entry = encode(w, base)
+                entry, k = delta_of(w, base)
+                changed += k
                 if entry is None:
-                    changed += changed_positions(w, base).numel()
                     continue
-                changed += entry.changed_elements
                 values += entry.coding.values_bytes(w.element_size())
                 positions += entry.coding.positions_bytes
                 entries[name] = entry

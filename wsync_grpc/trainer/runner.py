@@ -219,8 +219,9 @@ class UpdateRunner:
             job = dataclasses.replace(job, digest_of=payload.digest_of)
         if not self._settings.digests:
             up_front: Mapping[int, Digest] | None = {}
-        elif payload is not None and payload.is_delta and not sends.topology.by_pieces:
-            up_front = self._before_prepare(request, "digests", lambda: payload.digests(buckets))
+        elif job.digest_of is not None and not sends.topology.by_pieces:  # this process holds every bucket's tensors
+            digest_of = job.digest_of
+            up_front = self._before_prepare(request, "digests", lambda: {b.index: digest_of(b) for b in buckets})
         else:
             up_front = self._before_prepare(request, "digests", lambda: sender.digests_before_send(job))
         set_spec_digests(messages, up_front or {})
