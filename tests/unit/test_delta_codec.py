@@ -27,7 +27,7 @@ from wsync_grpc.core.delta import (
     decode_positions,
     encode,
 )
-from wsync_grpc.core.digests import digest_of
+from wsync_grpc.core.digests import BucketHasher, digest_of
 from wsync_grpc.core.engine import ParamSpec
 from wsync_grpc.core.errors import FailedPrecondition, InvalidArgument
 from wsync_grpc.core.header import UpdateHeader, check_delta_header
@@ -169,6 +169,35 @@ def test_signed_zeros_and_nan_payloads_are_compared_and_rebuilt_by_bits(dtype: t
         enc = encode(new_t, base_t, p)
         assert enc is not None and enc.changed_elements == 3
         assert same_bits(apply_delta(enc.payload, enc.coding, base_t), new_t)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64], ids=["bf16", "fp32", "u8", "fp64"]
+)
+@pytest.mark.parametrize("numel", [1, 7, 8, 1001, 4099])
+@pytest.mark.parametrize("density", [0.0, 1e-3, 0.05, 0.3, 1.0])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_changed_positions_word_by_word_and_element_by_element_agree(
+    dtype: torch.dtype, numel: int, density: float, offset: int
+) -> None:
+    """Whatever the dtype, length (a tail shorter than an 8-byte word included), density (either side of
+    SPARSE_WORDS) and alignment of the tensors' start, the positions and the entries are those of an element by
+    element comparison, and rebuild the new tensor bit for bit."""
+    gen = torch.Generator().manual_seed(numel + offset)
+    storage = (torch.rand(numel + offset, generator=gen) * 100).to(dtype)
+    base = storage[offset:]
+    new = base.clone()
+    hit = torch.rand(numel, generator=gen) < density
+    bits(new)[hit] = bits(new)[hit] + 1
+    expected = torch.nonzero(bits(new) != bits(base)).squeeze(1)
+    assert torch.equal(changed_positions(new, base), expected)
+    for p in (None, *Positions):
+        enc = encode(new, base, p)
+        if enc is None:  # too dense to save anything: travels whole
+            assert p is None
+            continue
+        assert enc.changed_elements == expected.numel()
+        assert same_bits(apply_delta(enc.payload, enc.coding, base), new)
 
 
 def test_a_non_contiguous_new_tensor_round_trips() -> None:
@@ -671,12 +700,24 @@ def test_a_packed_delta_update_expands_into_the_new_tensors() -> None:
     assert {t.name: (t.delta is not None) for t in slots} == {"a": True, "b": False, "c": True, "d": True, "e": True}
     c = next(t.delta for t in slots if t.name == "c")
     assert c is not None and c.positions is Positions.GAPS and c.changed > 26  # bridged
+    given: list[torch.Tensor] = []
+
+    def buffer_for(t: TensorSlot) -> torch.Tensor | None:  # a receiver's pool: every other tensor in a given buffer
+        if len(given) % 2:
+            given.append(torch.empty(0, dtype=torch.uint8))
+            return None
+        given.append(torch.full((math.prod(t.shape) * t.dtype.itemsize,), 0xAB, dtype=torch.uint8))
+        return given[-1]
+
     for b, flat in zip(buckets, flats, strict=True):
-        wholes = expand(flat, b, Served(served))
+        hasher = BucketHasher()
+        wholes = expand(flat, b, Served(served), buffer_for, hasher)
         assert [t.name for t, _ in wholes] == [t.name for t in b.tensors]
         for t, w in wholes:
             assert same_bits(w, new[t.name]), t.name
-        assert whole_digest(wholes) == digest_of(new[t.name] for t in b.tensors)
+        assert whole_digest(wholes) == hasher.digest() == digest_of(new[t.name] for t in b.tensors)
+    rebuilt_in_given = [w for _t, w in wholes if any(w.data_ptr() == g.data_ptr() for g in given if g.numel())]
+    assert rebuilt_in_given, "no delta entry was rebuilt in the buffer it was given"
     assert all(same_bits(served[n], kept[n]) for n in served)
 
 

@@ -54,6 +54,12 @@ _INDEX_LIMIT = 2**32
 
 _BITS = torch.arange(8, dtype=torch.uint8)
 
+SPARSE_WORDS = 0.15
+"""The share of changed 8-byte words below which :func:`delta_of` finds the changed elements word by word (one
+comparison per word, then the lanes of the changed words only) instead of comparing every element: the element
+comparison writes a boolean per element and lists them all, which costs more while few words changed and less
+once many did."""
+
 
 class Positions(enum.Enum):
     """How a delta entry's positions are written (``wsync.v1.DeltaPositions``)."""
@@ -164,7 +170,53 @@ def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """
     if new.dtype != base.dtype or new.shape != base.shape:
         raise ValueError(f"cannot diff {new.dtype} {tuple(new.shape)} against {base.dtype} {tuple(base.shape)}")
-    return torch.nonzero(_bits(new.contiguous()) != _bits(base.contiguous())).squeeze(1)
+    return _changes(new.contiguous().reshape(-1), base.contiguous().reshape(-1)).positions()
+
+
+@dataclass(frozen=True)
+class _Changes:
+    """Where two flat tensors of ``numel`` elements differ: ``found`` is the positions (``int64``, increasing) when
+    ``sparse``, else a boolean per element; ``k`` elements differ."""
+
+    found: torch.Tensor
+    sparse: bool
+    k: int
+    numel: int
+
+    def positions(self) -> torch.Tensor:
+        """The positions that differ (``int64``, increasing)."""
+        return self.found if self.sparse else torch.nonzero(self.found).squeeze(1)
+
+    def mask(self) -> torch.Tensor:
+        """A boolean per element: whether it differs."""
+        if not self.sparse:
+            return self.found
+        mask = torch.zeros(self.numel, dtype=torch.bool)
+        mask[self.found] = True
+        return mask
+
+
+def _changes(flat: torch.Tensor, base: torch.Tensor) -> _Changes:
+    """Where the flat, contiguous, same-dtype ``flat`` and ``base`` differ bit for bit: found word by word while
+    few 8-byte words changed (:data:`SPARSE_WORDS`), else element by element."""
+    a, b = _bits(flat), _bits(base)
+    lanes = 8 // flat.element_size()
+    body = flat.numel() - flat.numel() % lanes
+    if lanes > 1 and body:
+        try:
+            words = a[:body].view(torch.int64) != b[:body].view(torch.int64)
+        except RuntimeError:  # a view whose start is not 8-byte aligned: compared element by element
+            words = None
+        if words is not None and int(torch.count_nonzero(words)) <= SPARSE_WORDS * words.numel():
+            changed = torch.nonzero(words).squeeze(1)
+            lane = a[:body].view(-1, lanes)[changed] != b[:body].view(-1, lanes)[changed]
+            row, col = torch.nonzero(lane, as_tuple=True)
+            idx = changed[row] * lanes + col
+            if body < flat.numel():
+                idx = torch.cat([idx, torch.nonzero(a[body:] != b[body:]).squeeze(1) + body])
+            return _Changes(idx, True, idx.numel(), flat.numel())
+    mask = a != b
+    return _Changes(mask, False, int(torch.count_nonzero(mask)), flat.numel())  # count_nonzero: faster than a sum
 
 
 def _gap_entries(idx: torch.Tensor, limit: int) -> torch.Tensor:
@@ -194,7 +246,8 @@ def delta_of(
     """The delta of ``new`` against ``base`` (``None`` when ``new`` should travel whole) and the number of elements
     whose bits differ, counted once for both.
 
-    The changed elements are counted first: a tensor that changed too densely for any encoding to save
+    The changed elements are found word by word while few changed (:data:`SPARSE_WORDS`), and counted first
+    otherwise: a tensor that changed too densely for any encoding to save
     :data:`DENSE_SHARE` is answered without finding their positions, and one dense enough for the bitmap to be the
     smallest is encoded from the comparison's mask directly.
 
@@ -214,9 +267,9 @@ def delta_of(
     if new.dtype != base.dtype or new.shape != base.shape:
         raise ValueError(f"cannot diff {new.dtype} {tuple(new.shape)} against {base.dtype} {tuple(base.shape)}")
     flat = new.detach().contiguous().reshape(-1)
-    mask = _bits(flat) != _bits(base.contiguous())
+    changes = _changes(flat, base.detach().contiguous().reshape(-1))
+    k = changes.k
     numel, esize = flat.numel(), flat.element_size()
-    k = int(torch.count_nonzero(mask))  # several times faster than a sum of booleans
     whole = numel * esize
     bitmap = bitmap_bytes(numel)
     if positions is None and _align(k * esize) + min(k, bitmap) >= DENSE_SHARE * whole:
@@ -226,11 +279,11 @@ def delta_of(
         coding = DeltaCoding(Positions.BITMAP, k, bitmap)
         payload = torch.empty(coding.nbytes(esize), dtype=torch.uint8)
         vbytes = coding.values_bytes(esize)
-        payload[:vbytes] = flat[mask].view(torch.uint8)
+        payload[:vbytes] = flat[changes.found].view(torch.uint8)  # by positions or by mask: the same order
         payload[vbytes : _align(vbytes)] = 0
-        payload[_align(vbytes) :] = _pack_bits(mask)
+        payload[_align(vbytes) :] = _pack_bits(changes.mask())
         return EncodedTensor(coding, payload, k), k
-    idx = torch.nonzero(mask).squeeze(1)
+    idx = changes.positions()
     gaps = torch.diff(idx, prepend=torch.tensor([-1], dtype=torch.int64)) if k else idx
     counts = {p: k + (int(((gaps - 1) // limit).sum()) if k else 0) for p, limit in _GAP_LIMITS.items()}
     entry_counts = {Positions.INDICES: k, **counts, Positions.BITMAP: k}
@@ -265,7 +318,7 @@ def delta_of(
             steps = torch.diff(entries, prepend=torch.tensor([-1], dtype=torch.int64))
             pos.copy_(steps.to(torch.int16 if chosen is Positions.GAPS16 else torch.uint8).view(torch.uint8))
     else:
-        pos.copy_(_pack_bits(mask))
+        pos.copy_(_pack_bits(changes.mask()))
     return EncodedTensor(coding, payload, k), k
 
 

@@ -36,9 +36,26 @@ class BufferPool:
     def __init__(self, device: torch.device, keep: bool) -> None:
         self.device = device
         self.keep = keep
-        self._free: list[torch.Tensor] = []
+        self._free: dict[int, list[torch.Tensor]] = {}  # free buffers by size in bytes, oldest first
+        self._free_ptrs: set[int] = set()  # data_ptr of every free buffer
         self._used: set[int] = set()  # data_ptr of every buffer handed out since the last trim
         self._lock = threading.Lock()
+
+    def _pop(self, nbytes: int) -> torch.Tensor:
+        """Take the oldest free buffer of exactly ``nbytes`` bytes (one must be free); the caller holds the lock."""
+        same = self._free[nbytes]
+        buf = same.pop(0)
+        if not same:
+            del self._free[nbytes]
+        self._free_ptrs.discard(buf.data_ptr())
+        self._used.add(buf.data_ptr())
+        return buf
+
+    def _keep_only(self, keep: set[int] | None) -> None:
+        """Drop the free buffers whose data_ptr is not in ``keep`` (``None``: every one); the caller holds the lock."""
+        kept = {n: [b for b in bufs if keep is not None and b.data_ptr() in keep] for n, bufs in self._free.items()}
+        self._free = {n: bufs for n, bufs in kept.items() if bufs}
+        self._free_ptrs = {b.data_ptr() for bufs in self._free.values() for b in bufs}
 
     def take(self, nbytes: int, capacity: int = 0) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes (its first ``nbytes`` are returned as a view).
@@ -50,13 +67,11 @@ class BufferPool:
                 fits the larger buckets still to come.
         """
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            fits = [n for n in self._free if n >= nbytes]
             if fits:
-                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-                self._used.add(buf.data_ptr())
-                return buf[:nbytes]
+                return self._pop(min(fits))[:nbytes]
             # Leftovers of an earlier update too small for this one: give their memory back first.
-            self._free = [b for b in self._free if b.data_ptr() in self._used]
+            self._keep_only(self._used)
         buf = torch.empty(max(nbytes, capacity), dtype=torch.uint8, device=self.device)
         with self._lock:
             self._used.add(buf.data_ptr())
@@ -70,11 +85,8 @@ class BufferPool:
         allocated behind it.
         """
         with self._lock:
-            for i, b in enumerate(self._free):
-                if b.numel() == nbytes:
-                    buf = self._free.pop(i)
-                    self._used.add(buf.data_ptr())
-                    return buf
+            if nbytes in self._free:
+                return self._pop(nbytes)
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         with self._lock:
             self._used.add(buf.data_ptr())
@@ -88,20 +100,22 @@ class BufferPool:
                 it (memory an engine gave back in exchange for a buffer).
         """
         base = buf if buf._base is None else buf._base
+        ptr = base.data_ptr()
         with self._lock:
-            if all(b.data_ptr() != base.data_ptr() for b in self._free):
-                self._free.append(base)
+            if ptr not in self._free_ptrs:
+                self._free.setdefault(base.numel(), []).append(base)
+                self._free_ptrs.add(ptr)
             if used:
-                self._used.add(base.data_ptr())
+                self._used.add(ptr)
 
     def trim(self) -> None:
         """End of an update: keep only the free buffers it used (none unless the pool keeps them)."""
         with self._lock:
-            self._free = [b for b in self._free if self.keep and b.data_ptr() in self._used]
+            self._keep_only(self._used if self.keep else None)
             self._used = set()
 
     @property
     def free_bytes(self) -> int:
         """Bytes held in free buffers."""
         with self._lock:
-            return sum(b.numel() for b in self._free)
+            return sum(n * len(bufs) for n, bufs in self._free.items())

@@ -11,6 +11,8 @@ the entries applied into that copy instead, saving a copy of every changed tenso
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from wsync_grpc.core.delta import apply_delta
@@ -39,13 +41,25 @@ def _served(target: WeightTarget, t: TensorSlot) -> torch.Tensor:
         ) from e
 
 
-def expand(flat: torch.Tensor, bucket: Bucket, target: WeightTarget) -> list[tuple[TensorSlot, torch.Tensor]]:
+def expand(
+    flat: torch.Tensor,
+    bucket: Bucket,
+    target: WeightTarget,
+    buffer_for: Callable[[TensorSlot], torch.Tensor | None] | None = None,
+    hasher: BucketHasher | None = None,
+) -> list[tuple[TensorSlot, torch.Tensor]]:
     """Every tensor of ``bucket`` whole: a whole entry as a view of ``flat``, a delta entry applied to its base.
 
     Args:
         flat: the received bucket (1-D ``uint8``, ``bucket.size_bytes`` bytes).
         bucket: a bucket of a delta update (flattened layout).
         target: the served weights the deltas apply to.
+        buffer_for: where to rebuild a delta entry's tensor: a 1-D ``uint8`` buffer of exactly the whole tensor's
+            bytes (``numel * element_size``), or ``None`` for a new tensor; a receiver hands out the memory its
+            pool got back from the last swap (:class:`~wsync_grpc.worker.swaps.SwapIn`), already touched, where a
+            new tensor of hundreds of MB page-faults on every 4 KiB. ``None``: always a new tensor.
+        hasher: the bucket's digest, when it is checked: every whole tensor is hashed in order as soon as it is
+            made, while it is still in the CPU's cache (its digest is then :func:`whole_digest`'s).
 
     Returns:
         ``(slot, tensor)`` for every slot, in order, tied aliases included; each tensor in the wire dtype and shape
@@ -61,14 +75,33 @@ def expand(flat: torch.Tensor, bucket: Bucket, target: WeightTarget) -> list[tup
         entry = flat[t.offset : t.end]
         if t.delta is None:
             out.append((t, entry.view(t.dtype).view(t.shape)))
-            continue
-        served = _served(target, t)
-        source = served if t.piece is None else served[t.piece.index(t.shape)]  # a piece: its place in the tensor
-        base = source.to(dtype=t.dtype, memory_format=torch.contiguous_format).reshape(t.shape)
-        # Written in place: a copy made just now, or a copy of its own the target gives up (a worker's kept base).
-        copied = base.untyped_storage().data_ptr() != served.untyped_storage().data_ptr()
-        out.append((t, apply_delta(entry, t.delta, base, t.name, out=base if copied or writable else None)))
+        else:
+            out.append((t, _rebuilt(entry, t, target, writable, buffer_for)))
+        if hasher is not None:
+            hasher.update(out[-1][1])
     return out
+
+
+def _rebuilt(
+    entry: torch.Tensor,
+    t: TensorSlot,
+    target: WeightTarget,
+    writable: bool,
+    buffer_for: Callable[[TensorSlot], torch.Tensor | None] | None,
+) -> torch.Tensor:
+    """The whole tensor delta entry ``t`` (its bytes ``entry``) stands for (see :func:`expand`)."""
+    assert t.delta is not None
+    served = _served(target, t)
+    source = served if t.piece is None else served[t.piece.index(t.shape)]  # a piece: its place in the tensor
+    buf = None if writable or buffer_for is None else buffer_for(t)
+    if buf is not None:
+        whole = buf.view(t.dtype).view(t.shape)
+        whole.copy_(source)
+        return apply_delta(entry, t.delta, whole, t.name, out=whole)
+    base = source.to(dtype=t.dtype, memory_format=torch.contiguous_format).reshape(t.shape)
+    # Written in place: a copy made just now, or a copy of its own the target gives up (a worker's kept base).
+    copied = base.untyped_storage().data_ptr() != served.untyped_storage().data_ptr()
+    return apply_delta(entry, t.delta, base, t.name, out=base if copied or writable else None)
 
 
 def whole_digest(wholes: list[tuple[TensorSlot, torch.Tensor]]) -> Digest:

@@ -9,6 +9,8 @@ receiver.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from wsync_grpc.core.engine import StorageSwap, WeightTarget
@@ -44,6 +46,14 @@ class SwapIn:
             return False
         served = self._target.get_weight(t.canonical)
         return served.dtype == t.dtype and tuple(served.shape) == t.shape and served.device == self._device
+
+    def buffer_for(self, t: TensorSlot, pool: BufferPool) -> torch.Tensor | None:
+        """Memory to rebuild the whole tensor of delta entry ``t`` in (:func:`~wsync_grpc.worker.delta.expand`),
+        when that tensor will be swapped in: an exact-size buffer of ``pool`` (``uint8``, ``numel * element_size``
+        bytes; after the first swap, memory the engine gave back, already touched); ``None`` otherwise."""
+        if not self.swappable(t):
+            return None
+        return pool.take_exact(math.prod(t.shape) * t.dtype.itemsize)
 
     def add(self, t: TensorSlot, flat: torch.Tensor) -> None:
         """Serve ``flat`` (``uint8``, exactly ``t``'s bytes) as ``t`` at Complete."""

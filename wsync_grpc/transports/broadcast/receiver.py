@@ -62,7 +62,7 @@ from wsync_grpc.core.packing import NamedTensors, tensor_views
 from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.group.waits import wait_all
-from wsync_grpc.worker.delta import expand, loaded, staged, whole_digest
+from wsync_grpc.worker.delta import expand, loaded, staged
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 from wsync_grpc.worker.swaps import SwapIn
@@ -306,9 +306,11 @@ class BroadcastReceiver(ReceiverThread):
         """
         bucket = posted.bucket
         if bucket.has_delta:  # flattened only (a delta's header says so): made whole, then checked as whole
-            wholes = expand(posted.buffers[0][: bucket.size_bytes], bucket, self.target)
-            if self._verified(bucket):
-                check_digest(bucket.index, self._expected(bucket), whole_digest(wholes))
+            hasher = BucketHasher() if self._verified(bucket) else None
+            flat = posted.buffers[0][: bucket.size_bytes]
+            wholes = expand(flat, bucket, self.target, lambda t: self.swap_in.buffer_for(t, self.pool), hasher)
+            if hasher is not None:
+                check_digest(bucket.index, self._expected(bucket), hasher.digest())
                 self.buckets_verified += 1
             whole = loaded(wholes, self._pieces) if self.streaming else staged(wholes, self.swap_in, self._pieces)
             self._use(posted, whole)

@@ -79,7 +79,7 @@ from wsync_grpc.transports.shared_memory.protocol import (
     peer_credentials,
     recv_exact,
 )
-from wsync_grpc.worker.delta import expand, loaded, staged, whole_digest
+from wsync_grpc.worker.delta import expand, loaded, staged
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
 from wsync_grpc.worker.swaps import SwapIn
@@ -370,8 +370,9 @@ class SharedMemoryReceiver(ReceiverThread):
         if self.feed.closed and i + 1 >= len(self.feed):
             self._close()  # the last bucket is out: no mapping outlives the transfer
         if bucket.has_delta:  # made whole (a copy of each served tensor it changes), then checked as whole
-            received.whole = expand(flat, bucket, self.target)
-            received.digest = whole_digest(received.whole)
+            hasher = BucketHasher()
+            received.whole = expand(flat, bucket, self.target, lambda t: self.swap_in.buffer_for(t, self.pool), hasher)
+            received.digest = hasher.digest()
         elif bucket.digest is not None or self._digests_follow:
             hasher = BucketHasher()
             hasher.update(flat)
