@@ -126,7 +126,7 @@ def test_deltas_into_vllm_are_served_bit_exact_staged_and_streaming(
     def weights() -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in trainer.named_parameters()}
 
-    with TrainerClient([engine.target], group_timeout_s=60, delta=True) as c:
+    with TrainerClient([engine.target], group_timeout_s=60, delta=True, delta_fallback=False) as c:
         first = c.sync(weights().items(), "delta-0", dtype=SERVED)
         assert first.delta is not None and first.delta.base_version == ""
         assert first.engines[engine.target].weight_identity == engine.status().weight_identity != ""

@@ -62,7 +62,7 @@ def test_every_rank_applies_a_delta_to_its_copy_and_loads_its_slices(engine_tp3:
     loaders; staged and streaming, bit-exact by the gathered checksums, a few percent of the bytes."""
     originals: dict[str, torch.Tensor] = dict(safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")))
     new = perturbed(originals, seed=7)
-    with TrainerClient([engine_tp3.target], group_timeout_s=120, delta=True) as c:
+    with TrainerClient([engine_tp3.target], group_timeout_s=120, delta=True, delta_fallback=False) as c:
         first = c.sync(new.items(), "tp3-delta-0", dtype=SERVED)
         for i, apply_mode in enumerate(("staged", "streaming"), start=1):
             g = torch.Generator().manual_seed(i)

@@ -31,13 +31,15 @@ from wsync_grpc.engines.reference import ReferenceEngine
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.testing import in_process_server
 from wsync_grpc.trainer import SyncError, TrainerClient
+from wsync_grpc.trainer.delta import DeltaCosts, SyncPlan
 from wsync_grpc.trainer.sender import BroadcastSender
 from wsync_grpc.transports.broadcast.sender import Corruption, PackBuffers
 
 pytestmark = pytest.mark.timeout(300)
 
-SMALL = {"bucket_bytes": 32 << 10, "ramp_bytes": 0, "solo_bytes": 64 << 10}
-"""Client settings that cut the tiny synthetic model in several buckets."""
+SMALL = {"bucket_bytes": 32 << 10, "ramp_bytes": 0, "solo_bytes": 64 << 10, "delta_fallback": False}
+"""Client settings that cut the tiny synthetic model in several buckets, and send a delta at every sync whatever
+the syncs' times (no fallback to whole syncs)."""
 
 TEXT = (ROOT / "tests" / "data" / "train_text.txt").read_text()
 """A few KB of real English text to train on."""
@@ -76,7 +78,7 @@ def test_real_training_synced_as_deltas_is_served_bit_exact(smollm2_dir: Path, s
     with (
         ReferenceEngine.from_pretrained(None) as engine,
         in_process_server(engine) as (srv, stub),
-        TrainerClient([srv.address], rpc_timeout_s=60, delta=True) as client,
+        TrainerClient([srv.address], rpc_timeout_s=60, delta=True, delta_fallback=False) as client,
     ):
         names = list(engine.parameter_specs())
         r = client.sync(trainer.named_parameters(), "step-0", dtype=torch.bfloat16)
@@ -127,6 +129,37 @@ def test_deltas_reach_every_engine_bit_exact_over_each_transport(transport: str,
                 for n, t in new.items():
                     assert torch.equal(engine.tensors[n], t), n
         assert len({e.weight_identity for e in r.engines.values()}) == 2  # each engine issues its own
+
+
+def test_a_client_falls_back_to_whole_syncs_while_deltas_cost_more_and_tries_a_delta_again() -> None:
+    """``delta_fallback`` (the default): once deltas were timed slower than whole syncs (here: three more deltas
+    counted as taking 1000 s), syncs go whole as with deltas off (the whole bytes, nothing kept), the sync before a
+    retry keeps its tensors, and the retry is a delta against it; the engine serves the trainer's tensors after
+    each."""
+    new = synthetic.build("tiny", seed=7)
+    small = {k: v for k, v in SMALL.items() if k != "delta_fallback"}
+    with (
+        tensor_server("tiny", seed=0) as (a, ea, _sa),
+        TrainerClient([a.address], delta=True, **small) as client,  # type: ignore[arg-type]
+    ):
+        client.deltas.costs = DeltaCosts(probe_every=3)
+        first = client.sync(new.items(), "v0")
+        perturb(new, 0.01, 1)
+        r = client.sync(new.items(), "v1")
+        assert r.delta is not None and r.delta.base_version == "v0" and not r.delta.fell_back
+        for _ in range(3):
+            client.deltas.costs.record(SyncPlan.DELTA, r.delta, 1000.0)
+        ways = []
+        for step in range(2, 6):
+            perturb(new, 0.01, step)
+            r = client.sync(new.items(), f"v{step}")
+            assert r.delta is not None
+            ways.append((r.delta.base_version, r.delta.fell_back, r.wire_bytes == first.wire_bytes))
+            assert r.engines[a.address].bytes_received == r.wire_bytes
+            assert all(torch.equal(ea.tensors[n], t) for n, t in new.items())
+            if r.delta.fell_back and r.delta.diff_seconds == 0:
+                assert client.deltas.base_bytes == 0  # a plain whole sync keeps nothing
+        assert ways == [("", True, True), ("", True, True), ("v3", False, False), ("", True, True)]
 
 
 def test_an_unchanged_model_is_a_delta_of_no_bytes() -> None:
@@ -268,7 +301,7 @@ TRAINER = textwrap.dedent(
     target, apply_mode = sys.argv[1], sys.argv[2]
     new = synthetic.build("tiny", seed=7)
     small = {"bucket_bytes": 32 << 10, "ramp_bytes": 0, "solo_bytes": 64 << 10}
-    with TrainerClient([target], delta=True, **small) as c:
+    with TrainerClient([target], delta=True, delta_fallback=False, **small) as c:
         r = c.sync(new.items(), "v0", apply_mode=apply_mode)
         print(json.dumps({"identity": r.engines[target].weight_identity}), flush=True)
         g = torch.Generator().manual_seed(1)

@@ -59,7 +59,7 @@ def test_the_constructor_settings_are_the_declared_ones_in_order() -> None:
     assert settings == [spec(f).keyword for f in SETTINGS]
     assert set(KEYWORDS) == set(settings)
     names = list(CONSTRUCTOR)
-    run = names[names.index("master_address") : names.index("delta_anchor_every") + 1]
+    run = names[names.index("master_address") : names.index("delta_fallback") + 1]
     assert run == settings, "one run of keywords"
 
 

@@ -256,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
             if r.text != mine.text:
                 failures.append(f"initial weights: {t} generated {r.text!r}, trainer {mine.text!r}")
         wire = getattr(torch, args.wire_dtype)
-        with TrainerClient(targets, rpc_timeout_s=120, group_timeout_s=120, delta=args.delta) as client:
+        with TrainerClient(
+            targets, rpc_timeout_s=120, group_timeout_s=120, delta=args.delta, delta_fallback=False
+        ) as client:
             if args.transport == "broadcast":
                 client.init()  # the weight-sync group (shared memory needs none)
             for step in range(1, args.steps + 1):

@@ -72,7 +72,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
     :meth:`checksums` may be called from other threads at any time, and
     :meth:`cancel` interrupts a ``sync`` in flight.
 
-    The keywords from ``master_address`` to ``delta_anchor_every`` are the client's settings, each declared once (type,
+    The keywords from ``master_address`` to ``delta_fallback`` are the client's settings, each declared once (type,
     default, unit and meaning) in :class:`~wsync_grpc.trainer.settings.Settings`, in the same order; each is also
     a public attribute of the client (``workers`` as the read-only ``fixed_workers``): assigning one applies
     from the next call.
@@ -147,6 +147,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         digests: bool | None = None,
         delta: bool = Settings.delta,
         delta_anchor_every: int = Settings.delta_anchor_every,
+        delta_fallback: bool = Settings.delta_fallback,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),

@@ -17,6 +17,11 @@ delta would not save enough travels whole inside the delta update (:data:`~wsync
 The digest of a bucket with a delta entry is of the whole tensors it results in, so an engine's check proves the
 result bit for bit.
 
+A delta pays for its diff only where the wire is slower than the passes the diff and the rebuild make over the
+model: between hosts, not over loopback, whose wire is itself a memory copy. A single-process client therefore
+times its syncs of either kind and falls back to whole updates while a delta, diff included, has taken longer
+than a whole sync, trying a delta again now and then (:class:`DeltaCosts`; the ``delta_fallback`` setting).
+
 Single-process trainers (``(name, tensor)`` pairs, a :class:`~wsync_grpc.trainer.source.NamedTensors`); the
 flattened layout; the broadcast and shared-memory transports.
 """
@@ -24,8 +29,12 @@ flattened layout; the broadcast and shared-memory transports.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -127,6 +136,8 @@ class DeltaTracker:
         self._base: dict[str, torch.Tensor] = {}
         self._identities: dict[str, str] = {}
         self._deltas_in_a_row = 0
+        self.costs = DeltaCosts()
+        """The time this client's syncs of either kind took: whether a delta pays for its diff."""
 
     @property
     def base_bytes(self) -> int:
@@ -137,30 +148,31 @@ class DeltaTracker:
         """The identity engine ``target`` answered the last sync with; ``""``: none known."""
         return self._identities.get(target, "")
 
-    def encode(self, source: NamedTensors, dtype: torch.dtype | None) -> DeltaPayload:
-        """The next update's tensors in the wire dtype and, unless a whole update is due (no base yet, or an
-        anchor), the delta entries against the base of those that changed little enough; for no engine yet
+    def encode(self, source: NamedTensors, dtype: torch.dtype | None, whole: bool = False) -> DeltaPayload:
+        """The next update's tensors in the wire dtype and, unless a whole update is due (no base yet, an anchor,
+        or ``whole``), the delta entries against the base of those that changed little enough; for no engine yet
         (:meth:`for_targets`).
 
         Args:
             source: the tensors to send.
             dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
+            whole: send the update whole without diffing it (:attr:`SyncPlan.KEEP`).
 
         Raises:
             ValueError: a name appears twice.
         """
         metas: Sequence[TensorMeta] = source.metadata()
-        return self.encode_tensors({m.name: source.tensor(m.name) for m in metas}, dtype)
+        return self.encode_tensors({m.name: source.tensor(m.name) for m in metas}, dtype, whole=whole)
 
     def encode_tensors(
-        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rank: int = 0
+        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rank: int = 0, whole: bool = False
     ) -> DeltaPayload:
         """As :meth:`encode`, for ``tensors`` by name: a process's whole tensors, or a sharded trainer rank's own
         pieces (``rank``: that rank, in a direct send).
         """
         t0 = time.monotonic()
         anchor = self.anchor_every > 0 and self._deltas_in_a_row >= self.anchor_every
-        diff = bool(self.version) and not anchor
+        diff = bool(self.version) and not anchor and not whole
         wires: dict[str, torch.Tensor] = {}
         entries: dict[str, EncodedTensor] = {}
         changed = total = whole_bytes = values = positions = 0
@@ -223,6 +235,93 @@ class DeltaTracker:
             self._identities.pop(t, None)
 
 
+class SyncPlan(enum.Enum):
+    """How the next sync of a client with deltas on goes (:meth:`DeltaCosts.plan`)."""
+
+    DELTA = "delta"
+    """Diffed against the base: a delta where the engines are at it, whole otherwise (the first sync, an anchor)."""
+    KEEP = "keep"
+    """Whole without a diff, its tensors kept as the next base (to time a whole sync, or before a delta is tried)."""
+    PLAIN = "plain"
+    """Whole, as with deltas off: nothing copied or kept (falling back); the base is dropped."""
+
+
+class DeltaCosts:
+    """Whether a delta pays for its diff on this client's fleet, from the time its syncs of either kind took.
+
+    A delta's time is its sync's (``SyncResult.total_seconds``) plus the trainer's diff
+    (``DeltaSummary.diff_seconds``); a whole sync's is its sync's. Both per byte of the whole update, the median of
+    the last :attr:`window` of each. While deltas cost more (:meth:`plan`), syncs go whole as with deltas off
+    (:attr:`SyncPlan.PLAIN`), and a delta is tried again every :attr:`probe_every` syncs (the sync before it
+    keeps its tensors, :attr:`SyncPlan.KEEP`). While deltas cost less, a whole sync is timed again after
+    :attr:`probe_every` deltas when they take more than half a whole sync's time, after four times as many
+    otherwise (the first sync, whose time includes the engines' first touch of their memory, would otherwise
+    decide for good). Mixed syncs (some engines whole) and syncs that failed are not counted.
+
+    Args:
+        probe_every: syncs between two tries of the kind that is losing (at least 2).
+        window: syncs of each kind whose median decides (at least 1).
+
+    Raises:
+        ValueError: ``probe_every`` below 2 or ``window`` below 1.
+    """
+
+    def __init__(self, probe_every: int = 8, window: int = 5) -> None:
+        if probe_every < 2 or window < 1:
+            raise ValueError(f"probe_every must be at least 2 and window at least 1, not {probe_every}, {window}")
+        self.probe_every = probe_every
+        self.window = window
+        self._delta: deque[float] = deque(maxlen=window)
+        self._whole: deque[float] = deque(maxlen=window)
+        self._since = 0  # syncs of the winning kind since the losing one was last tried
+        self._try_delta = False  # the last sync kept its tensors to try a delta next
+
+    def seconds_per_byte(self) -> tuple[float | None, float | None]:
+        """The median time of a delta and of a whole sync, in seconds per byte of the whole update (``None``: not
+        timed yet)."""
+        return (
+            statistics.median(self._delta) if self._delta else None,
+            statistics.median(self._whole) if self._whole else None,
+        )
+
+    def plan(self, has_base: bool) -> SyncPlan:
+        """How the next sync goes; ``has_base``: the client keeps a base to diff against."""
+        delta, whole = self.seconds_per_byte()
+        if delta is None or whole is None:
+            return SyncPlan.DELTA  # until both were timed
+        if delta <= whole:
+            due = self.probe_every * (4 if 2 * delta < whole else 1)
+            return SyncPlan.KEEP if has_base and self._since >= due else SyncPlan.DELTA
+        if has_base and self._try_delta:
+            return SyncPlan.DELTA
+        return SyncPlan.KEEP if self._since + 2 >= self.probe_every else SyncPlan.PLAIN  # the delta: the sync after
+
+    def record(self, plan: SyncPlan, summary: DeltaSummary, sync_seconds: float) -> None:
+        """Count a successful sync that ran as ``plan``: ``summary`` is its ``SyncResult.delta``, ``sync_seconds`` its
+        ``SyncResult.total_seconds``."""
+        if summary.whole_targets or summary.whole_bytes <= 0:
+            return
+        ran_delta = bool(summary.base_version)
+        if ran_delta:
+            self._delta.append((sync_seconds + summary.diff_seconds) / summary.whole_bytes)
+        else:
+            self._whole.append(sync_seconds / summary.whole_bytes)
+        delta, whole = self.seconds_per_byte()
+        delta_wins = delta is None or whole is None or delta <= whole
+        self._since = 0 if ran_delta != delta_wins else self._since + 1  # the losing kind ran: counted afresh
+        self._try_delta = plan is SyncPlan.KEEP and not delta_wins
+
+
+def fallen_back(source: NamedTensors, dtype: torch.dtype | None) -> DeltaSummary:
+    """What a sync sent whole as with deltas off (:attr:`SyncPlan.PLAIN`) says in ``SyncResult.delta``: every
+    element counted as changed, no diff, ``fell_back``."""
+    metas = source.metadata()
+    total = sum(math.prod(m.shape) for m in metas)
+    wire = [dtype if dtype is not None and m.dtype.is_floating_point else m.dtype for m in metas]
+    nbytes = sum(math.prod(m.shape) * d.itemsize for m, d in zip(metas, wire, strict=True))
+    return DeltaSummary("", len(metas), 0, total, total, 0.0, nbytes, fell_back=True)
+
+
 REFUSED_BASE = ("BASE_VERSION_MISMATCH", "ENGINE_DIRTY", "NO_DELTA_BASE", "DELTA_DTYPE", "MISSING_BASE_IDENTITY")
 """The reasons an engine refuses a delta at Prepare for what it serves or is: it takes a whole update instead."""
 
@@ -276,6 +375,7 @@ class DeltaSync(Generic[R]):
         targets: the engines taking part, asked at each attempt.
         runs: how the updates run.
         mixed: a mixed sync is allowed (a staged one).
+        whole: send the update whole without diffing it (:attr:`SyncPlan.KEEP`).
         encoded: the update's payload encoded already (a sharded trainer's direct send, whose ranks each encode
             their own pieces: :class:`~wsync_grpc.trainer.sharded.source.DirectSource`); ``None``: encoded from
             ``source`` at the first attempt.
@@ -290,6 +390,7 @@ class DeltaSync(Generic[R]):
         runs: DeltaRuns[R],
         mixed: bool,
         encoded: DeltaPayload | None = None,
+        whole: bool = False,
     ) -> None:
         self._tracker = tracker
         self._source = source
@@ -298,6 +399,7 @@ class DeltaSync(Generic[R]):
         self._runs = runs
         self._mixed = mixed
         self._encoded = encoded
+        self._whole = whole
         self._sent: DeltaPayload | None = None
 
     def attempt(self, request: R) -> SyncResult:
@@ -309,7 +411,7 @@ class DeltaSync(Generic[R]):
         """
         if self._encoded is None:  # once per sync: the attempts differ only by the engines taking part
             assert self._source is not None, "a sync without its payload encoded needs its tensors"
-            self._encoded = self._tracker.encode(self._source, self._dtype)
+            self._encoded = self._tracker.encode(self._source, self._dtype, whole=self._whole)
         targets = list(self._targets())
         for again in (False, True):
             payload = self._tracker.for_targets(self._encoded, targets, mixed=self._mixed)

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.trainer.deadline import CancelSignal, check_timeout
-from wsync_grpc.trainer.delta import DeltaPayload, DeltaSync, DeltaTracker
+from wsync_grpc.trainer.delta import DeltaPayload, DeltaSync, DeltaTracker, SyncPlan, fallen_back
 from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
@@ -153,17 +153,32 @@ class ClientParts:
         if (named is None and encoded is None) or request.layout is not Layout.FLATTENED:
             raise ValueError("deltas are sent from (name, tensor) pairs in the flattened layout")
         self._deltas.anchor_every = self._settings.delta_anchor_every
-        deltas: DeltaSync[BroadcastRequest] = DeltaSync(
-            self._deltas,
-            named,
-            dtype,
-            lambda: [e.target for e in self._fleet.engines],  # those taking part, at each attempt
-            _Runs(self._runner, self._roster, source),
-            mixed=request.apply_mode is ApplyMode.STAGED,
-            encoded=encoded,
-        )
-        with self._exclusive(timeout_s):
-            return deltas.applied(self._roster.run(policy or self._policy, request, deltas.attempt))
+        plan = SyncPlan.DELTA  # a sharded trainer's ranks encode before this: always a delta where they can
+        if named is not None and encoded is None and self._settings.delta_fallback:
+            plan = self._deltas.costs.plan(has_base=bool(self._deltas.version))
+        if plan is SyncPlan.PLAIN and named is not None:
+            self._deltas.forget()  # nothing kept while deltas do not pay
+            with self._exclusive(timeout_s):
+                result = self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
+            result = dataclasses.replace(result, delta=fallen_back(named, dtype))
+        else:
+            deltas: DeltaSync[BroadcastRequest] = DeltaSync(
+                self._deltas,
+                named,
+                dtype,
+                lambda: [e.target for e in self._fleet.engines],  # those taking part, at each attempt
+                _Runs(self._runner, self._roster, source),
+                mixed=request.apply_mode is ApplyMode.STAGED,
+                encoded=encoded,
+                whole=plan is SyncPlan.KEEP,
+            )
+            with self._exclusive(timeout_s):
+                result = deltas.applied(self._roster.run(policy or self._policy, request, deltas.attempt))
+            if plan is SyncPlan.KEEP and result.delta is not None:
+                result = dataclasses.replace(result, delta=dataclasses.replace(result.delta, fell_back=True))
+        if named is not None and encoded is None and result.delta is not None:
+            self._deltas.costs.record(plan, result.delta, result.total_seconds)
+        return result
 
     @contextlib.contextmanager
     def _exclusive(self, timeout_s: float | None = None) -> Iterator[None]:

@@ -229,6 +229,9 @@ class DeltaSummary:
         positions_bytes: the delta entries' positions, in bytes (0 for a whole update).
         whole_targets: the engines that took the same weights whole in the same commit, not being at the base
             (a mixed fleet: :class:`~wsync_grpc.trainer.delta.DeltaSync`); empty: every engine took the delta.
+        fell_back: the sync went whole without a diff though its engines were at the base: deltas were taking
+            longer than whole syncs on this fleet, or a whole sync was timed again
+            (:class:`~wsync_grpc.trainer.delta.DeltaCosts`; ``diff_seconds`` is then 0 or the copy kept).
     """
 
     base_version: str
@@ -241,6 +244,7 @@ class DeltaSummary:
     values_bytes: int = 0
     positions_bytes: int = 0
     whole_targets: tuple[str, ...] = ()
+    fell_back: bool = False
 
     def as_whole(self) -> DeltaSummary:
         """The same update sent whole (no base: every element counted as changed)."""

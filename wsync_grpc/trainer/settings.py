@@ -162,6 +162,12 @@ class Settings:
     delta_anchor_every: int = field(default=0, metadata=setting())
     """With deltas: send a whole update after this many deltas in a row (an anchor); 0 never does."""
 
+    delta_fallback: bool = field(default=True, metadata=setting())
+    """With deltas: a single-process client times its syncs and sends whole updates, as with deltas off, while a
+    delta, diff included, has taken longer than a whole sync on its fleet (a fast wire, such as loopback), trying
+    a delta again now and then (:class:`~wsync_grpc.trainer.delta.DeltaCosts`); ``False``: a delta whenever the
+    engines serve the base."""
+
 
 @dataclass
 class ClientSettings(Settings):
