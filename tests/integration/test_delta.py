@@ -129,6 +129,8 @@ def test_deltas_reach_every_engine_bit_exact_over_each_transport(transport: str,
                 for n, t in new.items():
                     assert torch.equal(engine.tensors[n], t), n
         assert len({e.weight_identity for e in r.engines.values()}) == 2  # each engine issues its own
+        # The base, and the copy before it that the next sync converts into.
+        assert client.deltas.kept_bytes == 2 * client.deltas.base_bytes == 2 * first.delta.whole_bytes
 
 
 def test_a_client_falls_back_to_whole_syncs_while_deltas_cost_more_and_tries_a_delta_again() -> None:

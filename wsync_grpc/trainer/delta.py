@@ -6,7 +6,7 @@ by the version label alone: two trainers, or a restarted one, can write "step-5"
 client keeps, after every successful sync it made with deltas on (:class:`DeltaTracker`):
 
 - a copy of every tensor it sent, in the wire dtype, on the CPU (2 bytes per parameter for bfloat16): the base
-  the next sync is diffed against;
+  the next sync is diffed against; and the copy before it, which the next sync converts its tensors into;
 - the version it sent and, per engine, the identity that engine's Complete reply returned.
 
 The next sync sends a delta only when every engine taking part answered the last sync with an identity (an engine
@@ -134,6 +134,7 @@ class DeltaTracker:
         self.anchor_every = anchor_every
         self.version = ""
         self._base: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # the base before the last, converted into at the next encode
         self._identities: dict[str, str] = {}
         self._deltas_in_a_row = 0
         self.costs = DeltaCosts()
@@ -143,6 +144,12 @@ class DeltaTracker:
     def base_bytes(self) -> int:
         """The memory the kept base takes, in bytes."""
         return sum(t.nbytes for t in self._base.values())
+
+    @property
+    def kept_bytes(self) -> int:
+        """The memory the client keeps between syncs, in bytes: the base, and the base before it, which the next
+        sync converts its tensors into (memory already touched: fresh memory would page-fault every 4 KiB)."""
+        return self.base_bytes + sum(t.nbytes for t in self._spare.values())
 
     def identity(self, target: str) -> str:
         """The identity engine ``target`` answered the last sync with; ``""``: none known."""
@@ -180,7 +187,11 @@ class DeltaTracker:
             for name, given in tensors.items():
                 t = given.detach()
                 wire_dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
-                w = t.to(device="cpu", dtype=wire_dtype, copy=True).contiguous()
+                w = self._spare.pop(name, None)
+                if w is not None and w.dtype == wire_dtype and w.shape == t.shape:
+                    w.copy_(t)
+                else:
+                    w = t.to(device="cpu", dtype=wire_dtype, copy=True).contiguous()
                 wires[name] = w
                 total += w.numel()
                 whole_bytes += w.nbytes
@@ -220,7 +231,9 @@ class DeltaTracker:
         An engine that answered without an identity (an older engine) gets whole updates.
         """
         self.version = version
-        self._base = dict(payload.wires)
+        old, self._base = self._base, dict(payload.wires)
+        kept = {id(t) for t in self._base.values()}
+        self._spare = {n: t for n, t in old.items() if id(t) not in kept}
         self._identities = {t: r.weight_identity for t, r in engines.items() if r.weight_identity}
         self._deltas_in_a_row = self._deltas_in_a_row + 1 if payload.is_delta else 0
 
@@ -229,6 +242,7 @@ class DeltaTracker:
         if targets is None:
             self.version = ""
             self._base = {}
+            self._spare = {}
             self._identities = {}
             return
         for t in targets:

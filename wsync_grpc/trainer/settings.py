@@ -157,7 +157,7 @@ class Settings:
     """Sync deltas by default (:meth:`~wsync_grpc.trainer.client.TrainerClient.sync`'s ``delta`` when it passes
     ``None``): only the elements whose value in the wire dtype changed since the last sync, to engines serving
     it; whole updates otherwise (:mod:`wsync_grpc.trainer.delta`). The client then keeps a copy of what it last
-    sent, in the wire dtype (2 bytes per parameter for bfloat16)."""
+    sent and of the sync before, in the wire dtype (2 bytes per parameter each for bfloat16)."""
 
     delta_anchor_every: int = field(default=0, metadata=setting())
     """With deltas: send a whole update after this many deltas in a row (an anchor); 0 never does."""
