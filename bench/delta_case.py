@@ -2,11 +2,13 @@
 
 The trainer (this process) trains SmolLM2-135M-Instruct in float32 with AdamW on the few KB of real text the tests
 ship (``tests/data/train_text.txt``, 256-token windows), at each learning rate of ``lrs`` for ``steps`` steps,
-from the same initial weights. Two engine processes serve SmolLM2-135M's shapes in bfloat16 (the tensor engine of
+from the same initial weights. Three engine processes serve SmolLM2-135M's shapes in bfloat16 (the tensor engine of
 ``wsync serve --synthetic``: :mod:`bench.engine`); after each step the same weights are synced, back to back, in
-an order alternated per step, to one engine by a client with deltas on and to the other by a client without
-(bfloat16 on the wire, the clients' default digests): so every step has its delta and its whole sync, side by
-side, on the same processes. Step 0 (the initial weights) is whole on both and not reported.
+an order rotated per step, to one engine by a client with deltas on (its defaults: it falls back to whole syncs
+while deltas cost more, ``delta_fallback``), to another by a client that sends a delta at every sync
+(``delta_fallback=False``: the "forced" delta) and to the third by a client without (bfloat16 on the wire, the
+clients' default digests): so every step has its delta and its whole sync, side by side, on the same processes.
+Step 0 (the initial weights) is whole on all three and not reported.
 
 Per step: the share of elements whose bfloat16 value changed, the wire bytes of both, the delta's values and
 positions bytes, the limit (the changed values plus one byte of position each), and each sync's time split
@@ -14,9 +16,10 @@ into the trainer's diff (copy to bfloat16 and encode: :attr:`~wsync_grpc.trainer
 and the sync's phases (prepare, broadcast, verify: the engine rebuilding and checking, apply).
 
 Last, if ``vllm_rounds``: one vLLM engine (``wsync serve --engine vllm``, SmolLM2-135M-Instruct served in
-bfloat16) and a client with deltas on whose every other sync is whole (``delta_anchor_every=1``): the float32
-checkpoint with about 1% of every matrix moved before each sync, staged, while a request streams tokens; per sync,
-its wall time and the tokens/s and longest gap between two tokens of the stream during it, delta against whole.
+bfloat16) and a client with deltas on whose every other sync is whole (``delta_anchor_every=1``; no fallback): the
+float32 checkpoint with about 1% of every matrix moved before each sync, staged, while a request streams tokens;
+per sync, its wall time and the tokens/s and longest gap between two tokens of the stream during it, delta against
+whole.
 
 Then, if ``link_steps`` (root and ``ip netns`` needed; recorded as not run otherwise): the same training at lr
 1e-6 for that many steps, the two engines each in a network namespace of its own (``wsync serve --synthetic``
@@ -69,6 +72,7 @@ def _timing(r: SyncResult) -> dict[str, Any]:
         "changed": d.changed_elements if d is not None else 0,
         "elements": d.total_elements if d is not None else 0,
         "whole_bytes": d.whole_bytes if d is not None else r.payload_bytes,
+        "fell_back": bool(d is not None and d.fell_back),
     }
 
 
@@ -89,7 +93,7 @@ def _vllm(rounds: int) -> dict[str, Any]:
     syncs: list[dict[str, Any]] = []
     with (
         _engine(model_dir) as (proc, http),
-        TrainerClient([proc.target], group_timeout_s=120, delta=True, delta_anchor_every=1) as c,
+        TrainerClient([proc.target], group_timeout_s=120, delta=True, delta_anchor_every=1, delta_fallback=False) as c,
     ):
         for i in range(2 * rounds + 2):
             for t in state.values():
@@ -264,7 +268,7 @@ def case_delta(
     ids = tokenizer(TEXT.read_text(), return_tensors="pt")["input_ids"][0]
     initial = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32).state_dict()
     initial = {k: v.clone() for k, v in initial.items()}
-    engines = h.start_engines("smollm2-shapes", 2, dtype="bfloat16")
+    engines = h.start_engines("smollm2-shapes", 3, dtype="bfloat16")
     out: dict[str, Any] = {"steps": steps, "lrs": {}, "tokens": int(ids.numel()), "window": WINDOW}
     try:
         for lr in lrs:
@@ -274,9 +278,10 @@ def case_delta(
             rows: list[dict[str, Any]] = []
             with (
                 TrainerClient([engines[0].grpc], delta=True, rpc_timeout_s=120) as delta,
-                TrainerClient([engines[1].grpc], rpc_timeout_s=120) as whole,
+                TrainerClient([engines[1].grpc], delta=True, delta_fallback=False, rpc_timeout_s=120) as forced,
+                TrainerClient([engines[2].grpc], rpc_timeout_s=120) as whole,
             ):
-                clients = {"delta": delta, "whole": whole}
+                clients = {"delta": delta, "forced": forced, "whole": whole}
                 for c in clients.values():
                     c.sync(model.named_parameters(), f"lr{lr:g}-0", dtype=torch.bfloat16)
                 for step in range(1, steps + 1):
@@ -289,8 +294,8 @@ def case_delta(
                     opt.zero_grad()
                     train_s = time.monotonic() - t0
                     row: dict[str, Any] = {"step": step, "loss": float(loss), "train_s": train_s}
-                    order = ("delta", "whole") if step % 2 else ("whole", "delta")
-                    for way in order:
+                    ways = ("delta", "forced", "whole")
+                    for way in ways[step % 3 :] + ways[: step % 3]:  # each client first, second and last in turn
                         r = clients[way].sync(model.named_parameters(), f"lr{lr:g}-{step}", dtype=torch.bfloat16)
                         row[way] = _timing(r)
                     rows.append(row)

@@ -24,17 +24,18 @@ LINK_RATIO = 0.3
 
 
 def _share(row: dict[str, Any]) -> float:
-    d = row["delta"]
+    d = row.get("forced", row["delta"])
     return d["changed"] / d["elements"] if d["elements"] else 0.0
 
 
 def _wire(row: dict[str, Any]) -> float:
-    return row["delta"]["wire_bytes"] / row["whole"]["wire_bytes"]
+    return row.get("forced", row["delta"])["wire_bytes"] / row["whole"]["wire_bytes"]
 
 
-def _time(row: dict[str, Any]) -> float:
-    """The delta sync's time, the trainer's diff included, over the whole sync's."""
-    d, w = row["delta"], row["whole"]
+def _time(row: dict[str, Any], way: str = "delta") -> float:
+    """The time of the sync of client ``way`` (``"delta"``: with deltas on, its defaults; ``"forced"``: a delta at
+    every sync), the trainer's diff included, over the whole sync's."""
+    d, w = row.get(way, row["delta"]), row["whole"]
     return (d["total_s"] + d["diff_s"]) / w["total_s"]
 
 
@@ -56,9 +57,10 @@ def checks(c: dict[str, Any]) -> list[tuple[str, str, bool]]:
         m = statistics.median(wires)
         measured = f"{100 * m:.2f}% (max {100 * max(wires):.2f}%, step 1 {100 * _wire(rows[0]):.2f}%)"
         out.append((target, measured, m <= limit))
-    sparse = [r for rows in lrs.values() for r in rows if _share(r) <= POSITIONS_DENSITY and r["delta"]["values_bytes"]]
+    entries = [r.get("forced", r["delta"]) for rows in lrs.values() for r in rows if _share(r) <= POSITIONS_DENSITY]
+    sparse = [d for d in entries if d["values_bytes"]]
     if sparse:
-        x = max(r["delta"]["positions_bytes"] / r["delta"]["values_bytes"] for r in sparse)
+        x = max(d["positions_bytes"] / d["values_bytes"] for d in sparse)
         out.append(
             (
                 f"delta: positions <= 1 x the values' bytes where <= {100 * POSITIONS_DENSITY:g}% changed",
@@ -110,26 +112,35 @@ def section(c: dict[str, Any]) -> str:
         "",
         f"SmolLM2-135M-Instruct trained in float32 with AdamW on the tests' real text ({c['tokens']} tokens, "
         f"{c['window']}-token windows), {c['steps']} steps per learning rate from the same weights; after each "
-        "step the same weights synced, back to back in an order alternated per step, to one engine by a client "
-        "with deltas on and to another by one without (two engine processes serving SmolLM2-135M's shapes in "
-        "bfloat16, bfloat16 on the wire, digests on). changed: the share of elements whose bfloat16 value "
-        "changed; wire: the delta's bytes over the whole update's; limit: the changed values plus one byte of "
-        "position each, over the whole update's; positions/values: the delta entries' bytes; time: the delta's "
-        "sync plus the trainer's diff over the whole sync's. Medians over steps 2 and later, step 1 apart; p95 "
-        "and max over the steps.",
+        "step the same weights synced, back to back in an order rotated per step, to one engine by a client "
+        "with deltas on and its defaults (it falls back to whole syncs while deltas cost more: `delta_fallback`), "
+        "to another by one that sends a delta at every sync (`delta_fallback=False`: forced) and to a third by one "
+        "without (three engine processes serving SmolLM2-135M's shapes in bfloat16, bfloat16 on the wire, digests "
+        "on). changed: the share of elements whose bfloat16 value changed; wire: the forced delta's bytes over the "
+        "whole update's; limit: the changed values plus one byte of position each, over the whole update's; "
+        "positions/values: the delta entries' bytes; time: a sync plus the trainer's diff over the whole sync's; "
+        "fell back: the syncs of the client with deltas on that went whole for it. Medians over steps 2 and later, "
+        "step 1 apart; p95 and max over the steps.",
         "",
         "| lr | changed median (step 1) | wire median (step 1, max) | limit median | positions/values | "
-        "delta s median (diff s) | whole s median | time x whole median (p95, max) |",
-        "|---|---|---|---|---|---|---|---|",
+        "forced delta s median (diff s) | whole s median | forced x whole median (p95, max) | "
+        "with deltas on x whole median (p95, max) | fell back |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lr, rows in c["lrs"].items():
         later = _later(rows)
         shares = [_share(r) for r in later]
         wires = [_wire(r) for r in later]
-        limits = [r["delta"]["changed"] * 3 / r["whole"]["wire_bytes"] for r in later]
-        pv = [r["delta"]["positions_bytes"] / r["delta"]["values_bytes"] for r in later if r["delta"]["values_bytes"]]
-        times = [_time(r) for r in later]
+        limits = [r.get("forced", r["delta"])["changed"] * 3 / r["whole"]["wire_bytes"] for r in later]
+        pv = [
+            d["positions_bytes"] / d["values_bytes"]
+            for d in (r.get("forced", r["delta"]) for r in later)
+            if d["values_bytes"]
+        ]
+        times = [_time(r, "forced") for r in later]
+        auto = [_time(r) for r in later]
         first = rows[0]
+        forced = [r.get("forced", r["delta"]) for r in later]
         lines.append(
             f"| {lr} | {100 * statistics.median(shares):.2f}% ({100 * _share(first):.2f}%) "
             f"| {100 * statistics.median(wires):.2f}% ({100 * _wire(first):.2f}%, {100 * max(wires):.2f}%) "
@@ -139,23 +150,27 @@ def section(c: dict[str, Any]) -> str:
             else "| - "
         )
         lines[-1] += (
-            f"| {statistics.median(r['delta']['total_s'] for r in later):.2f} "
-            f"({statistics.median(r['delta']['diff_s'] for r in later):.2f}) "
+            f"| {statistics.median(d['total_s'] for d in forced):.2f} "
+            f"({statistics.median(d['diff_s'] for d in forced):.2f}) "
             f"| {statistics.median(r['whole']['total_s'] for r in later):.2f} "
-            f"| {statistics.median(times):.2f} ({p95(times):.2f}, {max(times):.2f}) |"
+            f"| {statistics.median(times):.2f} ({p95(times):.2f}, {max(times):.2f}) "
+            f"| {statistics.median(auto):.2f} ({p95(auto):.2f}, {max(auto):.2f}) "
+            f"| {sum(bool(r['delta'].get('fell_back')) for r in rows)} of {len(rows)} |"
         )
     phases = []
     for lr, rows in c["lrs"].items():
         later = _later(rows)
         parts = ", ".join(
-            f"{k} {statistics.median(r['delta']['phases'][k] for r in later):.2f}/"
+            f"{k} {statistics.median(r.get('forced', r['delta'])['phases'][k] for r in later):.2f}/"
             f"{statistics.median(r['whole']['phases'][k] for r in later):.2f}"
             for k in ("prepare", "broadcast", "verify", "apply")
         )
         phases.append(f"lr {lr}: {parts}")
     lines += [
         "",
-        "Where a sync's time goes, delta/whole (medians, seconds): " + "; ".join(phases) + ". A delta's `verify` "
+        "Where a sync's time goes, forced delta/whole (medians, seconds): "
+        + "; ".join(phases)
+        + ". A delta's `verify` "
         "includes the engine rebuilding each changed tensor from a copy of the one it serves and hashing the "
         "result. On loopback the wire runs at memory-copy speed, so a delta saves little time there: its win is "
         "where the wire is the bottleneck.",
@@ -174,15 +189,16 @@ def section(c: dict[str, Any]) -> str:
         ]
         lines += [
             "",
-            "Why the time targets are missed: a delta sync costs the trainer a diff (converting every tensor to "
-            "bfloat16, comparing it with the base, listing the changed positions: passes over the whole model, "
+            "Where the time goes: a delta sync costs the trainer a diff (converting every tensor to bfloat16, "
+            "comparing it with the base word by word, listing the changed positions: passes over the whole model, "
             "bound by memory bandwidth on this 2-core host, and done before the Prepare because each entry's size "
-            "goes in its bucket's spec) and the engine a rebuild (a copy of each changed tensor, the scatter, the "
-            "digest of the result) where a whole sync only moves bytes. On loopback, whose wire is itself a memory "
-            "copy, those passes cost more than the bytes they save; over the rate-limited link they are what is left "
-            "of the delta's time. What would close them: overlapping the diff with the sends (entries declared "
-            "incrementally, `PrepareHeader.incremental`, as they are encoded) and rebuilding in place where the "
-            "engine keeps its own copy of the base.",
+            "goes in its bucket's spec) and the engine a rebuild (a copy of each changed tensor into memory its "
+            "pool kept, the scatter, the digest of the result) where a whole sync only moves bytes. On loopback, "
+            "whose wire is itself a memory copy, those passes cost about what the bytes they save cost (the forced "
+            "column), so a client left to decide falls back to whole syncs there and tries a delta again every "
+            "eight syncs; over the rate-limited link they are what is left of the delta's time. What would shorten "
+            "them: overlapping the diff with the sends (entries declared incrementally, `PrepareHeader.incremental`, "
+            "as they are encoded).",
         ]
     elif link and link.get("error"):
         lines += ["", f"The rate-limited link part did not run: {link['error'][:300]}"]
@@ -196,7 +212,8 @@ def section(c: dict[str, Any]) -> str:
                 "would use; a trainer on its own host leaves only the engine's share.",
                 "",
                 "vLLM (`wsync serve --engine vllm`, SmolLM2-135M-Instruct in bfloat16), staged syncs alternately delta "
-                "and whole (`delta_anchor_every=1`), about 1% of every matrix moved before each, while a request "
+                "and whole (`delta_anchor_every=1`, no fallback), about 1% of every matrix moved before each, while a "
+                "request "
                 "streams tokens:",
                 "",
                 "| sync | n | wall s median (max) | tokens/s median | longest gap s median (max) | wire MB median |",

@@ -718,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--delta-steps", type=int, default=10, help="training steps per learning rate in the delta case")
     p.add_argument("--delta-lrs", default="1e-6,1e-5,1e-4", help="AdamW learning rates of the delta case")
     p.add_argument(
-        "--delta-vllm", type=int, default=6, help="delta case: vLLM rounds of a whole and a delta sync (0: none)"
+        "--delta-vllm", type=int, default=10, help="delta case: vLLM rounds of a whole and a delta sync (0: none)"
     )
     p.add_argument("--delta-link", type=int, default=6, help="delta case: steps over the rate-limited link (0: none)")
     p.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
