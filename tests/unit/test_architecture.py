@@ -20,12 +20,14 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": {"core", "wire", "group", "transports", "trainer"},
     "engines": {"core", "group", "worker", "transports", "engines"},
     "launch": {"launch"},
+    "ray": {"launch", "trainer", "ray"},
     "__init__": set(),
 }
 """Layer -> the layers of ``wsync_grpc`` its modules may import (those of ``TOP`` may import any).
 
-``launch`` starts engines as processes (``wsync serve``), so it needs none of the library; the package's
-``__init__`` imports nothing, so that importing ``wsync_grpc.launch`` loads no more than that module.
+``launch`` starts engines as processes (``wsync serve``), so it needs none of the library; ``ray`` (the launcher
+room's Ray side) starts them through ``launch`` inside Ray actors and builds trainer clients from their handles;
+the package's ``__init__`` imports nothing, so that importing ``wsync_grpc.launch`` loads no more than that module.
 """
 
 TOP = {"tools", "testing", "testing_vllm"}
@@ -122,6 +124,19 @@ def test_the_library_does_not_import_the_launcher() -> None:
         )
     ]
     assert not importers, f"{importers} import wsync_grpc.launch"
+
+
+def test_nothing_below_imports_ray() -> None:
+    """``wsync_grpc.ray`` (the ``ray`` extra) sits above the library and the process launcher: none of them
+    imports it, nor Ray itself, so that wsync runs without Ray installed."""
+    assert not [layer for layer, allowed in ALLOWED.items() if layer != "ray" and "ray" in allowed]
+    importers = [
+        str(p.relative_to(PACKAGE))
+        for p in _modules()
+        if _layer(p) not in {"ray", *TOP}
+        and any(m == "ray" or m.startswith(("ray.", "wsync_grpc.ray")) for m in _imports(ast.parse(p.read_text())))
+    ]
+    assert not importers, f"{importers} import Ray or wsync_grpc.ray"
 
 
 def test_the_launcher_loads_no_engine() -> None:

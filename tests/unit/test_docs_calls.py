@@ -113,6 +113,7 @@ OUT_OF_SCOPE: dict[str, set[str]] = {
         "worker",
     },
     "docs/development.md": {"pytest", "shared_engines"},
+    "docs/guides/ray.md": {"ray"},
     "docs/reference/cli.md": {"cli"},
     "docs/reference/errors.md": {"broadcast", "disk"},
     "docs/sharded-trainers.md": {"deepspeed", "param"},

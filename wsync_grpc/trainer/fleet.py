@@ -164,6 +164,33 @@ class Fleet:
         self.members.append(e)
         return e
 
+    def replace(self, target: str, new_target: str) -> RemoteEngine:
+        """Put a fresh member at ``new_target`` in member ``target``'s place (its rank order); returns it.
+
+        For an engine that serves at another address now (a supervisor restarted it on another port or
+        node: :attr:`Roster.resolver <wsync_grpc.trainer.roster.Roster.resolver>`): the member at
+        ``new_target`` is taken for a new engine (version and workers unknown, no lease credential;
+        ``fixed_workers`` kept), and ``target``'s channels (the streams' too) are closed.
+
+        Raises:
+            KeyError: no member has address ``target``.
+            ValueError: ``new_target`` is a member already, or a token would travel in clear to it (not a
+                loopback address).
+        """
+        old = self.member(target)
+        if self._token_in_clear:
+            check_clear_token(new_target)
+        if any(e.target == new_target for e in self.members):
+            raise ValueError(f"{new_target} is an engine of this client already")
+        lease = LeaseHolder()
+        ch = self._channel(new_target, lease)
+        stub = weight_sync_pb2_grpc.WeightSyncServiceStub(ch)
+        e = RemoteEngine(new_target, ch, stub, fixed_workers=old.fixed_workers, lease=lease)
+        self.members[self.members.index(old)] = e
+        old.channel.close()
+        self.streams.drop(target)
+        return e
+
     def _aio_interceptors(self, target: str) -> list[Any]:
         """The interceptors of ``target``'s ``grpc.aio`` channel: its member's lease credential."""
         try:

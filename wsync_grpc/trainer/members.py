@@ -18,7 +18,7 @@ from wsync_grpc.trainer.options import ApplyMode
 from wsync_grpc.trainer.parts import ClientParts
 from wsync_grpc.trainer.request import DiskRequest, catch_up_request
 from wsync_grpc.trainer.results import SyncResult
-from wsync_grpc.trainer.roster import FleetPolicy, Member
+from wsync_grpc.trainer.roster import FleetPolicy, Member, TargetResolver
 from wsync_grpc.trainer.source import NamedTensors, WeightSource
 from wsync_grpc.trainer.views import LeaveResult
 
@@ -40,6 +40,22 @@ class MemberCalls(ClientParts):
     @policy.setter
     def policy(self, value: FleetPolicy) -> None:
         self._policy = value
+
+    @property
+    def resolver(self) -> TargetResolver | None:
+        """Where members that stop answering serve now (:data:`~wsync_grpc.trainer.roster.TargetResolver`);
+        assignable; ``None`` (default): nowhere else.
+
+        Asked at the status probe before an update under the ``exclude`` policy and at :meth:`catch_up`,
+        for the members that did not answer: one found at another address is replaced there, in its rank
+        order, behind until it catches up (:mod:`wsync_grpc.trainer.roster`). Set by
+        :func:`wsync_grpc.ray.trainer_client` to follow engines that Ray restarts on other ports or nodes.
+        """
+        return self._roster.resolver
+
+    @resolver.setter
+    def resolver(self, value: TargetResolver | None) -> None:
+        self._roster.resolver = value
 
     def members(self) -> dict[str, Member]:
         """target -> :class:`~wsync_grpc.trainer.roster.Member` (in sync, behind or excluded, and why), in

@@ -30,6 +30,13 @@ trainer's latest checkpoint when the current version came from disk, else by
 broadcasting the tensors the caller passes. A restarted engine is recognised by
 its ``GetStatus().updates_completed`` going down or its version going back.
 
+An engine that a supervisor restarts elsewhere (a Ray actor restarted on a new port or node:
+:mod:`wsync_grpc.ray`) serves at a new address. With a :attr:`Roster.resolver` set, the members that do
+not answer the status probe before an update under ``exclude``, or the one before a catch-up
+(:meth:`Roster.behind`), are looked up by it: a member found at another address is replaced there, in its place
+(:meth:`Fleet.replace <wsync_grpc.trainer.fleet.Fleet.replace>`), asked again, and counts as a restarted
+engine (behind until it catches up). Without a resolver, or under ``fail``, members keep their addresses.
+
 Units: times in seconds.
 """
 
@@ -61,7 +68,7 @@ log = logging.getLogger(__name__)
 Request = TypeVar("Request", bound=UpdateRequest)
 """The kind of update :meth:`Roster.run` runs (each attempt gets the same kind, with a fresh id)."""
 
-__all__ = ["PROBE_TIMEOUT_S", "FailurePolicy", "FleetPolicy", "Member", "MemberState", "Roster"]
+__all__ = ["PROBE_TIMEOUT_S", "FailurePolicy", "FleetPolicy", "Member", "MemberState", "Roster", "TargetResolver"]
 
 PROBE_TIMEOUT_S = 5.0
 """Deadline of the ``GetStatus`` asked of every member before an update under ``exclude``, in seconds
@@ -72,6 +79,15 @@ FailurePolicy = Literal["fail", "exclude"]
 
 MemberState = Literal["in_sync", "behind", "excluded"]
 """A member as the client last saw it: serving the fleet's version, serving another, or left out."""
+
+TargetResolver = Callable[[list[str]], Mapping[str, str]]
+"""Where members that did not answer serve now: called with their addresses (``host:port``), returns
+old address -> new address for those that moved (a member left out, or mapped to its own address, did not).
+
+Called on the client's calling thread, with its op lock held, before the update or catch-up goes on: it
+should return within a few seconds (:data:`PROBE_TIMEOUT_S`) whatever happens. What it raises is logged and
+taken for "none moved". :class:`wsync_grpc.ray.HandleResolver` asks the engines' Ray actors.
+"""
 
 _BEFORE_DECISION = ("init", "prepare", "broadcast", "verify")
 """The stages of a failed update at which nothing was published anywhere (:attr:`SyncError.stage`)."""
@@ -166,6 +182,8 @@ class Roster:
         checkpoint: the checkpoint the last published version was read from (as the engines see
             it), when it came from disk; ``None`` after a broadcast update.
         cancelled: set by ``TrainerClient.cancel``; an update cancelled by the caller is never retried.
+        resolver: where members that do not answer serve now (:data:`TargetResolver`); ``None`` (default):
+            nowhere else.
     """
 
     def __init__(
@@ -186,6 +204,7 @@ class Roster:
         self.version: str | None = None
         self.checkpoint: str | None = None
         self.cancelled = False
+        self.resolver: TargetResolver | None = None
 
     # ------------------------------------------------------------------ what the client shows
 
@@ -304,7 +323,7 @@ class Roster:
         Raises:
             SyncError: fewer members answer than ``policy`` requires (stage ``"init"``).
         """
-        replies, failures = self._status_of(self._fleet.members)
+        replies, failures = self._status_of_members()
         for e in self._fleet.members:
             if e.target in failures:
                 self._exclude(e, failures[e.target])
@@ -339,6 +358,45 @@ class Roster:
                 failures.pop(t)
             failures.update(still)
         return replies, failures
+
+    def _status_of_members(self) -> tuple[dict[str, pb.GetStatusResponse], dict[str, EngineFailure]]:
+        """:meth:`_status_of` every member; those that failed and moved (:attr:`resolver`) are asked again there."""
+        replies, failures = self._status_of(self._fleet.members)
+        moved = self._moved(failures)
+        if moved:
+            more, still = self._status_of(moved)
+            replies.update(more)
+            failures.update(still)
+        return replies, failures
+
+    def _moved(self, failures: dict[str, EngineFailure]) -> list[RemoteEngine]:
+        """Replace the members of ``failures`` that :attr:`resolver` finds elsewhere (popped from ``failures``).
+
+        Returns:
+            The members at their new addresses (fresh: behind until they catch up).
+        """
+        if self.resolver is None or not failures:
+            return []
+        try:
+            found = dict(self.resolver(list(failures)))
+        except Exception:
+            log.exception("looking up where %s serve now failed", ", ".join(failures))
+            return []
+        moved: list[RemoteEngine] = []
+        for old, new in found.items():
+            taken = {e.target for e in self._fleet.members}
+            if old not in failures or not new or new == old or new in taken:
+                continue
+            try:
+                e = self._fleet.replace(old, new)
+            except ValueError as exc:  # a token that would travel in clear to it
+                log.warning("%s: not following its engine to %s: %s", old, new, exc)
+                continue
+            why = failures.pop(old)
+            log.warning("%s did not answer (%s); its engine serves at %s now", old, why.message or why.reason, new)
+            self._leases.forget(old)
+            moved.append(e)
+        return moved
 
     def _seen(self, e: RemoteEngine, status: pb.GetStatusResponse) -> None:
         """Record what ``e`` serves; a restarted engine, or one out of the client's group, re-forms the group."""
@@ -428,7 +486,7 @@ class Roster:
         """
         if self.version is None:
             return []
-        replies, failures = self._status_of(self._fleet.members)
+        replies, failures = self._status_of_members()
         late: list[RemoteEngine] = []
         for e in self._fleet.members:
             if e.target in replies:

@@ -1,0 +1,41 @@
+"""What an engine actor is told to start (:class:`wsync_grpc.ray.EngineSpec`), and the launcher's wrapper that
+ends an engine with the process that starts it (``wsync_grpc.launch.ending_with_parent``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from wsync_grpc.launch import cli_command, ending_with_parent
+
+pytest.importorskip("ray", reason="the ray extra is not installed")
+
+from wsync_grpc.ray import EngineSpec
+
+
+@pytest.mark.parametrize("args", [("--port", "50051"), ("--host=0.0.0.0",), ("--port-file", "p")])
+def test_the_spec_refuses_the_options_the_actor_sets(args: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="the engine actor sets them"):
+        EngineSpec(serve_args=("--synthetic", "tiny", *args))
+
+
+def test_vllm_options_are_the_actors_only_for_a_vllm_engine() -> None:
+    with pytest.raises(ValueError, match=r"\['--http-port'\]"):
+        EngineSpec(serve_args=("--http-port", "8000"), vllm_model="/models/smollm2")
+    assert EngineSpec(serve_args=("--metrics-port", "9100"), vllm_model="/models/smollm2").vllm_model
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineSpec(vllm_model="/models/smollm2", tensor_parallel_size=0)
+
+
+def test_the_token_stays_out_of_the_specs_repr() -> None:
+    spec = EngineSpec(serve_args=("--synthetic", "tiny"), token="s3cret-token")
+    assert "s3cret-token" not in repr(spec) and "--synthetic" in repr(spec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's")
+def test_the_wrapper_execs_the_command_it_is_given() -> None:
+    command = cli_command("serve", "--synthetic", "tiny")
+    wrapped = ending_with_parent(command)
+    assert wrapped[0] == sys.executable and wrapped[-len(command) :] == command
+    assert "PR_SET_PDEATHSIG" in wrapped[4] and "os.execv" in wrapped[4]

@@ -1,0 +1,162 @@
+"""Launching wsync engines as Ray actors over a placement group, and stopping them.
+
+:func:`launch_engines` reserves one bundle per engine (``num_cpus`` CPUs, and ``num_gpus`` GPUs where the
+cluster has them) in a placement group (``PACK``, ``SPREAD``, ``STRICT_PACK`` or ``STRICT_SPREAD``), starts
+one :class:`~wsync_grpc.ray.actor.EngineActor` in each bundle with Ray's ``max_restarts``, waits until every
+engine serves, and returns one :class:`~wsync_grpc.ray.handles.EngineHandle` per engine, in bundle order.
+:func:`stop_engines` kills the actors (their engines end with them) and removes the placement group.
+
+The actors are owned by the process that launched them (the driver, or an actor of the framework's): they
+and their engines end when it does. A restarted actor stays in its bundle: on the same node, or on the one
+the bundle is placed on again if its node was lost.
+
+Units: times in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from wsync_grpc.launch import DEFAULT_START_TIMEOUT_S, VLLM_START_TIMEOUT_S
+from wsync_grpc.ray.actor import EngineActor, EngineInfo, EngineSpec
+from wsync_grpc.ray.handles import EngineHandle
+
+__all__ = ["DEFAULT_PLACEMENT_TIMEOUT_S", "Strategy", "launch_engines", "stop_engines"]
+
+log = logging.getLogger(__name__)
+
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+"""How the bundles are placed over the nodes (Ray's placement group strategies)."""
+
+DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
+"""How long :func:`launch_engines` waits for the cluster to grant the placement group, in seconds."""
+
+
+def launch_engines(
+    n: int,
+    spec: EngineSpec | None = None,
+    *,
+    strategy: Strategy = "PACK",
+    num_cpus: float = 1.0,
+    num_gpus: float | None = None,
+    max_restarts: int = 0,
+    name: str = "wsync-engine",
+    token: str | None = None,
+    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+    start_timeout_s: float | None = None,
+) -> list[EngineHandle]:
+    """Start ``n`` engines as Ray actors, one per bundle of a new placement group; return their handles.
+
+    Call it where Ray is initialized (a driver after ``ray.init``, or inside an actor); that process owns
+    the actors. Returns once every engine serves.
+
+    Args:
+        n: how many engines (and bundles).
+        spec: what each actor starts (:class:`~wsync_grpc.ray.actor.EngineSpec`); ``None``: ``wsync serve``
+            with its defaults (the reference engine, SmolLM2).
+        strategy: the placement group's strategy: ``"PACK"`` (default: as few nodes as possible),
+            ``"SPREAD"`` (as many as possible), ``"STRICT_PACK"`` (one node) or ``"STRICT_SPREAD"`` (one
+            node each).
+        num_cpus: CPUs of each bundle (and its actor).
+        num_gpus: GPUs of each bundle; ``None`` (default): 1 where the cluster has GPUs, else 0. Ray sets
+            ``CUDA_VISIBLE_DEVICES`` in the actor, and its engine inherits it.
+        max_restarts: how many times Ray restarts each actor that dies (``-1``: without end); each restart
+            starts a new engine, on a new port.
+        name: the engines' names are ``f"{name}-{i}"``.
+        token: the engines require this token (``spec.token``), and the handles carry it for the trainer.
+        placement_timeout_s: how long to wait for the placement group, in seconds.
+        start_timeout_s: how long to wait for the engines to serve, in seconds; ``None``: ``spec``'s start
+            timeout plus 60 s for the actors' workers to start.
+
+    Raises:
+        ValueError: ``n`` below 1, or a ``token`` that differs from ``spec.token``.
+        TimeoutError: the placement group was not granted in time, or the engines did not serve in time (the
+            placement group and any actor started are removed first).
+        ray.exceptions.RayActorError: an engine failed to start (its actor's creation error holds the tail of
+            the engine's output); the other actors and the placement group are removed first.
+    """
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    spec = spec if spec is not None else EngineSpec()
+    if token is not None:
+        if spec.token not in (None, token):
+            raise ValueError("token differs from spec.token")
+        spec = dataclasses.replace(spec, token=token)
+    if num_gpus is None:
+        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    group = placement_group([dict(bundle) for _ in range(n)], strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=placement_timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        remove_placement_group(group)
+        raise TimeoutError(
+            f"the cluster did not grant {n} bundle(s) of {bundle} ({strategy}) within {placement_timeout_s:g} s"
+        ) from exc
+    remote = ray.remote(EngineActor)
+    actors = [
+        remote.options(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_restarts=max_restarts,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+        ).remote(f"{name}-{i}", spec)
+        for i in range(n)
+    ]
+    wait_s = start_timeout_s if start_timeout_s is not None else _start_timeout(spec) + 60.0
+    try:
+        infos: list[EngineInfo] = ray.get([a.info.remote() for a in actors], timeout=wait_s)
+    except BaseException as exc:
+        _remove(actors, group)
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise TimeoutError(f"{n} engine(s) did not serve within {wait_s:g} s") from exc
+        raise
+    log.info("launched %d engine(s) (%s): %s", n, strategy, ", ".join(f"{i.name} at {i.target}" for i in infos))
+    return [
+        EngineHandle(i.name, a, i.target, i.node_id, group, index, spec.token)
+        for index, (a, i) in enumerate(zip(actors, infos, strict=True))
+    ]
+
+
+def _start_timeout(spec: EngineSpec) -> float:
+    if spec.start_timeout_s is not None:
+        return spec.start_timeout_s
+    return VLLM_START_TIMEOUT_S if spec.vllm_model is not None else DEFAULT_START_TIMEOUT_S
+
+
+def _remove(actors: Sequence[Any], group: Any) -> None:
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    remove_placement_group(group)
+
+
+def stop_engines(handles: Sequence[EngineHandle], *, grace_s: float | None = 10.0) -> None:
+    """Stop the handles' engines and kill their actors (no restart); remove their placement groups.
+
+    Args:
+        handles: engines from :func:`launch_engines`.
+        grace_s: ask every engine to stop gracefully first (SIGTERM, SIGKILL after the spec's grace), waiting
+            at most this many seconds for all of them; ``None``: kill the actors at once (their engines get
+            SIGKILL with them).
+    """
+    if grace_s is not None:
+        refs = [h.actor.stop.remote() for h in handles]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:  # a dead actor: its engine ended with it
+                log.debug("stopping an engine: %s", exc)
+    groups = {}
+    for h in handles:
+        ray.kill(h.actor, no_restart=True)
+        groups[h.placement_group.id] = h.placement_group
+    for group in groups.values():
+        remove_placement_group(group)
