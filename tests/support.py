@@ -21,20 +21,24 @@ import torch
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
+from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.service.server import WsyncServer
 from wsync_grpc.testing import child_env, free_port, in_process_server, join_as_trainer
+from wsync_grpc.trainer import TrainerClient
 
 __all__ = [
     "ENV",
     "ROOT",
+    "assert_serve",
     "build_tiny_llama",
     "code_of",
     "free_port",
     "join_as_trainer",
     "lease_credential",
     "run_stub_trainer",
+    "served",
     "start_stub_trainer",
     "status",
     "tensor_server",
@@ -197,3 +201,19 @@ def build_tiny_llama(vocab_size: int = 49152, seed: int = 0, tie: bool = True) -
     torch.manual_seed(seed)
     model: Any = LlamaForCausalLM(config)
     return model.eval()
+
+
+def served(targets: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
+    """target -> (weight version, name -> SHA-256), read by a client of its own."""
+    with TrainerClient(targets, rpc_timeout_s=30) as reader:
+        versions = {t: s.weight_version for t, s in reader.status().items()}
+        sums = {t: {x.name: x.sha256 for x in c.checksums} for t, c in reader.checksums().items()}
+    return {t: (versions[t], sums[t]) for t in targets}
+
+
+def assert_serve(targets: list[str], version: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Every engine of ``targets`` serves ``version`` with ``tensors`` bit for bit (by SHA-256)."""
+    expected = {n: tensor_sha256(t) for n, t in tensors.items()}
+    for target, (v, sums) in served(targets).items():
+        assert v == version, (target, v)
+        assert {n: sums[n] for n in expected} == expected, target

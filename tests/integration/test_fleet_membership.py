@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import ENV, ROOT
+from support import ENV, ROOT, assert_serve, served
 
-from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.engines import synthetic
 from wsync_grpc.testing import EngineProcess, cli_command, spawn_engine, spawn_process, stop_all, wait_all
 from wsync_grpc.trainer import FleetPolicy, SyncError, SyncProgress, TrainerClient
@@ -60,21 +59,6 @@ def fleet(tmp_path: Path) -> Iterator[list[EngineProcess]]:
         yield procs
     finally:
         stop_all(procs, grace_s=2)
-
-
-def served(targets: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
-    """target -> (weight version, name -> SHA-256), read by a client of its own."""
-    with TrainerClient(targets, rpc_timeout_s=30) as reader:
-        versions = {t: s.weight_version for t, s in reader.status().items()}
-        sums = {t: {x.name: x.sha256 for x in c.checksums} for t, c in reader.checksums().items()}
-    return {t: (versions[t], sums[t]) for t in targets}
-
-
-def assert_serve(targets: list[str], version: str, tensors: dict[str, torch.Tensor]) -> None:
-    expected = {n: tensor_sha256(t) for n, t in tensors.items()}
-    for target, (v, sums) in served(targets).items():
-        assert v == version, (target, v)
-        assert {n: sums[n] for n in expected} == expected, target
 
 
 def client(engines: list[EngineProcess], **kw: object) -> TrainerClient:

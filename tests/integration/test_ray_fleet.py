@@ -1,19 +1,23 @@
-"""wsync engines as Ray actors over a real local Ray cluster of three nodes (issue 42, step 1).
+"""wsync engines and trainer ranks as Ray actors over a real local Ray cluster of three nodes (issue 42).
 
 One cluster for the module (``ray.cluster_utils.Cluster``: a head and two more nodes, two CPUs and an 80 MiB
 object store each, no dashboard), three real ``wsync serve --synthetic tiny`` engines launched by
 :func:`wsync_grpc.ray.launch_engines` over a SPREAD placement group (one bundle, so one engine, per node), the
 trainer on the driver. Nothing is mocked: engines are killed through Ray (``ray.kill``) and by SIGKILL of
 their process; Ray restarts them on new ports; the trainer finds them there (its resolver asks their actors)
-and brings them to the fleet's version, checked bit-exact by SHA-256 of every tensor. Every engine process
-started here carries a marker in its environment, so that the processes left behind are counted exactly
-(other tests' engines, and other users' on the machine, are not).
+and brings them to the fleet's version, checked bit-exact by SHA-256 of every tensor. A sharded trainer's two
+FSDP2 ranks run as actors on two nodes (:mod:`ray_ranks`), forming their group and their client through Ray.
+Detached engines outlive their driver, release its leases when it is SIGKILLed, and a new driver finds them by
+name and syncs into them.
+Every engine process started here carries a marker in its environment, so that the processes left behind are
+counted exactly (other tests' engines, and other users' on the machine, are not).
 
 Marked ``serial``: ``make test`` runs it in its serial pass, so one cluster starts, not one per xdist worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -26,20 +30,34 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import torch
-from support import ENV, ROOT
+from support import ENV, ROOT, assert_serve, served
 
-from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.engines import synthetic
 from wsync_grpc.trainer import FleetPolicy, SyncProgress, TrainerClient
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-from wsync_grpc.ray import EngineHandle, EngineSpec, launch_engines, stop_engines, trainer_client  # noqa: E402
+import ray_ranks  # noqa: E402
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+
+from wsync_grpc.ray import (  # noqa: E402
+    EngineHandle,
+    EngineSpec,
+    TrainerRendezvous,
+    find_engines,
+    launch_engines,
+    stop_engines,
+    trainer_client,
+)
+
+ray.cloudpickle.register_pickle_by_value(ray_ranks)  # Ray's workers cannot import tests/: the rank goes by value
 
 pytestmark = [
     pytest.mark.serial,
@@ -93,21 +111,6 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = GONE
         assert time.monotonic() - start < timeout_s, f"timed out after {timeout_s} s waiting until {what}"
         time.sleep(0.05)
     return time.monotonic() - start
-
-
-def served(targets: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
-    """target -> (weight version, name -> SHA-256), read by a client of its own."""
-    with TrainerClient(targets, rpc_timeout_s=30) as reader:
-        versions = {t: s.weight_version for t, s in reader.status().items()}
-        sums = {t: {x.name: x.sha256 for x in c.checksums} for t, c in reader.checksums().items()}
-    return {t: (versions[t], sums[t]) for t in targets}
-
-
-def assert_serve(targets: list[str], version: str, tensors: dict[str, torch.Tensor]) -> None:
-    expected = {n: tensor_sha256(t) for n, t in tensors.items()}
-    for target, (v, sums) in served(targets).items():
-        assert v == version, (target, v)
-        assert {n: sums[n] for n in expected} == expected, target
 
 
 def current(handles: list[EngineHandle]) -> list[str]:
@@ -259,6 +262,70 @@ def test_an_engine_process_sigkilled_between_syncs_ends_its_actor_and_the_next_s
           f"{done - start:.2f} s after the kill")  # fmt: skip
 
 
+def test_fsdp2_ranks_as_actors_form_their_group_through_ray_sync_bit_exact_and_follow_a_restarted_engine(
+    engines: list[EngineHandle],
+) -> None:
+    """Two FSDP2 ranks as actors on two nodes: rank 0's address reaches rank 1 through Ray, never by hand; the
+    driver runs a train step on both, then a sync on both; an engine's actor killed between syncs is restarted
+    by Ray and the next sync takes it in at its new port (rank 0's resolver asked its actor)."""
+    rendezvous = ray.get(ray.put(TrainerRendezvous.create(2)))  # it pickles, as it travels to the ranks
+    group = placement_group([{"CPU": 0.5}] * 2, strategy="STRICT_SPREAD")
+    ray.get(group.ready(), timeout=60)
+    options = {"policy": FleetPolicy.exclude(min_engines=2), "resolve_timeout_s": 60, "rpc_timeout_s": 30}
+    ranks = [
+        ray.remote(ray_ranks.Rank)
+        .options(
+            num_cpus=0.5, scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
+        )
+        .remote(rendezvous, r, engines, PRESET, group_timeout_s=60, bucket_bytes=16 << 10, **options)
+        for r in range(2)
+    ]
+
+    def on_both(method: str, *args: object) -> list[Any]:
+        return ray.get([getattr(r, method).remote(*args) for r in ranks], timeout=120)
+
+    try:
+        where = on_both("where")
+        assert [w["rank"] for w in where] == [0, 1] and where[0]["node"] != where[1]["node"], where
+        assert where[0]["master"] == where[1]["master"] == ray.util.get_node_ip_address()
+        for step in (1, 2):
+            losses = on_both("train_step")
+            assert losses[0] == losses[1]
+            results = on_both("sync", f"step-{step}")
+            assert results[0] == results[1] and results[0]["excluded"] == [], results
+            targets = on_both("targets")[0]
+            assert sorted(results[0]["engines"]) == sorted(targets) == sorted(current(engines))
+            assert_sums(targets, f"step-{step}", on_both("sums")[0])
+
+        victim = engines[1]
+        info = victim.info()
+        ray.kill(victim.actor, no_restart=False)
+        killed = time.monotonic()
+        wait_until(lambda: not psutil.pid_exists(info.engine_pid), "the engine ended with its actor")
+        on_both("train_step")
+        result = on_both("sync", "step-3")[0]
+        took = time.monotonic() - killed
+        new = victim.current_target()
+        assert new != info.target and result["rejoined"] == [new] and result["excluded"] == [], result
+        targets = on_both("targets")[0]
+        assert targets[1] == new and sorted(result["engines"]) == sorted(targets)
+        assert_sums(targets, "step-3", on_both("sums")[0])
+        on_both("close")
+    finally:
+        for r in ranks:
+            ray.kill(r)
+        remove_placement_group(group)
+    assert our_engines() == engine_pids(engines), "an engine process was left behind"
+    print(f"\nFSDP2 ranks as actors: an engine's actor killed; the next sync (every rank) took it in at {new} "
+          f"(was {info.target}) {took:.2f} s after the kill")  # fmt: skip
+
+
+def assert_sums(targets: list[str], version: str, expected: dict[str, str]) -> None:
+    for target, (v, sums) in served(targets).items():
+        assert v == version, (target, v)
+        assert {n: sums[n] for n in expected} == expected, target
+
+
 DRIVER = """
 import json, sys, ray
 from wsync_grpc.ray import EngineSpec, launch_engines
@@ -293,6 +360,87 @@ def test_engines_owned_by_a_driver_end_with_it(cluster: object, engines: list[En
         if driver.poll() is None:
             driver.kill()
             driver.wait(10)
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids["actors"])
     assert time.monotonic() - start < 30.0
-    print(f"\ndriver SIGKILLed: its 2 engines ended {took:.2f} s later")
+
+    def actors_gone() -> bool:  # Ray reaps a dead owner's actors a little later than their engines end
+        return not any(_alive(p) for p in pids["actors"])
+
+    reaped = wait_until(actors_gone, "Ray ended the dead driver's actors", 30.0)
+    print(f"\ndriver SIGKILLed: its 2 engines ended {took:.2f} s later, their actors {reaped:.2f} s after that")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+DETACHED_DRIVER = """
+import json, sys, ray, torch
+from wsync_grpc.engines import synthetic
+from wsync_grpc.ray import EngineSpec, launch_engines, trainer_client
+address, marker, run, name, namespace = sys.argv[1:6]
+ray.init(address=address, namespace=namespace, include_dashboard=False, log_to_driver=False)
+spec = EngineSpec(serve_args=("--synthetic", "tiny", "--dtype", "float32", "--grace", "1"), insecure=True,
+                  env={marker: run})
+handles = launch_engines(2, spec, strategy="SPREAD", name=name, detached=True)
+client = trainer_client(handles, rpc_timeout_s=30, group_timeout_s=60)
+client.sync(synthetic.build("tiny", seed=31, dtype=torch.float32).items(), "v1", bucket_bytes=16 << 10)
+infos = [h.info() for h in handles]
+print(json.dumps({"targets": [i.target for i in infos], "engines": [i.engine_pid for i in infos],
+                  "owner": client.owner}), flush=True)
+sys.stdin.read()
+"""
+"""A driver that launches two detached engines, syncs into them (so it holds their leases), prints them and
+waits (to be killed)."""
+
+
+def test_detached_engines_outlive_their_driver_release_its_lease_and_a_new_driver_takes_them_over(
+    cluster: object, engines: list[EngineHandle]
+) -> None:
+    address = cluster.address  # type: ignore[attr-defined]
+    ours_before = our_engines()
+    name, namespace = f"{NAME}-detached", f"wsync-test-{RUN[:8]}"
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DETACHED_DRIVER, address, MARKER, RUN, name, namespace],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**ENV, "RAY_USAGE_STATS_ENABLED": "0"}, cwd=ROOT,
+    )  # fmt: skip
+    taken: list[EngineHandle] = []
+    try:
+        assert driver.stdout is not None
+        line = driver.stdout.readline()
+        assert line, "the driver exited before its engines served"
+        launched = json.loads(line)
+        targets = launched["targets"]
+        with TrainerClient(targets, rpc_timeout_s=30) as reader:
+            owners = {t: s.owner for t, s in reader.status().items()}
+            assert all(o is not None and o.owner == launched["owner"] for o in owners.values()), owners
+            driver.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            driver.wait(10)
+            wait_until(lambda: all(s.owner is None for s in reader.status().values()), "every lease was released", 10.0)
+            released = time.monotonic() - killed
+        assert released < 2.0, f"the leases were released {released:.2f} s after the driver's death"
+        assert set(launched["engines"]) <= our_engines(), "a detached engine ended with its driver"
+
+        taken = find_engines(name, namespace=namespace)  # the new driver: this process
+        assert [h.target for h in taken] == targets and [h.name for h in taken] == [f"{name}-0", f"{name}-1"]
+        assert all(h.placement_group is not None for h in taken)
+        v2 = weights(32)
+        with trainer_client(taken, rpc_timeout_s=30, group_timeout_s=60) as c:
+            result = c.sync(v2.items(), "v2", **SMALL_BUCKETS)
+            assert sorted(result.engines) == sorted(targets) and result.excluded == {}
+        took_over = time.monotonic() - killed
+        assert_serve(targets, "v2", v2)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(10)
+        if not taken:
+            with contextlib.suppress(Exception):
+                taken = find_engines(name, namespace=namespace, timeout_s=30)
+        stop_engines(taken, grace_s=5)
+    wait_until(lambda: our_engines() == ours_before, "the detached engines ended once stopped", 30.0)
+    print(f"\ndriver SIGKILLed: its 2 detached engines lived on, their leases released {released:.2f} s later; "
+          f"a new driver found them by name and synced into them {took_over:.2f} s after the kill")  # fmt: skip

@@ -39,3 +39,14 @@ def test_the_wrapper_execs_the_command_it_is_given() -> None:
     wrapped = ending_with_parent(command)
     assert wrapped[0] == sys.executable and wrapped[-len(command) :] == command
     assert "PR_SET_PDEATHSIG" in wrapped[4] and "os.execv" in wrapped[4]
+
+
+def test_the_trainer_helpers_refuse_bad_arguments_before_touching_ray() -> None:
+    from wsync_grpc.ray import TrainerRendezvous, join_trainer_group, sharded_trainer_client
+
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        TrainerRendezvous.create(0)
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1"):
+        join_trainer_group(TrainerRendezvous(actor=None, world_size=2), 2)
+    with pytest.raises(ValueError, match="no engine handles"):
+        sharded_trainer_client([], master_address="10.0.0.1")

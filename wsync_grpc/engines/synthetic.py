@@ -131,3 +131,26 @@ def nbytes(preset: str | LlamaShape, dtype: torch.dtype = torch.bfloat16) -> int
             n *= d
         total += n * esize
     return total
+
+
+def register_parameters(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Register every tensor of ``tensors`` as a parameter of ``module`` under its dotted name (submodules made as
+    needed), so that ``module.named_parameters()`` yields the same names (e.g. a toy policy with :func:`build`'s
+    Llama names and shapes, for a trainer to train and sync); returns ``module``.
+
+    Raises:
+        KeyError: a name is registered already.
+    """
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        owner = module
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if leaf in owner._parameters:
+            raise KeyError(f"parameter {name!r} is registered already")
+        owner.register_parameter(leaf, torch.nn.Parameter(tensor))
+    return module

@@ -302,6 +302,11 @@ class EngineActor:
             atexit.unregister(self._stop)
         return self._engine.process.returncode
 
+    def placement_group(self) -> object:
+        """The placement group this actor runs in (``ray.util.placement_group.PlacementGroup``; ``None`` outside one):
+        how a driver that found the actor by name (:func:`~wsync_grpc.ray.placement.find_engines`) learns it."""
+        return ray.util.get_current_placement_group()
+
     def pid(self) -> int:
         """The actor's process id (a test SIGKILLs it, as a node's OOM killer would)."""
         return os.getpid()

@@ -28,14 +28,17 @@ import ray
 
 from wsync_grpc.ray.actor import EngineHealth, EngineInfo
 from wsync_grpc.trainer import AUTO_MASTER_ADDRESS, TrainerClient
-from wsync_grpc.trainer.roster import PROBE_TIMEOUT_S
 
 __all__ = ["DEFAULT_RESOLVE_TIMEOUT_S", "EngineHandle", "HandleResolver", "trainer_client"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RESOLVE_TIMEOUT_S = PROBE_TIMEOUT_S
-"""How long :class:`HandleResolver` waits for restarting actors to say where they serve, in seconds."""
+DEFAULT_RESOLVE_TIMEOUT_S = 0.5
+"""How long :class:`HandleResolver` waits for restarting actors to say where they serve, in seconds. Short: the
+resolver runs inside the status probe before an update, and an engine's restart takes seconds (tens for vLLM), so
+the update leaves a restarting engine out and publishes to the others at once; the next probe or ``catch_up``
+finds the engine once its actor serves again. A longer wait takes it back into the same update instead, at the
+price of every engine waiting (at most :data:`~wsync_grpc.trainer.roster.PROBE_TIMEOUT_S` is advised)."""
 
 _RETRY_S = 0.1
 """Wait before asking again an actor that Ray reports restarting, in seconds."""
@@ -162,6 +165,20 @@ class HandleResolver:
         return moved
 
 
+def handles_token(handles: Sequence[EngineHandle]) -> str | None:
+    """The token every one of ``handles`` carries (``None``: none).
+
+    Raises:
+        ValueError: no handles; handles with different tokens.
+    """
+    if not handles:
+        raise ValueError("no engine handles")
+    tokens = {h.token for h in handles}
+    if len(tokens) > 1:
+        raise ValueError("the handles carry different tokens: pass token= yourself")
+    return tokens.pop()
+
+
 def trainer_client(
     handles: Sequence[EngineHandle],
     *,
@@ -187,12 +204,7 @@ def trainer_client(
         ValueError: no handles; handles with different tokens; as :class:`TrainerClient` (a token without
             ``credentials`` to a non-loopback target, ...).
     """
-    if not handles:
-        raise ValueError("no engine handles")
-    tokens = {h.token for h in handles}
-    if len(tokens) > 1:
-        raise ValueError("the handles carry different tokens: pass token= yourself")
-    kwargs.setdefault("token", tokens.pop())
+    kwargs.setdefault("token", handles_token(handles))
     kwargs.setdefault("master_address", AUTO_MASTER_ADDRESS)
     client = TrainerClient([h.target for h in handles], **kwargs)
     client.resolver = HandleResolver(handles, resolve_timeout_s)

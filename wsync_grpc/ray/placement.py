@@ -7,8 +7,10 @@ engine serves, and returns one :class:`~wsync_grpc.ray.handles.EngineHandle` per
 :func:`stop_engines` kills the actors (their engines end with them) and removes the placement group.
 
 The actors are owned by the process that launched them (the driver, or an actor of the framework's): they
-and their engines end when it does. A restarted actor stays in its bundle: on the same node, or on the one
-the bundle is placed on again if its node was lost.
+and their engines end when it does. Launched ``detached=True``, the actors and their placement group belong
+to no process: they outlive the driver, under names (``f"{name}-{i}"``) in a Ray namespace, and another driver
+finds them there (:func:`find_engines`) and takes the fleet over; :func:`stop_engines` ends them. A restarted
+actor stays in its bundle: on the same node, or on the one the bundle is placed on again if its node was lost.
 
 Units: times in seconds.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -28,7 +31,7 @@ from wsync_grpc.launch import DEFAULT_START_TIMEOUT_S, VLLM_START_TIMEOUT_S
 from wsync_grpc.ray.actor import EngineActor, EngineInfo, EngineSpec
 from wsync_grpc.ray.handles import EngineHandle
 
-__all__ = ["DEFAULT_PLACEMENT_TIMEOUT_S", "Strategy", "launch_engines", "stop_engines"]
+__all__ = ["DEFAULT_PLACEMENT_TIMEOUT_S", "Strategy", "find_engines", "launch_engines", "stop_engines"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ def launch_engines(
     token: str | None = None,
     placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
     start_timeout_s: float | None = None,
+    detached: bool = False,
+    namespace: str | None = None,
 ) -> list[EngineHandle]:
     """Start ``n`` engines as Ray actors, one per bundle of a new placement group; return their handles.
 
@@ -74,9 +79,16 @@ def launch_engines(
         placement_timeout_s: how long to wait for the placement group, in seconds.
         start_timeout_s: how long to wait for the engines to serve, in seconds; ``None``: ``spec``'s start
             timeout plus 60 s for the actors' workers to start.
+        detached: the actors (``lifetime="detached"``, named ``f"{name}-{i}"``) and the placement group (named
+            ``name``) outlive the process that launched them; :func:`find_engines` finds them from another
+            driver, :func:`stop_engines` ends them. ``False`` (default): they end with the launching process.
+        namespace: the Ray namespace of the detached actors' names (``None``: the caller's, as
+            ``ray.init(namespace=...)`` set it; Ray gives an anonymous driver a random one, which no other
+            driver can name). Ignored unless ``detached``.
 
     Raises:
-        ValueError: ``n`` below 1, or a ``token`` that differs from ``spec.token``.
+        ValueError: ``n`` below 1, or a ``token`` that differs from ``spec.token``; detached engines named
+            ``name`` already run in that namespace.
         TimeoutError: the placement group was not granted in time, or the engines did not serve in time (the
             placement group and any actor started are removed first).
         ray.exceptions.RayActorError: an engine failed to start (its actor's creation error holds the tail of
@@ -92,7 +104,16 @@ def launch_engines(
     if num_gpus is None:
         num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-    group = placement_group([dict(bundle) for _ in range(n)], strategy=strategy)
+    lifetime: dict[str, Any] = {}
+    if detached:
+        if _named(name, namespace):
+            raise ValueError(f"detached engines named {name}-* run already in namespace {_namespace(namespace)!r}")
+        lifetime = {"lifetime": "detached", "namespace": namespace}
+    group = placement_group(
+        [dict(bundle) for _ in range(n)],
+        strategy=strategy,
+        **({"name": name, "lifetime": "detached"} if detached else {}),
+    )
     try:
         ray.get(group.ready(), timeout=placement_timeout_s)
     except ray.exceptions.GetTimeoutError as exc:
@@ -107,6 +128,7 @@ def launch_engines(
             num_gpus=num_gpus,
             max_restarts=max_restarts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+            **({"name": f"{name}-{i}", **lifetime} if detached else {}),
         ).remote(f"{name}-{i}", spec)
         for i in range(n)
     ]
@@ -125,6 +147,62 @@ def launch_engines(
     ]
 
 
+def find_engines(
+    name: str = "wsync-engine",
+    *,
+    namespace: str | None = None,
+    token: str | None = None,
+    timeout_s: float = 60.0,
+) -> list[EngineHandle]:
+    """The handles of detached engines (``launch_engines(..., detached=True)``) found by their names: how a new
+    driver takes over a fleet whose driver is gone.
+
+    Looks up the actors named ``f"{name}-{i}"`` in ``namespace`` (``ray.get_actor``) and asks each where its
+    engine serves now and its placement group; the handles come in index order, as :func:`launch_engines`
+    returned them. A restarting actor is waited for.
+
+    Args:
+        name: the ``name`` the engines were launched with.
+        namespace: their Ray namespace (``None``: the caller's).
+        token: the engines' token, for the handles (a token is not stored with the names); ``None``: none.
+        timeout_s: how long to wait for the actors' answers, in seconds.
+
+    Returns:
+        The handles; empty when no such actor exists.
+
+    Raises:
+        TimeoutError: an actor did not answer within ``timeout_s`` seconds.
+        ray.exceptions.RayActorError: an actor died for good while asked.
+    """
+    found = _named(name, namespace)
+    actors = [ray.get_actor(actor_name, namespace=namespace) for _, actor_name in found]
+    try:
+        infos: list[EngineInfo] = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
+        groups: list[Any] = ray.get([a.placement_group.remote() for a in actors], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise TimeoutError(f"the engine actors named {name}-* did not answer within {timeout_s:g} s") from exc
+    return [
+        EngineHandle(info.name, actor, info.target, info.node_id, group, index, token)
+        for (index, _), actor, info, group in zip(found, actors, infos, groups, strict=True)
+    ]
+
+
+def _namespace(namespace: str | None) -> str:
+    return namespace if namespace is not None else str(ray.get_runtime_context().namespace)
+
+
+def _named(name: str, namespace: str | None) -> list[tuple[int, str]]:
+    """``(index, actor name)`` of the live actors named ``f"{name}-{index}"`` in ``namespace``, by index."""
+    pattern = re.compile(re.escape(name) + r"-(\d+)")
+    where = _namespace(namespace)
+    found = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        match = pattern.fullmatch(entry["name"])
+        if match and entry["namespace"] == where:
+            found.append((int(match.group(1)), str(entry["name"])))
+    return sorted(found)
+
+
 def _start_timeout(spec: EngineSpec) -> float:
     if spec.start_timeout_s is not None:
         return spec.start_timeout_s
@@ -138,7 +216,8 @@ def _remove(actors: Sequence[Any], group: Any) -> None:
 
 
 def stop_engines(handles: Sequence[EngineHandle], *, grace_s: float | None = 10.0) -> None:
-    """Stop the handles' engines and kill their actors (no restart); remove their placement groups.
+    """Stop the handles' engines and kill their actors (no restart); remove their placement groups. Detached
+    engines too (from :func:`launch_engines` or :func:`find_engines`): this is how they end.
 
     Args:
         handles: engines from :func:`launch_engines`.
@@ -157,6 +236,7 @@ def stop_engines(handles: Sequence[EngineHandle], *, grace_s: float | None = 10.
     groups = {}
     for h in handles:
         ray.kill(h.actor, no_restart=True)
-        groups[h.placement_group.id] = h.placement_group
+        if h.placement_group is not None:
+            groups[h.placement_group.id] = h.placement_group
     for group in groups.values():
         remove_placement_group(group)
