@@ -21,6 +21,7 @@ from bench import (
     report_detection,
     report_disk,
     report_fleet,
+    report_ray,
     report_sharded,
     report_vllm,
     report_vllm_tail,
@@ -70,6 +71,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(report_colocated.section(results["colocated"]))
     if results.get("delta"):
         parts.append(report_delta.section(results["delta"]))
+    if results.get("ray"):
+        parts.append(report_ray.section(results["ray"]))
     analysis = missed(results, cks)
     if analysis:
         parts.append(fill("s8", analysis="\n\n".join(analysis)))

@@ -25,7 +25,8 @@ mid-broadcast, and how long the engine takes to report it),
 serving vLLM engine, the tail of sync time and token gaps) and ``colocated``
 (:mod:`bench.colocated_case`: the shared-memory transport against the raw
 broadcast and wsync's broadcast on the same host) and ``delta`` (:mod:`bench.delta_case`: SmolLM2
-trained with AdamW at three learning rates, each step synced as a delta and whole, side by side). One case alone:
+trained with AdamW at three learning rates, each step synced as a delta and whole, side by side) and ``ray``
+(:mod:`bench.ray_case`: a fleet launched as Ray actors against the same fleet launched directly). One case alone:
 ``python -m bench.run --cases vllm_tail --merge``. It writes ``BENCHMARKS.md``,
 ``bench/throughput.png``, ``bench/buckets.png``, ``bench/fleet.png``,
 ``bench/vllm_tail.png``, ``bench/colocated.png`` and ``bench/results.json``; with ``--merge`` the cases
@@ -696,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-syncs", type=int, default=20, help="runs per figure in the CPU profile")
     p.add_argument(
         "--cases",
-        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm,vllm_tail,colocated,delta",
+        default="models,moe,fanout,control,fleet,disk,digests,sharded,detection,profile,vllm,vllm_tail,colocated,delta,ray",
         help="which cases to run",
     )
     p.add_argument("--disk-model", default="1gb", help="synthetic preset of the disk case")
@@ -809,6 +810,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 lrs = [float(x) for x in args.delta_lrs.split(",") if x.strip()]
                 results["delta"] = case_delta(h, args.delta_steps, lrs, args.delta_vllm, args.delta_link)
+            elif case == "ray":
+                from bench.ray_case import case_ray
+
+                results["ray"] = case_ray()
             elif case == "profile":
                 names = [m.strip() for m in args.profile_models.split(",") if m.strip()]
                 results["profile"] = case_profile(h, names, args.profile_syncs)
