@@ -40,7 +40,7 @@ from typing import Any
 
 import ray
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store, TCPStore
+from torch._C._distributed_c10d import Store, TCPStore  # torch.distributed re-exports them untyped
 
 from wsync_grpc.ray.handles import DEFAULT_RESOLVE_TIMEOUT_S, EngineHandle, HandleResolver, handles_token
 from wsync_grpc.trainer.sharded import ShardedTrainerClient
