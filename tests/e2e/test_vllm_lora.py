@@ -92,6 +92,11 @@ def test_an_adapter_is_named_by_the_openai_model_field_and_replaced_cleanly(
         live = c.sync_adapter(trainer, "lyon", "v2-live")
         assert live.tensor_count == 2 * 2 * 30 and live.bucket_count >= 1
         assert lora_engine.complete("lyon") == fresh, "the broadcast adapter does not answer as its saved copy"
+        # The same tensors through shared memory (no group): read once by the front out of the trainer's segment.
+        shm = c.sync_adapter(trainer, "lyon", "v2-shm", transport="shared_memory")
+        assert shm.tensor_count == 2 * 2 * 30 and shm.init_seconds == 0
+        assert lora_engine.complete("lyon") == fresh, "the shared-memory adapter does not answer as its saved copy"
+        assert lora_engine.last_model == "lyon@v2-shm"
         train(trainer, smollm2_tokenizer, steps=2, lr=1e-2)
         c.sync_adapter(trainer, "lyon", "v3-live")
         v3 = lora_engine.complete("lyon")

@@ -162,6 +162,30 @@ def test_a_replaced_adapter_never_computes_another_token(tiny: Tiny, make_tiny_l
     assert tiny.listed() == [("a", "v2")]
 
 
+def test_a_live_adapter_travels_through_shared_memory_bit_exact(tiny: Tiny, make_tiny_llama: Any) -> None:
+    """``sync_adapter(..., transport="shared_memory")``: the live adapter's tensors go through the trainer's
+    segment (no group formed), the engine serves them bit-exact and generates with them as PEFT does; replaced the
+    same way, the new version answers; the base model is untouched."""
+    v1 = randomize(lora(make_tiny_llama(seed=0)), seed=1)
+    v2 = randomize(lora(make_tiny_llama(seed=0)), seed=2)
+    ids = tiny.engine.encode_prompt(PROMPT)
+    base = answer(tiny.engine, None, 8)
+    with TrainerClient([tiny.target], rpc_timeout_s=30, bucket_bytes=4 << 10) as c:
+        for version, model in (("v1", v1), ("v2", v2)):
+            r = c.sync_adapter(model, "a", version, transport="shared_memory")
+            assert (r.weight_version, r.tensor_count, r.apply_mode) == (version, 2 * 2 * 2, "staged")
+            assert r.bucket_count > 1 and r.engines[tiny.target].buckets_verified == r.bucket_count
+            assert r.init_seconds == 0 and c.group is None  # no group formed
+            peft_sums = {n: tensor_sha256(t) for n, t in peft.get_peft_model_state_dict(model).items()}
+            assert {n: tensor_sha256(t) for n, t in tiny.engine.adapter_tensors("a").items()} == peft_sums
+            out = answer(tiny.engine, "a", 12)
+            assert out.adapter_versions == (version,)
+            assert list(out.token_ids) == greedy(model, ids, 12)[: len(out.token_ids)]
+        assert not status(tiny.stub).HasField("group")
+    assert tiny.listed() == [("a", "v2")]
+    assert answer(tiny.engine, None, 8).token_ids == base.token_ids and status(tiny.stub).weight_version == ""
+
+
 def test_bad_adapters_are_refused_and_the_old_one_keeps_serving(tiny: Tiny, make_tiny_llama: Any) -> None:
     good = randomize(lora(make_tiny_llama(seed=0)), seed=1)
     with TrainerClient([tiny.target], rpc_timeout_s=30) as c:

@@ -270,6 +270,69 @@ def test_the_engine_refuses_a_handle_from_another_host_or_layout() -> None:
         assert not listening_sockets() and mappings() == {}
 
 
+def test_a_member_behind_catches_up_through_shared_memory_with_no_group() -> None:
+    """An engine added after v1 is behind; ``catch_up(..., transport="shared_memory")`` brings it to v1 alone,
+    bit-exact, with no group formed (neither the client's nor the engine's status names one) and the other engine
+    untouched; the next sync covers both."""
+    aliases = synthetic.aliases("tiny")
+    v1, v2 = synthetic.build("tiny", seed=7), synthetic.build("tiny", seed=8)
+    with (
+        tensor_server("tiny", seed=0) as (a, _ea, sa),
+        tensor_server("tiny", seed=1) as (b, eb, sb),
+        TrainerClient([a.address], **SMALL) as client,
+    ):
+        client.sync(v1.items(), "v1", transport="shared_memory")
+        assert client.add_engine(b.address).state == "behind"
+        before = status(sa).updates_completed
+        caught = client.catch_up(v1.items(), transport="shared_memory")
+        assert caught is not None and list(caught.engines) == [b.address] and caught.weight_version == "v1"
+        assert caught.engines[b.address].buckets_verified == caught.bucket_count > 3
+        assert caught.init_seconds == 0 and client.group is None  # no group was formed for it
+        st = status(sb)
+        assert (st.weight_version, st.HasField("group"), st.dirty) == ("v1", False, False)
+        got = served(client)
+        assert got[b.address] == sums(v1, got[b.address], aliases)
+        for n, t in v1.items():
+            assert torch.equal(eb.tensors[n], t), n
+        assert status(sa).updates_completed == before  # the engine in sync was not touched
+        assert {m.state for m in client.members().values()} == {"in_sync"}
+        assert client.catch_up(transport="shared_memory") is None  # nobody is behind any more
+        assert "r--s" not in mappings() and not listening_sockets()
+
+        r = client.sync(v2.items(), "v2", transport="shared_memory")
+        assert sorted(r.engines) == sorted((a.address, b.address)) and client.group is None
+        got = served(client)
+        assert got == {t: sums(v2, got[t], aliases) for t in (a.address, b.address)}
+
+
+def test_a_bad_transport_is_refused_before_any_call() -> None:
+    """``transport="bogus"`` for ``catch_up``, ``sync_adapter`` and ``sync``, and ``"shared_memory"`` for an adapter
+    the engines read from a directory: ``ValueError`` naming the choices, before any call (the engine has no owner,
+    no update)."""
+    with tensor_server("tiny", seed=0) as (srv, _engine, stub), TrainerClient([srv.address], **SMALL) as client:
+        new = synthetic.build("tiny", seed=7)
+        with pytest.raises(ValueError, match="unknown transport 'bogus'; use one of 'broadcast', 'shared_memory'"):
+            client.catch_up(new.items(), transport="bogus")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown transport 'bogus'"):
+            client.sync_adapter("/nowhere", "a", "v1", transport="bogus")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown transport 'bogus'"):
+            client.sync_adapter(object(), "a", "v1", transport="bogus")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown transport 'bogus'"):
+            client.sync(new.items(), "v1", transport="bogus")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="read by the engines from disk"):
+            client.sync_adapter("/nowhere", "a", "v1", transport="shared_memory")
+        with pytest.raises(ValueError, match="unknown apply_mode"):
+            client.catch_up(new.items(), apply_mode="eager", transport="shared_memory")  # type: ignore[arg-type]
+        st = status(stub)
+        assert (st.weight_version, st.HasField("owner"), st.HasField("update"), st.updates_completed) == (
+            "",
+            False,
+            False,
+            0,
+        )
+        assert client.group is None and not listening_sockets()
+
+
 def test_a_cancel_mid_send_keeps_the_old_weights_and_the_next_sync_applies() -> None:
     """``cancel()`` once bucket 1 was copied out everywhere: the trainer packs no further bucket, the engine's reader
     (waiting for the next one) stops and unmaps, the update is abandoned with the old weights served; the next sync

@@ -22,7 +22,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from wsync_grpc.trainer.adapters import adapter_tensors
+from wsync_grpc.trainer.adapters import adapter_update
 from wsync_grpc.trainer.delta import DeltaPayload
 from wsync_grpc.trainer.members import MemberCalls
 from wsync_grpc.trainer.operator import OperatorCalls, per_target
@@ -31,7 +31,6 @@ from wsync_grpc.trainer.options import (
     BackendName,
     Layout,
     TransportName,
-    check_version,
     transport_of,
 )
 from wsync_grpc.trainer.parts import ClientParts
@@ -453,6 +452,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         update_id: str | None = None,
         on_phase: Callable[[str], None] | None = None,
         policy: FleetPolicy | None = None,
+        transport: TransportName = "broadcast",
     ) -> SyncResult:
         """Load (or replace) LoRA adapter ``name`` as ``version`` on every engine, as one committed update.
 
@@ -467,33 +467,21 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
             adapter: a PEFT directory as the engines see it (``save_pretrained``'s output:
                 ``adapter_config.json`` and ``adapter_model.safetensors``), read by each engine inside
                 its checkpoint roots; or a live ``peft.PeftModel`` whose active LoRA adapter's
-                tensors are broadcast (this forms the weight-sync group, as :meth:`sync` does).
+                tensors are sent by ``transport`` (:func:`~wsync_grpc.trainer.adapters.adapter_update`).
             name: the adapter's name on the engines (letters, digits, ``.``, ``-``, ``_``).
             version: its version, reported with every answer it produces.
             update_id, on_phase, policy: as for :meth:`sync`.
+            transport: a live adapter's, as for :meth:`sync` (``"broadcast"`` forms the weight-sync group,
+                ``"shared_memory"`` none); a directory takes the default only. Never chosen by the client.
 
         Raises:
-            ValueError: an empty version, or an object that is neither a path nor a PEFT LoRA model.
+            ValueError: an empty version, a bad ``transport`` (``"shared_memory"`` with a directory), or an
+                object that is neither a path nor a PEFT LoRA model; before any call.
             SyncError: some engine refused or failed; the update was cancelled everywhere.
             RuntimeError: another sync is running in this client.
         """
-        if isinstance(adapter, str | os.PathLike):  # its spec comes from the directory's adapter_config.json
-            loaded = DiskRequest.create(
-                adapter, version, "staged", update_id=update_id, on_phase=on_phase, adapter=name
-            )
-            with self._exclusive():
-                return self._roster.run(policy or self._policy, loaded, self._runner.run)
-        check_version(version)  # before reading the model
-        spec, tensors = adapter_tensors(adapter, name)
-        request = BroadcastRequest.create(
-            version,
-            "flattened",
-            "staged",
-            self._settings.bucket_bytes,
-            update_id=update_id,
-            on_phase=on_phase,
-            adapter=spec,
+        request, source = adapter_update(
+            adapter, name, version, transport, self._settings.bucket_bytes, update_id=update_id, on_phase=on_phase
         )
-        source = NamedTensors(tensors.items())
         with self._exclusive():
             return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))

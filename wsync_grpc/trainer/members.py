@@ -1,5 +1,6 @@
 """A trainer client's members: who they are, the group they form, adding and removing them between syncs and
-bringing those behind to the fleet's version: :class:`MemberCalls`.
+bringing those behind to the fleet's version (by broadcast, through shared memory or from the fleet's checkpoint):
+:class:`MemberCalls`.
 
 Which engines take part in each update, and why one is left out, is the roster's
 (:mod:`wsync_grpc.trainer.roster`); forming their group is the membership's (:mod:`wsync_grpc.trainer.membership`).
@@ -14,7 +15,7 @@ from wsync.v1 import weight_sync_pb2_grpc
 
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.group.process_group import WeightSyncGroup
-from wsync_grpc.trainer.options import ApplyMode
+from wsync_grpc.trainer.options import ApplyMode, TransportName, apply_mode_of, transport_of
 from wsync_grpc.trainer.parts import ClientParts
 from wsync_grpc.trainer.request import DiskRequest, catch_up_request
 from wsync_grpc.trainer.results import SyncResult
@@ -154,15 +155,16 @@ class MemberCalls(ClientParts):
         *,
         apply_mode: ApplyMode = "staged",
         topology: SendTopology | None = None,
+        transport: TransportName = "broadcast",
     ) -> SyncResult | None:
         """Bring every member that answers but serves another version than the fleet's to the fleet's version.
 
         Such members were excluded from earlier updates, restarted with their base weights, or were
         added. They are found by asking every member for its status. When the fleet's version came
         from a checkpoint (:meth:`sync_from_disk`, :meth:`save_and_sync`), they read that checkpoint;
-        otherwise ``named_tensors`` (the tensors of the fleet's current version) are broadcast to them
-        alone, in a group formed for them (the next :meth:`sync` re-forms it over everyone). The
-        others keep serving, untouched.
+        otherwise ``named_tensors`` (the tensors of the fleet's current version) are sent to them
+        alone, by ``transport``: broadcast in a group formed for them (the next :meth:`sync` re-forms it
+        over everyone), or through shared memory (no group formed). The others keep serving, untouched.
 
         Args:
             named_tensors: the current version's tensors, as for :meth:`sync`; needed only when the
@@ -170,18 +172,24 @@ class MemberCalls(ClientParts):
             apply_mode: as for :meth:`sync`.
             topology: which trainer ranks send the tensors (``None``: this process); a sharded trainer's
                 rank 0 passes its own (:meth:`ShardedTrainerClient.catch_up
-                <wsync_grpc.trainer.sharded.ShardedTrainerClient.catch_up>`).
+                <wsync_grpc.trainer.sharded.ShardedTrainerClient.catch_up>`; shared memory carries a
+                trainer of one process only).
+            transport: how ``named_tensors`` travel, as for :meth:`sync`: ``"broadcast"`` (default) or
+                ``"shared_memory"`` (members behind on this host: :mod:`wsync_grpc.transports.shared_memory`).
+                Unused when the members read the fleet's checkpoint. Never chosen by the client itself.
 
         Returns:
             The catch-up's :class:`SyncResult` (over the members that caught up); ``None`` when no
             member was behind (or nothing was published yet).
 
         Raises:
-            ValueError: members are behind, the current version came from no checkpoint, and no
-                ``named_tensors`` were given.
+            ValueError: an unknown ``transport`` or ``apply_mode`` (before any call); members are behind,
+                the current version came from no checkpoint, and no ``named_tensors`` were given.
             SyncError: the catch-up failed (the fleet's other engines are untouched).
             RuntimeError: a sync is running on this client.
         """
+        sent_by = transport_of(transport)  # the caller's options are refused before any call
+        apply_mode_of(apply_mode)
         with self._exclusive():
             late = self._roster.behind()
             version = self._roster.version
@@ -198,5 +206,5 @@ class MemberCalls(ClientParts):
                     "pass its tensors to catch_up"
                 )
             source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
-            request = catch_up_request(version, apply_mode, self._settings.bucket_bytes, topology)
+            request = catch_up_request(version, apply_mode, self._settings.bucket_bytes, topology, sent_by)
             return self._roster.only(late, lambda: self._runner.run(request, source))

@@ -223,6 +223,18 @@ SENT_KINDS: Mapping[Transport, type[BroadcastRequest]] = {
 """The request kind of each transport whose bytes the trainer sends."""
 
 
+def sent_kind(transport: Transport) -> type[BroadcastRequest]:
+    """The request kind (:data:`SENT_KINDS`) of an update whose bytes the trainer sends by ``transport``.
+
+    Raises:
+        ValueError: the trainer sends no bytes by ``transport`` (a disk update: :class:`DiskRequest`).
+    """
+    kind = SENT_KINDS.get(transport)
+    if kind is None:
+        raise ValueError(f"the trainer sends no bytes by transport {transport.value!r}")
+    return kind
+
+
 @dataclass(frozen=True, kw_only=True)
 class DiskRequest(UpdateRequest):
     """An update every engine reads from a safetensors checkpoint itself (``TrainerClient.sync_from_disk``, a
@@ -296,13 +308,42 @@ class DiskRequest(UpdateRequest):
 
 
 def catch_up_request(
-    weight_version: str, apply_mode: str, bucket_bytes: int, topology: SendTopology | None = None
+    weight_version: str,
+    apply_mode: str,
+    bucket_bytes: int,
+    topology: SendTopology | None = None,
+    transport: Transport = Transport.BROADCAST,
 ) -> BroadcastRequest:
-    """The broadcast of a catch-up (``TrainerClient.catch_up``): the fleet's current tensors to the members
-    behind, flattened, in the client's bucket size; the one place it is built, so that a sharded trainer's
+    """The update of a catch-up (``TrainerClient.catch_up``): the fleet's current tensors to the members
+    behind, flattened, in the client's bucket size, by ``transport`` (a broadcast over a group formed for them,
+    or shared memory on their host: :data:`SENT_KINDS`); the one place it is built, so that a sharded trainer's
     other ranks plan the same buckets as rank 0.
 
     Raises:
-        ValueError: an empty ``weight_version``, an unknown ``apply_mode``.
+        ValueError: an empty ``weight_version``, an unknown ``apply_mode``, a ``transport`` the trainer sends no
+            bytes by (:func:`sent_kind`).
     """
-    return BroadcastRequest.create(weight_version, "flattened", apply_mode, bucket_bytes, topology=topology)
+    kind = sent_kind(transport)
+    return kind.create(weight_version, "flattened", apply_mode, bucket_bytes, topology=topology)
+
+
+def live_adapter_request(
+    spec: LoraSpec,
+    version: str,
+    bucket_bytes: int,
+    transport: Transport = Transport.BROADCAST,
+    *,
+    update_id: str | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> BroadcastRequest:
+    """The update of a live LoRA adapter (``TrainerClient.sync_adapter`` with a PEFT model): its tensors,
+    flattened, staged (an adapter always applies staged), ``bucket_bytes`` per bucket, by ``transport``
+    (:data:`SENT_KINDS`: a broadcast over the weight-sync group, or shared memory on the engines' host).
+
+    Raises:
+        ValueError: an empty ``version``, a ``transport`` the trainer sends no bytes by (:func:`sent_kind`).
+    """
+    kind = sent_kind(transport)
+    return kind.create(
+        version, "flattened", "staged", bucket_bytes, update_id=update_id, on_phase=on_phase, adapter=spec
+    )

@@ -5,7 +5,10 @@ copies it out and acknowledges it, and the trainer packs a later bucket into the
 has. No process group is formed (no Init): the handle travels in the Prepare header
 (``PrepareHeader.shared_memory``, :class:`~wsync_grpc.core.header.SharedMemoryHandle`), as structured fields,
 never pickled. Flattened layout only; the bytes in a slot are exactly what a broadcast puts on the wire
-(:func:`~wsync_grpc.core.packing.pack_bucket`, zero padding), so bucket digests are the same.
+(:func:`~wsync_grpc.core.packing.pack_bucket`, zero padding), so bucket digests are the same. It carries what
+a broadcast carries: base weights (``TrainerClient.sync``), a live LoRA adapter's tensors
+(``TrainerClient.sync_adapter``: read once, by the engine's first worker in its own process, as an adapter
+needing no group is) and a catch-up of the members behind (``TrainerClient.catch_up``).
 
 Halves: :class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender` (the trainer's: the
 ring; the segment and its handover are :mod:`~wsync_grpc.transports.shared_memory.handover`'s) and
