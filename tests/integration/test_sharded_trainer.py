@@ -216,14 +216,19 @@ def test_status_and_checksums_are_read_through_the_ranks_trainer_client(engine: 
     assert (after.HasField("owner"), after.owner.generation) == (before.HasField("owner"), before.owner.generation)
 
 
-def test_direct_mode_deltas_every_rank_sends_its_own_changed_pieces(engine: EngineProcess) -> None:
-    """Deltas from two FSDP2 ranks trained with AdamW (lr 1e-5): every rank encodes its own shards against its
-    own copy of what it last sent and sends them; the engine rebuilds every piece from what it serves, assembles
-    the tensors and serves the gathered weights bit for bit (rank 0's checksums); a few percent of the bytes."""
+@pytest.mark.parametrize(("mode", "steps"), [("direct", 3), ("gather", 2)])
+def test_deltas_from_sharded_ranks_are_bit_exact_and_a_few_percent_of_the_bytes(
+    engine: EngineProcess, mode: str, steps: int
+) -> None:
+    """Deltas from two FSDP2 ranks trained with AdamW (lr 1e-5). Direct: every rank encodes its own shards
+    against its own copy of what it last sent and sends them; the engine rebuilds every piece from what it
+    serves and assembles the tensors. Gather: the ranks gather every bucket in lockstep before Prepare, rank 0
+    diffs the whole tensors against its copy and sends the delta alone. Either way the engine serves the gathered
+    weights in bfloat16 bit for bit (rank 0's checksums), and a delta is a few percent of the bytes."""
     ranks = start_ranks(
         [engine.target],
-        "--steps=3",
-        "--modes=direct",
+        f"--steps={steps}",
+        f"--modes={mode}",
         "--train",
         "--lr=1e-5",
         "--dtype=bfloat16",
@@ -234,9 +239,9 @@ def test_direct_mode_deltas_every_rank_sends_its_own_changed_pieces(engine: Engi
     assert codes == [0, 0], [r.stderr for r in ranks]
     for r in ranks:  # every rank returns rank 0's result
         synced = [e for e in r.events if e["event"] == "synced"]
-        assert [e["delta_base"] for e in synced] == ["", "step-1-direct", "step-2-direct"], synced
+        assert [e["delta_base"] for e in synced] == ["", *(f"step-{s}-{mode}" for s in range(1, steps))], synced
         assert all(e["verified"] == e["buckets"] for e in synced), synced
         assert all(e["wire_bytes"] < 0.2 * synced[0]["wire_bytes"] for e in synced[1:]), synced
         assert [e["received"][engine.target] for e in synced] == [e["wire_bytes"] for e in synced]
     checks = [e for e in ranks[0].events if e["event"] == "checked"]
-    assert [c["failures"] for c in checks] == [[], [], []]  # every checksum bit-exact against the gathered weights
+    assert [c["failures"] for c in checks] == [[]] * steps  # every checksum bit-exact against the gathered weights

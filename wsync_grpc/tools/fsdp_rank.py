@@ -278,7 +278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="wire dtype (default: float32)")
     p.add_argument("--progress", action="store_true", help="rank 0 prints a 'bucket' event per bucket sent")
     p.add_argument(
-        "--delta", action="store_true", help="sync deltas after the first sync (mode direct; every rank its own pieces)"
+        "--delta",
+        action="store_true",
+        help="sync deltas after the first sync (direct: every rank its own pieces; gather: rank 0 what it gathered)",
     )
     p.add_argument("--version-suffix", default="", help="appended to every version (tests: ranks that disagree)")
     p.add_argument("--model", default=None, help="local Hugging Face directory (default SmolLM2-135M-Instruct)")

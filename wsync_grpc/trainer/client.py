@@ -354,20 +354,21 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         *,
         policy: FleetPolicy | None = None,
         timeout_s: float | None = None,
-        delta: DeltaPayload | None = None,
+        delta: DeltaPayload | bool | None = None,
     ) -> SyncResult:
         """Run one broadcast update built beforehand: :meth:`sync` once its arguments are converted.
 
         For trainers that build the :class:`~wsync_grpc.trainer.request.BroadcastRequest` themselves, e.g. a
         sharded trainer's rank 0 with its send topology (:class:`~wsync_grpc.core.topology.SendTopology`,
-        which this client's sender must serve). ``delta``: the update's payload encoded already, with deltas on
-        (a sharded trainer's direct send, each rank's pieces encoded against :attr:`deltas`).
+        which this client's sender must serve). ``delta``: deltas on, ``True`` (diffed from ``source``, as :meth:`sync`)
+        or the payload encoded already (a sharded trainer's direct send, each rank's pieces against :attr:`deltas`).
 
         Raises:
             as :meth:`sync`.
         """
-        if delta is not None:
-            return self._run_with_deltas(source, request, request.dtype, policy, timeout_s, encoded=delta)
+        if delta:  # True, or a payload
+            encoded = delta if isinstance(delta, DeltaPayload) else None
+            return self._run_with_deltas(source, request, request.dtype, policy, timeout_s, encoded=encoded)
         with self._exclusive(timeout_s):
             return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
 

@@ -18,12 +18,15 @@ The digest of a bucket with a delta entry is of the whole tensors it results in,
 result bit for bit.
 
 A delta pays for its diff only where the wire is slower than the passes the diff and the rebuild make over the
-model: between hosts, not over loopback, whose wire is itself a memory copy. A single-process client therefore
-times its syncs of either kind and falls back to whole updates while a delta, diff included, has taken longer
-than a whole sync, trying a delta again now and then (:class:`DeltaCosts`; the ``delta_fallback`` setting).
+model: between hosts, not over loopback, whose wire is itself a memory copy. A client that diffs the whole tensors
+itself (one process, or a sharded trainer's rank 0 in the gather mode) therefore times its syncs of either kind and
+falls back to whole updates while a delta, diff included, has taken longer than a whole sync, trying a delta again
+now and then (:class:`DeltaCosts`; the ``delta_fallback`` setting).
 
-Single-process trainers (``(name, tensor)`` pairs, a :class:`~wsync_grpc.trainer.source.NamedTensors`); the
-flattened layout; the broadcast and shared-memory transports.
+Trainers whose process holds or gathers the whole tensors (a :class:`~wsync_grpc.trainer.source.WholeTensors`:
+``(name, tensor)`` pairs, or a sharded trainer's rank 0 in the gather mode, which gathers each bucket with every
+rank and diffs it as it comes); a sharded trainer's direct send, each rank its own pieces (:class:`DeltaSync`'s
+``encoded``); the flattened layout; the broadcast and shared-memory transports.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -45,9 +48,8 @@ import torch
 from wsync_grpc.core.delta import DeltaCoding, EncodedTensor, delta_of
 from wsync_grpc.core.digests import BucketHasher, Digest
 from wsync_grpc.core.layout import Bucket, Layout
-from wsync_grpc.core.planning import TensorMeta
 from wsync_grpc.trainer.results import DeltaSummary, EngineSyncResult, SyncError, SyncResult
-from wsync_grpc.trainer.source import NamedTensors
+from wsync_grpc.trainer.source import WholeTensors
 from wsync_grpc.transports.broadcast.sender import bucket_digest
 
 log = logging.getLogger(__name__)
@@ -155,44 +157,47 @@ class DeltaTracker:
         """The identity engine ``target`` answered the last sync with; ``""``: none known."""
         return self._identities.get(target, "")
 
-    def encode(self, source: NamedTensors, dtype: torch.dtype | None, whole: bool = False) -> DeltaPayload:
+    def encode(self, source: WholeTensors, dtype: torch.dtype | None, whole: bool = False) -> DeltaPayload:
         """The next update's tensors in the wire dtype and, unless a whole update is due (no base yet, an anchor,
         or ``whole``), the delta entries against the base of those that changed little enough; for no engine yet
         (:meth:`for_targets`).
 
         Args:
-            source: the tensors to send.
+            source: the tensors to send, read whole one at a time (:meth:`WholeTensors.whole_tensors
+                <wsync_grpc.trainer.source.WholeTensors.whole_tensors>`: a sharded trainer's rank 0 in the gather
+                mode gathers them here, with every rank); each is dropped once converted and diffed.
             dtype: the wire dtype of floating tensors; ``None`` keeps theirs.
             whole: send the update whole without diffing it (:attr:`SyncPlan.KEEP`).
 
         Raises:
             ValueError: a name appears twice.
+            Exception: the source's, reading a tensor (a sharded trainer's rank lost mid-gather).
         """
-        metas: Sequence[TensorMeta] = source.metadata()
-        return self.encode_tensors({m.name: source.tensor(m.name) for m in metas}, dtype, whole=whole)
+        return self.encode_tensors(source.whole_tensors(), dtype, whole=whole)
 
     def encode_tensors(
-        self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rank: int = 0, whole: bool = False
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None,
+        rank: int = 0,
+        whole: bool = False,
     ) -> DeltaPayload:
-        """As :meth:`encode`, for ``tensors`` by name: a process's whole tensors, or a sharded trainer rank's own
-        pieces (``rank``: that rank, in a direct send).
+        """As :meth:`encode`, for ``tensors`` by name (or ``(name, tensor)`` pairs, read once, in order): a
+        process's whole tensors, or a sharded trainer rank's own pieces (``rank``: that rank, in a direct send).
+        ``DeltaSummary.diff_seconds`` is the time of the whole call, reading the tensors included.
         """
         t0 = time.monotonic()
         anchor = self.anchor_every > 0 and self._deltas_in_a_row >= self.anchor_every
         diff = bool(self.version) and not anchor and not whole
         wires: dict[str, torch.Tensor] = {}
         entries: dict[str, EncodedTensor] = {}
-        changed = total = whole_bytes = values = positions = 0
+        count = changed = total = whole_bytes = values = positions = 0
+        pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
         with torch.no_grad():
-            for name, given in tensors.items():
-                t = given.detach()
-                wire_dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
-                w = self._spare.pop(name, None)
-                if w is not None and w.dtype == wire_dtype and w.shape == t.shape:
-                    w.copy_(t)
-                else:
-                    w = t.to(device="cpu", dtype=wire_dtype, copy=True).contiguous()
-                wires[name] = w
+            for name, given in pairs:
+                w = wires[name] = self._wire(name, given, dtype)
+                del given  # a tensor the source materialised (gathered) goes before the next is read
+                count += 1
                 total += w.numel()
                 whole_bytes += w.nbytes
                 base = self._base.get(name) if diff else None
@@ -208,9 +213,20 @@ class DeltaTracker:
                 entries[name] = entry
         version = self.version if diff else ""
         summary = DeltaSummary(
-            version, len(tensors), len(entries), changed, total, time.monotonic() - t0, whole_bytes, values, positions
+            version, count, len(entries), changed, total, time.monotonic() - t0, whole_bytes, values, positions
         )
         return DeltaPayload(wires, version, {}, entries, summary, rank=rank)
+
+    def _wire(self, name: str, given: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """``given`` in the wire dtype, contiguous, on the CPU: converted into the spare copy of ``name`` when it
+        fits (memory already touched), into a fresh copy otherwise."""
+        t = given.detach()
+        wire_dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
+        w = self._spare.pop(name, None)
+        if w is not None and w.dtype == wire_dtype and w.shape == t.shape:
+            w.copy_(t)
+            return w
+        return t.to(device="cpu", dtype=wire_dtype, copy=True).contiguous()
 
     def for_targets(self, encoded: DeltaPayload, targets: Sequence[str], mixed: bool = False) -> DeltaPayload:
         """``encoded`` (:meth:`encode`) for the engines ``targets``: a delta to those at the base, each named by its
@@ -326,7 +342,7 @@ class DeltaCosts:
         self._try_delta = plan is SyncPlan.KEEP and not delta_wins
 
 
-def fallen_back(source: NamedTensors, dtype: torch.dtype | None) -> DeltaSummary:
+def fallen_back(source: WholeTensors, dtype: torch.dtype | None) -> DeltaSummary:
     """What a sync sent whole as with deltas off (:attr:`SyncPlan.PLAIN`) says in ``SyncResult.delta``: every
     element counted as changed, no diff, ``fell_back``."""
     metas = source.metadata()
@@ -338,6 +354,7 @@ def fallen_back(source: NamedTensors, dtype: torch.dtype | None) -> DeltaSummary
 
 REFUSED_BASE = ("BASE_VERSION_MISMATCH", "ENGINE_DIRTY", "NO_DELTA_BASE", "DELTA_DTYPE", "MISSING_BASE_IDENTITY")
 """The reasons an engine refuses a delta at Prepare for what it serves or is: it takes a whole update instead."""
+
 
 R = TypeVar("R")
 """The type of the request an attempt runs."""
@@ -398,7 +415,7 @@ class DeltaSync(Generic[R]):
     def __init__(
         self,
         tracker: DeltaTracker,
-        source: NamedTensors | None,
+        source: WholeTensors | None,
         dtype: torch.dtype | None,
         targets: Callable[[], Sequence[str]],
         runs: DeltaRuns[R],

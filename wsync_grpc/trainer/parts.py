@@ -37,7 +37,7 @@ from wsync_grpc.trainer.roster import FleetPolicy, Roster
 from wsync_grpc.trainer.runner import Senders, UpdateRunner
 from wsync_grpc.trainer.sender import Sender
 from wsync_grpc.trainer.settings import ClientSettings
-from wsync_grpc.trainer.source import NamedTensors, WeightSource
+from wsync_grpc.trainer.source import WeightSource, WholeTensors
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 from wsync_grpc.transports.sending import ONE_PROCESS, SendSite, TrainerPeers, TransportSender
 from wsync_grpc.wire.keepalive import Keepalive
@@ -149,7 +149,7 @@ class ClientParts:
             SyncError, RuntimeError, ClientError: as :meth:`TrainerClient.sync
                 <wsync_grpc.trainer.client.TrainerClient.sync>`.
         """
-        named = source if isinstance(source, NamedTensors) else None
+        named = source if isinstance(source, WholeTensors) else None
         if (named is None and encoded is None) or request.layout is not Layout.FLATTENED:
             raise ValueError("deltas are sent from (name, tensor) pairs in the flattened layout")
         self._deltas.anchor_every = self._settings.delta_anchor_every

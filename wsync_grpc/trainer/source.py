@@ -12,12 +12,13 @@ iteration).
 :class:`NamedTensors` is the source of the ``(name, tensor)`` pairs that
 :meth:`~wsync_grpc.trainer.client.TrainerClient.sync` accepts
 (``model.named_parameters()``, ``model.state_dict().items()``): one process
-holding every tensor whole.
+holding every tensor whole. A source that can give every tensor whole, one at a time
+(:class:`WholeTensors`), is what a delta is diffed from (:mod:`wsync_grpc.trainer.delta`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.planning import PieceMeta, TensorMeta, unique_tensors
 
-__all__ = ["NamedTensors", "TensorMeta", "WeightSource"]
+__all__ = ["NamedTensors", "TensorMeta", "WeightSource", "WholeTensors"]
 
 
 @runtime_checkable
@@ -61,6 +62,30 @@ class WeightSource(Protocol):
 
         Raises:
             KeyError: a slot the source does not hold.
+        """
+        ...
+
+
+@runtime_checkable
+class WholeTensors(WeightSource, Protocol):
+    """A :class:`WeightSource` that can also give every tensor whole, in order, one at a time: what a delta is
+    diffed from (:meth:`DeltaTracker.encode <wsync_grpc.trainer.delta.DeltaTracker.encode>`).
+
+    :class:`NamedTensors` (one process holding its tensors); a sharded trainer's rank 0 in the gather mode
+    (:class:`~wsync_grpc.trainer.sharded.source.LockstepSource`, every rank gathering with it).
+    """
+
+    def metadata(self) -> Sequence[TensorMeta]:
+        """See :meth:`WeightSource.metadata` (whole tensors, never pieces)."""
+        ...
+
+    def whole_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor of :meth:`metadata`, whole, in its own dtype, on any device, as ``(name, tensor)``:
+        each once, materialised lazily (a caller that drops each tensor before asking for the next holds at most
+        what the source materialises at once: one tensor, or one gathered bucket).
+
+        Raises:
+            ValueError: a name appears twice.
         """
         ...
 
@@ -104,6 +129,15 @@ class NamedTensors:
             self.metadata()
         assert self._by_name is not None
         return self._by_name[name]
+
+    def whole_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """See :meth:`WholeTensors.whole_tensors`: the tensors themselves, in :meth:`metadata` order.
+
+        Raises:
+            ValueError: a name appears twice.
+        """
+        for meta in self.metadata():
+            yield meta.name, self.tensor(meta.name)
 
     def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
         """See :meth:`WeightSource.bucket_tensors`: the tensors themselves (nothing to materialise).

@@ -17,6 +17,9 @@ weight-sync group and its buffers (:class:`~wsync_grpc.trainer.sharded.follower.
   ``DTensor`` s) and rank 0 sends it; no rank holds more than the buckets in flight beyond its shards;
 - in the ``"direct"`` mode nothing is gathered: every rank sends the buckets of its own shards
   (:class:`~wsync_grpc.trainer.sharded.source.DirectSource`), the engines assemble each tensor;
+- with deltas on, the gather mode gathers its buckets the same way before Prepare and rank 0 diffs them as a
+  single process does (:meth:`~wsync_grpc.trainer.sharded.source.LockstepSource.whole_tensors`); the direct mode's
+  ranks each diff their own shards;
 - a rank that dies stops the others at the next round (:class:`~wsync_grpc.trainer.sharded.ranks.TrainerRankLost`),
   rank 0 then cancels the update everywhere as for any failed send, and every surviving rank raises;
 - every rank returns the same :class:`~wsync_grpc.trainer.results.SyncResult` or raises the same
@@ -35,10 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.trainer.client import TrainerClient
+from wsync_grpc.trainer.delta import DeltaPayload
 from wsync_grpc.trainer.options import ApplyMode, Layout
+from wsync_grpc.trainer.planning import Planner
 from wsync_grpc.trainer.request import BroadcastRequest, catch_up_request
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Member
@@ -97,6 +103,8 @@ class ShardedTrainerClient:
         if not self._ranks.leader:
             self._follower = Follower(self._ranks, self._client._settings, client_options.get("keep_buffers"))
         self._calls = 0
+        self._planner = Planner(self._client)
+        """Rank 0 in the gather mode with deltas: the buckets it gathers to diff, planned as the others plan them."""
 
     @property
     def rank(self) -> int:
@@ -184,10 +192,15 @@ class ShardedTrainerClient:
                 sends its own shards (each ``DTensor``'s local shard, placed by its offsets), no
                 all-gather, the engines assemble each tensor from its pieces.
             progress, on_phase: as for :meth:`TrainerClient.sync`; called on rank 0 only.
-            delta: as for :meth:`TrainerClient.sync` (``None``: rank 0's client's ``delta`` setting), in the
+            delta: as for :meth:`TrainerClient.sync` (``None``: rank 0's client's ``delta`` setting). In the
+                ``"gather"`` mode: before Prepare every rank gathers the buckets in lockstep as for a send, and rank
+                0 diffs each gathered tensor against its copy of what it last sent (2 bytes per parameter of the
+                whole model for bfloat16, on rank 0 alone; at most one gathered bucket held at a time), then runs
+                the sync as a single process does (engines behind take it whole, in the same commit; the
+                ``delta_fallback`` rules; :attr:`SyncResult.delta` on every rank) and sends from that copy. In the
                 ``"direct"`` mode: every rank encodes its own pieces against its own copy of what it last sent
                 (2 bytes per parameter of its shards for bfloat16), the ranks exchange the entries' sizes, and each
-                sends its own; a rank without that copy (a new process) makes the sync whole.
+                sends its own; a rank without that copy (a new process) makes the sync whole. Flattened layout.
 
         Returns:
             Rank 0's :class:`SyncResult`, on every rank.
@@ -197,7 +210,8 @@ class ShardedTrainerClient:
             TrainerRankLost: a trainer rank died or became unreachable (on the surviving ranks).
             SyncError: the update failed (on every rank; a failure of a trainer rank is named
                 under ``TRAINER`` in ``failures``); rank 0 cancelled it on every engine.
-            ValueError: a bad argument, or (direct mode) shards that do not tile a tensor (on every rank).
+            ValueError: a bad argument (``delta`` with the individual layout), or (direct mode) shards that do
+                not tile a tensor (on every rank).
         """
         c = self._client
         source = ShardedTensors(named_tensors)
@@ -206,8 +220,8 @@ class ShardedTrainerClient:
         try:  # a bad argument is agreed on too: it fails every rank, not this one alone
             if mode not in SEND_MODES:
                 raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
-            if deltas and (mode != "direct" or layout != "flattened"):
-                raise ValueError("a sharded trainer sends deltas in mode='direct', flattened layout")
+            if deltas and layout != "flattened":
+                raise ValueError("a sharded trainer sends deltas in the flattened layout")
             topology = SendTopology(mode, self._ranks.size)
             request = BroadcastRequest.create(
                 weight_version,
@@ -236,20 +250,32 @@ class ShardedTrainerClient:
         if problem or request is None:
             raise ValueError(problem)
         sending: WeightSource = source
-        direct: DirectSource | None = None
+        payload: DeltaPayload | None = None  # a direct send's, with deltas on: this rank's pieces, encoded
         if mode == "direct":  # collective: the ranks' pieces (and, with deltas, their entries' sizes), exchanged
-            sending = direct = DirectSource(source, self._ranks, self._client.deltas if deltas else None, dtype)
-        elif self._ranks.leader:
-            sending = LockstepSource(source, self._ranks)
-        payload = direct.delta if direct is not None else None
+            direct = DirectSource(source, self._ranks, self._client.deltas if deltas else None, dtype)
+            sending, payload = direct, direct.delta
+        elif self._ranks.leader:  # with deltas, rank 0 diffs the buckets every rank gathers with it (their plan)
+            sending = LockstepSource(source, self._ranks, lambda: self._whole_plan(source, request))
         if self._follower is None:
-            result = self._lead(lambda: self._client.run_update(sending, request, delta=payload))
+            diffed = payload if payload is not None else deltas  # gather mode: diffed by rank 0's client
+            result = self._lead(lambda: self._client.run_update(sending, request, delta=diffed))
         else:
             result = follow(self._follower.call(sending, request))  # every round, until rank 0's outcome
             if payload is not None and result is not None:  # rank 0's client moved its own base on
                 self._client.deltas.applied(result.weight_version, payload, {})
         assert result is not None  # a sync always has an outcome
         return result
+
+    def _whole_plan(self, source: ShardedTensors, request: BroadcastRequest) -> list[Bucket]:
+        """Rank 0: the whole buckets of ``request`` as every other rank plans them (:meth:`Follower.call
+        <wsync_grpc.trainer.sharded.follower.Follower.call>`), to gather them in the same order.
+
+        Raises:
+            ValueError: a planning error.
+        """
+        return self._planner.plan(
+            source.metadata(), request.bucket_bytes, request.dtype, request.layout, request.topology
+        )[0]
 
     def catch_up(
         self,

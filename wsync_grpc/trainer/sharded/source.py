@@ -9,7 +9,8 @@ gather it tells the other ranks (the :data:`~wsync_grpc.trainer.sharded.rounds.G
 which then gather the same bucket with it and drop it. That is vLLM's ``WeightSource`` way (metadata
 by global shape; ``full_tensor()`` lazily, one group at a time, in lockstep on every rank; rank 0
 sends), with the lockstep driven by rank 0 so that a failure on any rank stops every rank at the next
-bucket instead of leaving one blocked in an all-gather.
+bucket instead of leaving one blocked in an all-gather. With deltas on, rank 0 reads the same gathered
+buckets before Prepare (:meth:`LockstepSource.whole_tensors`) to diff them against what it last sent.
 
 :class:`DirectSource` is every rank's source in the direct mode: nothing is gathered; each rank's
 pieces (a ``DTensor``'s local shard and where it sits, from
@@ -27,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -132,6 +133,17 @@ class ShardedTensors(NamedTensors):
             KeyError: a slot the source does not hold.
         """
         return {name: full(t) for name, t in super().bucket_tensors(bucket).items()}
+
+    def whole_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """See :meth:`WholeTensors.whole_tensors <wsync_grpc.trainer.source.WholeTensors.whole_tensors>`: every
+        tensor whole, ``DTensor`` s gathered one by one (collective: every rank of their mesh reads them too, in
+        the same order; a sharded trainer's rank 0 reads them through :class:`LockstepSource`).
+
+        Raises:
+            ValueError: a name appears twice.
+        """
+        for name, t in super().whole_tensors():
+            yield name, full(t)
 
 
 class DirectSource:
@@ -283,14 +295,25 @@ class LockstepSource:
     Before gathering bucket k it leads the :data:`~wsync_grpc.trainer.sharded.rounds.GATHER` round, in
     which the other ranks learn to gather bucket k too and report whether their last gather failed.
 
+    With deltas on it is also what rank 0 diffs (a :class:`~wsync_grpc.trainer.source.WholeTensors`):
+    :meth:`whole_tensors` gathers the update's buckets the same way before Prepare, so that rank 0 diffs the whole
+    tensors against its copy of what it last sent as a single process does, and the update is then sent from
+    that copy (nothing gathered while sending).
+
     Args:
         source: this rank's tensors.
         ranks: the trainer's ranks (this one is rank 0).
+        plan: the update's buckets as every other rank plans them (whole, for the update's request:
+            :meth:`Follower.call <wsync_grpc.trainer.sharded.follower.Follower.call>`), asked for by
+            :meth:`whole_tensors` only; ``None``: no delta to diff.
     """
 
-    def __init__(self, source: ShardedTensors, ranks: TrainerRanks) -> None:
+    def __init__(
+        self, source: ShardedTensors, ranks: TrainerRanks, plan: Callable[[], Sequence[Bucket]] | None = None
+    ) -> None:
         self._source = source
         self._ranks = ranks
+        self._plan = plan
 
     def metadata(self) -> Sequence[TensorMeta]:
         """See :meth:`WeightSource.metadata`."""
@@ -304,3 +327,20 @@ class LockstepSource:
             TrainerRankLost: a rank is gone.
         """
         return GATHER.lead(self._ranks, self._source, bucket)
+
+    def whole_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """See :meth:`WholeTensors.whole_tensors <wsync_grpc.trainer.source.WholeTensors.whole_tensors>`: the
+        planned buckets one after the other, each gathered with every rank as for a send (:meth:`bucket_tensors`),
+        its tensors handed out one by one and dropped here as they go: at most one gathered bucket (the update's
+        bucket size, or one tensor larger than that) is held at once.
+
+        Raises:
+            ValueError: no plan was given.
+            TrainerRankFailed, TrainerRankLost: as :meth:`bucket_tensors`.
+        """
+        if self._plan is None:
+            raise ValueError("a LockstepSource without the update's plan gives no whole tensors")
+        for bucket in self._plan():
+            gathered = dict(self.bucket_tensors(bucket))
+            for slot in bucket.tensors:
+                yield slot.name, gathered.pop(slot.name)
