@@ -54,6 +54,9 @@ _INDEX_LIMIT = 2**32
 
 _BITS = torch.arange(8, dtype=torch.uint8)
 
+_BEFORE_FIRST = torch.tensor([-1], dtype=torch.int64)
+"""Where the gap to the first changed position starts from."""
+
 SPARSE_WORDS = 0.15
 """The share of changed 8-byte words below which :func:`delta_of` finds the changed elements word by word (one
 comparison per word, then the lanes of the changed words only) instead of comparing every element: the element
@@ -204,12 +207,14 @@ def _changes(flat: torch.Tensor, base: torch.Tensor) -> _Changes:
     body = flat.numel() - flat.numel() % lanes
     if lanes > 1 and body:
         try:
-            words = a[:body].view(torch.int64) != b[:body].view(torch.int64)
+            wa, wb = a[:body].view(torch.int64), b[:body].view(torch.int64)
         except RuntimeError:  # a view whose start is not 8-byte aligned: compared element by element
-            words = None
-        if words is not None and int(torch.count_nonzero(words)) <= SPARSE_WORDS * words.numel():
+            wa = wb = torch.empty(0, dtype=torch.int64)
+        words = wa != wb
+        if wa.numel() and int(torch.count_nonzero(words)) <= SPARSE_WORDS * words.numel():
             changed = torch.nonzero(words).squeeze(1)
-            lane = a[:body].view(-1, lanes)[changed] != b[:body].view(-1, lanes)[changed]
+            # The lanes (elements) of each changed word whose bits differ, in memory order.
+            lane = (wa[changed] ^ wb[changed]).view(a.dtype).view(-1, lanes) != 0
             row, col = torch.nonzero(lane, as_tuple=True)
             idx = changed[row] * lanes + col
             if body < flat.numel():
@@ -219,18 +224,15 @@ def _changes(flat: torch.Tensor, base: torch.Tensor) -> _Changes:
     return _Changes(mask, False, int(torch.count_nonzero(mask)), flat.numel())  # count_nonzero: faster than a sum
 
 
-def _gap_entries(idx: torch.Tensor, limit: int) -> torch.Tensor:
-    """The entries' positions of a gaps encoding whose gaps hold at most ``limit``, for changed positions ``idx``:
-    ``idx`` plus the bridges of longer gaps."""
-    gaps = torch.diff(idx, prepend=torch.tensor([-1], dtype=torch.int64))
-    bridges = (gaps - 1) // limit
-    if int(bridges.sum()) == 0:
-        return idx
+def _gap_steps(gaps: torch.Tensor, bridges: torch.Tensor, count: int, limit: int) -> torch.Tensor:
+    """The steps of a gaps encoding whose steps hold at most ``limit``: ``gaps`` (between the changed positions,
+    the first from -1) with ``bridges[i]`` steps of ``limit`` before gap ``i``'s rest, ``count`` steps in all."""
+    if count == gaps.numel():
+        return gaps
     counts = bridges + 1
-    steps = torch.full((int(counts.sum()),), limit, dtype=torch.int64)
-    last = torch.cumsum(counts, 0) - 1
-    steps[last] = gaps - limit * bridges
-    return torch.cumsum(steps, 0) - 1
+    steps = torch.full((count,), limit, dtype=torch.int64)
+    steps[torch.cumsum(counts, 0) - 1] = gaps - limit * bridges
+    return steps
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -284,8 +286,9 @@ def delta_of(
         payload[_align(vbytes) :] = _pack_bits(changes.mask())
         return EncodedTensor(coding, payload, k), k
     idx = changes.positions()
-    gaps = torch.diff(idx, prepend=torch.tensor([-1], dtype=torch.int64)) if k else idx
-    counts = {p: k + (int(((gaps - 1) // limit).sum()) if k else 0) for p, limit in _GAP_LIMITS.items()}
+    gaps = torch.diff(idx, prepend=_BEFORE_FIRST) if k else idx  # between changed positions, the first from -1
+    bridges = {p: (gaps - 1) // limit for p, limit in _GAP_LIMITS.items()} if k else {}
+    counts = {p: k + (int(bridges[p].sum()) if k else 0) for p in _GAP_LIMITS}
     entry_counts = {Positions.INDICES: k, **counts, Positions.BITMAP: k}
     sizes: dict[Positions, float] = {
         Positions.INDICES: 4 * k if numel < _INDEX_LIMIT else math.inf,
@@ -297,28 +300,29 @@ def delta_of(
     )
     if sizes[chosen] == math.inf:
         raise ValueError(f"INDICES hold fewer than 2**32 elements; the tensor has {numel}")
-    if positions is None and _align(entry_counts[chosen] * esize) + sizes[chosen] >= DENSE_SHARE * whole:
-        return None, k
-    entries_of = {chosen: _gap_entries(idx, _GAP_LIMITS[chosen]) if chosen in _GAP_LIMITS and k else idx}
-    entries = entries_of[chosen]
-    coding = DeltaCoding(chosen, entries.numel(), int(sizes[chosen]))
+    n = entry_counts[chosen]
+    coding = DeltaCoding(chosen, n, int(sizes[chosen]))
     total = coding.nbytes(esize)
     if positions is None and total >= DENSE_SHARE * whole:
         return None, k
-    payload = torch.zeros(total, dtype=torch.uint8)
+    payload = torch.empty(total, dtype=torch.uint8)
     vbytes = coding.values_bytes(esize)
-    if vbytes:
-        payload[:vbytes] = flat[entries].view(torch.uint8)
+    payload[vbytes : _align(vbytes)] = 0
     pos = payload[_align(vbytes) :]
-    if chosen is Positions.INDICES:
+    if chosen in _GAP_LIMITS and k:
+        limit = _GAP_LIMITS[chosen]
+        steps = _gap_steps(gaps, bridges[chosen], n, limit)
+        entries = idx if n == k else torch.cumsum(steps, 0) - 1  # bridges: entries at unchanged positions too
+        pos.copy_(steps.to(torch.int16 if chosen is Positions.GAPS16 else torch.uint8).view(torch.uint8))
+    elif chosen is Positions.BITMAP:
+        entries = idx
+        pos.copy_(_pack_bits(changes.mask()))
+    else:
+        entries = idx
         if k:
             pos.copy_(entries.to(torch.int32).view(torch.uint8))
-    elif chosen in _GAP_LIMITS:
-        if entries.numel():
-            steps = torch.diff(entries, prepend=torch.tensor([-1], dtype=torch.int64))
-            pos.copy_(steps.to(torch.int16 if chosen is Positions.GAPS16 else torch.uint8).view(torch.uint8))
-    else:
-        pos.copy_(_pack_bits(changes.mask()))
+    if vbytes:
+        payload[:vbytes] = flat[entries].view(torch.uint8)
     return EncodedTensor(coding, payload, k), k
 
 

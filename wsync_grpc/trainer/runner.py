@@ -24,7 +24,9 @@ rules, not by the request's kind:
 
 Digests (``ClientSettings.digests``, broadcasts): the sender hashes each bucket while it is on the
 wire and a :class:`~wsync_grpc.trainer.digests.DigestCourier` declares the digest to every engine
-right away (the header says ``digests_follow``); every digest is declared before Complete. A sender
+right away (the header says ``digests_follow``); every digest is declared before Complete. A delta's
+digests are of the whole tensors its buckets result in, not of their bytes: the trainer hashes those
+as each bucket is sent, while the engines rebuild it, and declares them the same way. A sender
 whose ranks hash their own buckets before Prepare (a sharded trainer's direct send) puts them in the
 bucket specs instead.
 
@@ -219,9 +221,8 @@ class UpdateRunner:
             job = dataclasses.replace(job, digest_of=payload.digest_of)
         if not self._settings.digests:
             up_front: Mapping[int, Digest] | None = {}
-        elif job.digest_of is not None and not sends.topology.by_pieces:  # this process holds every bucket's tensors
-            digest_of = job.digest_of
-            up_front = self._before_prepare(request, "digests", lambda: {b.index: digest_of(b) for b in buckets})
+        elif job.digest_of is not None and not sends.topology.by_pieces:
+            up_front = None  # this process holds every bucket's tensors: each hashed as it is sent (see the module)
         else:
             up_front = self._before_prepare(request, "digests", lambda: sender.digests_before_send(job))
         set_spec_digests(messages, up_front or {})
@@ -306,7 +307,10 @@ class UpdateRunner:
                 elapsed = time.monotonic() - start
                 progress(SyncProgress(request.update_id, b.index + 1, n, sent, wire_bytes, elapsed))
 
-        on_digest = courier.add if courier is not None else None
+        on_digest: Callable[[Bucket, Digest], None] | None = courier.add if courier is not None else None
+        if courier is not None and job.digest_of is not None:  # a delta bucket's: of the tensors it results in
+            digest_of, declare = job.digest_of, courier.add
+            on_digest = lambda b, _of_bytes: declare(b, digest_of(b))  # noqa: E731
         try:
             pack_s = sender.send(dataclasses.replace(job, on_sent=on_sent, on_digest=on_digest))
         except Exception as exc:

@@ -134,8 +134,9 @@ class SendJob:
         on_digest: called with each bucket and its digest as soon as it was hashed (while it is on the
             wire); ``None``: nothing is hashed while sending.
         digest_of: a bucket's digest where it is not the hash of its bytes (a delta bucket's: of the tensors it
-            results in, :meth:`DeltaPayload.digest_of <wsync_grpc.trainer.delta.DeltaPayload.digest_of>`), for the
-            digests hashed before Prepare; ``None``: of its bytes.
+            results in, :meth:`DeltaPayload.digest_of <wsync_grpc.trainer.delta.DeltaPayload.digest_of>`), hashed by
+            the trainer as each bucket is sent, or by each rank before Prepare where the ranks send their own
+            pieces; ``None``: of its bytes.
     """
 
     group: WeightSyncGroup | None
