@@ -29,6 +29,7 @@ from wsync_grpc.core.checksums import tensor_sha256
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.reference import ReferenceEngine
 from wsync_grpc.engines.tensor import TensorEngine
+from wsync_grpc.service.watch import REATTACH_S
 from wsync_grpc.testing import in_process_server
 from wsync_grpc.trainer import SyncError, TrainerClient
 from wsync_grpc.trainer.delta import DeltaCosts, SyncPlan
@@ -380,7 +381,8 @@ def test_a_fleet_with_an_engine_behind_takes_one_mixed_commit() -> None:
     """Three engines at the client's base; one restarts (other weights, no identity). The next staged sync refuses
     nothing twice: that engine takes the whole weights over a group of its own while the other two take the delta
     over theirs, in one commit; each engine received what it was sent (counted by the engine), all three serve the
-    trainer's tensors exactly, and the sync after that is a delta to all three."""
+    trainer's tensors exactly, and the sync after that is a delta to all three. The delta part is slowed past the
+    engines' reattach period: the engine behind, verified meanwhile, stays held and applies with the others."""
     new = synthetic.build("tiny", seed=7)
     fleet = Fleet()
     try:
@@ -397,7 +399,13 @@ def test_a_fleet_with_an_engine_behind_takes_one_mixed_commit() -> None:
                 c = fleet.start("c", 3, port=port)
                 perturb(new, 0.01, 1)
                 phases: list[str] = []
-                r = client.sync(new.items(), "v1", on_phase=phases.append)
+
+                def slow_delta_part(phase: str) -> None:  # the engine behind waits, verified, longer than a reattach
+                    phases.append(phase)
+                    if phase == "prepared" and phases.count("prepared") == 2:
+                        time.sleep(2 * REATTACH_S + 0.2)
+
+                r = client.sync(new.items(), "v1", on_phase=slow_delta_part)
                 assert r.delta is not None and r.delta.base_version == "v0" and r.delta.whole_targets == (c,), r.delta
                 received = {t: e.bytes_received for t, e in r.engines.items()}
                 assert received[c] == whole, received

@@ -110,6 +110,7 @@ class UpdateProtocol:
         self._release = release
         self._metrics = metrics
         self._holds: Holds | None = None
+        self._outer: list[Holds] = []  # the engines of updates waiting between their commit phases, still held
         self._trace: SyncTrace  # one per run
 
     # ------------------------------------------------------------------ the update as a whole
@@ -235,9 +236,11 @@ class UpdateProtocol:
 
         ``before_commit`` (a staged update's only) runs once every engine verified, before the applying
         Complete: another update over other engines that commits with this one (a delta to the engines at its
-        base while this one carries the whole weights to those behind: :class:`~wsync_grpc.trainer.delta.DeltaSync`).
-        The engines are no longer held while it runs (it holds its own); if it raises, this update is cancelled
-        everywhere and its error goes on.
+        base while this one carries the whole weights to those behind: :class:`~wsync_grpc.trainer.delta.DeltaSync`;
+        the broadcast part of a mixed fleet: :mod:`~wsync_grpc.trainer.mixed`). The engines stay held while it runs
+        (an engine whose update is held by no call takes the trainer for dead and abandons it), and the hook's
+        update applies only while they still are; if it raises, this update is cancelled everywhere and its error
+        goes on.
 
         Returns:
             The per-engine results in target order, and the phases' timings.
@@ -270,6 +273,9 @@ class UpdateProtocol:
                 request.report("verified")
                 if before_commit is not None:
                     self._run_before_commit(request, before_commit)
+                lost = {t: f for h in self._outer for t, f in h.failures.items()}
+                if lost:  # an engine of an update this one commits with is gone: neither applies
+                    raise self.abandon(request, "verify", lost, broadcast_started=True)
             results, done = self._complete(request, prepared.replies)
         finally:
             holds, self._holds = self._holds, None
@@ -279,23 +285,32 @@ class UpdateProtocol:
         return Commit(in_order, done, t_complete, verify_s, t_complete - t_transfer, pack_s)
 
     def _run_before_commit(self, request: UpdateRequest, before_commit: Callable[[], None]) -> None:
-        """Run ``before_commit`` between this verified update's two phases, with its engines no longer held and its
-        trace put back afterwards (the hook runs an update of its own through this protocol).
+        """Run ``before_commit`` between this verified update's two phases, its engines still held (a death among them
+        sets the cancel signal, which stops the hook's update, and the hook's update applies only while none is
+        lost: :meth:`transfer_and_commit`); this update's holds and trace put back afterwards (the hook runs an
+        update of its own through this protocol, holding its own engines).
 
         Raises:
-            BaseException: ``before_commit``'s, once this update was cancelled everywhere.
+            SyncError: an engine of this update was lost meanwhile (stage ``"verify"``), the hook's own failure its
+                consequence; this update was cancelled everywhere.
+            BaseException: otherwise ``before_commit``'s, once this update was cancelled everywhere.
         """
-        if self._holds is not None:
-            self._holds.close()
-            self._holds = None
+        holds, self._holds = self._holds, None
+        if holds is not None:
+            self._outer.append(holds)
         trace = self._trace
         try:
             before_commit()
-        except BaseException:
-            self._trace = trace
-            self.abandon(request, "verify", {}, broadcast_started=True)  # cancelled; the hook's error says why
+        except BaseException as exc:
+            self._trace, self._holds = trace, holds
+            own = self.abandon(request, "verify", {}, broadcast_started=True)  # cancelled everywhere
+            if own.failures and isinstance(exc, SyncError):  # an engine of this one was lost: the hook's cause
+                raise own from exc
             raise
-        self._trace = trace
+        finally:
+            if holds is not None:
+                self._outer.remove(holds)
+        self._trace, self._holds = trace, holds
 
     def _verify(self, request: UpdateRequest) -> None:
         """The first phase of a staged update's commit: ``Complete(verify_only)`` everywhere.
