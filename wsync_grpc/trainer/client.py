@@ -25,16 +25,16 @@ from prometheus_client import CollectorRegistry
 from wsync_grpc.trainer.adapters import adapter_update
 from wsync_grpc.trainer.delta import DeltaPayload
 from wsync_grpc.trainer.members import MemberCalls
+from wsync_grpc.trainer.mixed import TransportChoice, TransportMix
 from wsync_grpc.trainer.operator import OperatorCalls, per_target
 from wsync_grpc.trainer.options import (
     ApplyMode,
     BackendName,
     Layout,
     TransportName,
-    transport_of,
 )
 from wsync_grpc.trainer.parts import ClientParts
-from wsync_grpc.trainer.request import SENT_KINDS, BroadcastRequest, DiskRequest
+from wsync_grpc.trainer.request import BroadcastRequest, DiskRequest
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy
 from wsync_grpc.trainer.sender import Sender
@@ -255,7 +255,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         on_phase: Callable[[str], None] | None = None,
         policy: FleetPolicy | None = None,
         timeout_s: float | None = None,
-        transport: TransportName = "broadcast",
+        transport: TransportChoice = "broadcast",
         delta: bool | None = None,
     ) -> SyncResult:
         """Push ``named_tensors`` to every engine as ``weight_version``.
@@ -314,7 +314,9 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
             transport: how the bytes travel: ``"broadcast"`` (default: over the weight-sync group, formed by
                 :meth:`init`) or ``"shared_memory"`` (engines on this host: each bucket packed into a
                 shared-memory segment the engines' workers map read-only; no group, flattened layout only:
-                :mod:`wsync_grpc.transports.shared_memory`). Never chosen by the client itself.
+                :mod:`wsync_grpc.transports.shared_memory`). Or a mixed fleet, target -> one of those (targets
+                not named: ``"broadcast"``): both in one fleet commit, staged and flattened
+                (:mod:`wsync_grpc.trainer.mixed`). Never chosen by the client itself.
             delta: send only the elements whose value in the wire dtype changed since this client's last sync,
                 when every engine serves what it sent (whole otherwise; ``(name, tensor)`` pairs, flattened
                 layout: :mod:`wsync_grpc.trainer.delta`; :attr:`SyncResult.delta` says what was sent). ``None``:
@@ -325,13 +327,15 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
 
         Raises:
             ValueError: empty ``weight_version``, nothing to send, a bad
-                ``layout``/``apply_mode``/``transport``, a ``timeout_s`` not above 0, or a planning error.
+                ``layout``/``apply_mode``/``transport`` (a mapping naming no engine of this client, or a mixed one
+                that is streaming), a ``timeout_s`` not above 0, or a planning error.
             SyncError: the update failed (see above); the message names every
                 failed engine with its code, reason and message.
             RuntimeError: another ``sync`` is running in this client.
             ClientError: the client was closed.
         """
-        request = SENT_KINDS[transport_of(transport)].create(
+        mix = TransportMix.of(transport, [e.target for e in self._fleet.members])  # refused before any call
+        request = BroadcastRequest.create(
             weight_version,
             layout,
             apply_mode,
@@ -342,6 +346,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
             update_id=update_id,
             on_phase=on_phase,
         )
+        request = mix.request(request)  # one transport's kind, or both in one commit (wsync_grpc.trainer.mixed)
         source = named_tensors if isinstance(named_tensors, WeightSource) else NamedTensors(named_tensors)
         if not (self._settings.delta if delta is None else delta):
             return self.run_update(source, request, policy=policy, timeout_s=timeout_s)

@@ -30,6 +30,7 @@ from wsync_grpc.trainer.fleet import Fleet
 from wsync_grpc.trainer.lease import Leases
 from wsync_grpc.trainer.membership import Membership
 from wsync_grpc.trainer.metrics import TrainerMetrics
+from wsync_grpc.trainer.mixed import TransportRunner
 from wsync_grpc.trainer.protocol import UpdateProtocol
 from wsync_grpc.trainer.request import BroadcastRequest
 from wsync_grpc.trainer.results import SyncResult
@@ -48,7 +49,7 @@ class _Runs:
     """How a sync with deltas runs its updates (:class:`~wsync_grpc.trainer.delta.DeltaRuns`): the client's runner
     over the engines its roster lets take part."""
 
-    runner: UpdateRunner
+    runner: TransportRunner
     roster: Roster
     source: WeightSource
 
@@ -118,9 +119,10 @@ class ClientParts:
             self._senders.release,
             self._metrics,
         )
-        self._runner = UpdateRunner(calls, self._settings, self._senders, self._cancel_event)
+        runner = UpdateRunner(calls, self._settings, self._senders, self._cancel_event)
         self._policy = policy if policy is not None else FleetPolicy()
         self._roster = Roster(self._fleet, self._membership, self._settings, calls, self._leases, self._metrics)
+        self._runner = TransportRunner(runner, self._roster, self._fleet)  # mixed transports
         self._deltas = DeltaTracker(self._settings.delta_anchor_every)
 
     @property
