@@ -159,13 +159,6 @@ class _ModelTarget:
         return self._base[name]
 
 
-def _in_place(kept: torch.Tensor | None, t: torch.Tensor) -> bool:
-    """Whether ``t`` is the kept tensor ``kept`` itself or a view of all of it (a delta rebuilt in the kept copy)."""
-    return kept is not None and (
-        kept is t or (t.data_ptr() == kept.data_ptr() and t.numel() == kept.numel() and t.dtype == kept.dtype)
-    )
-
-
 class WorkerHost:
     """One worker process's member of the weight-sync group and host of the update in flight.
 
@@ -378,9 +371,7 @@ class WorkerHost:
             if kept is not None and not self.plan.streaming:  # copied out before the buffers go back to the pool
                 # (a delta's tensors were rebuilt in the kept copy itself: kept as they are)
                 kept.update(
-                    (n, t if _in_place(self.base.get(n), t) else t.detach().clone())
-                    for named in r.staged
-                    for n, t in named
+                    (n, t if self.base.get(n) is t else t.detach().clone()) for named in r.staged for n, t in named
                 )
             if self._swap is not None:
                 self._swap()

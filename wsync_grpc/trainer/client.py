@@ -374,8 +374,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         if delta:  # True, or a payload
             encoded = delta if isinstance(delta, DeltaPayload) else None
             return self._run_with_deltas(source, request, request.dtype, policy, timeout_s, encoded=encoded)
-        with self._exclusive(timeout_s):
-            return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
+        return self._run_update(request, source, policy, timeout_s)
 
     def sync_from_disk(
         self,
@@ -422,8 +421,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         request = DiskRequest.create(
             checkpoint_path, weight_version, apply_mode, flush_cache=flush_cache, update_id=update_id, on_phase=on_phase
         )
-        with self._exclusive(timeout_s):
-            return self._roster.run(policy or self._policy, request, self._runner.run)
+        return self._run_update(request, None, policy, timeout_s)
 
     def save_and_sync(
         self,
@@ -489,5 +487,4 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         request, source = adapter_update(
             adapter, name, version, transport, self._settings.bucket_bytes, update_id=update_id, on_phase=on_phase
         )
-        with self._exclusive():
-            return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
+        return self._run_update(request, source, policy)

@@ -32,7 +32,7 @@ from wsync_grpc.trainer.membership import Membership
 from wsync_grpc.trainer.metrics import TrainerMetrics
 from wsync_grpc.trainer.mixed import TransportRunner
 from wsync_grpc.trainer.protocol import UpdateProtocol
-from wsync_grpc.trainer.request import BroadcastRequest
+from wsync_grpc.trainer.request import BroadcastRequest, UpdateRequest
 from wsync_grpc.trainer.results import SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Roster
 from wsync_grpc.trainer.runner import Senders, UpdateRunner
@@ -160,8 +160,7 @@ class ClientParts:
             plan = self._deltas.costs.plan(has_base=bool(self._deltas.version))
         if plan is SyncPlan.PLAIN and named is not None:
             self._deltas.forget()  # nothing kept while deltas do not pay
-            with self._exclusive(timeout_s):
-                result = self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
+            result = self._run_update(request, source, policy, timeout_s)
             result = dataclasses.replace(result, delta=fallen_back(named, dtype))
         else:
             deltas: DeltaSync[BroadcastRequest] = DeltaSync(
@@ -181,6 +180,24 @@ class ClientParts:
         if named is not None and encoded is None and result.delta is not None:
             self._deltas.costs.record(plan, result.delta, result.total_seconds)
         return result
+
+    def _run_update(
+        self,
+        request: UpdateRequest,
+        source: WeightSource | None,
+        policy: FleetPolicy | None,
+        timeout_s: float | None = None,
+    ) -> SyncResult:
+        """Run ``request`` (of any kind; ``source``: the tensors the trainer sends, ``None`` where the engines read
+        them) under the op lock, over the engines ``policy`` (``None``: the client's) lets take part, at most
+        ``timeout_s`` seconds (``None``: no deadline of its own).
+
+        Raises:
+            SyncError, RuntimeError, ClientError, ValueError: as :meth:`TrainerClient.sync
+                <wsync_grpc.trainer.client.TrainerClient.sync>`.
+        """
+        with self._exclusive(timeout_s):
+            return self._roster.run(policy or self._policy, request, lambda r: self._runner.run(r, source))
 
     @contextlib.contextmanager
     def _exclusive(self, timeout_s: float | None = None) -> Iterator[None]:

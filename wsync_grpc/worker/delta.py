@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from wsync_grpc.core.delta import apply_delta
-from wsync_grpc.core.digests import BucketHasher, Digest
+from wsync_grpc.core.digests import BucketHasher
 from wsync_grpc.core.engine import WeightTarget
 from wsync_grpc.core.errors import FailedPrecondition
 from wsync_grpc.core.layout import Bucket, TensorSlot
@@ -59,7 +59,7 @@ def expand(
             pool got back from the last swap (:class:`~wsync_grpc.worker.swaps.SwapIn`), already touched, where a
             new tensor of hundreds of MB page-faults on every 4 KiB. ``None``: always a new tensor.
         hasher: the bucket's digest, when it is checked: every whole tensor is hashed in order as soon as it is
-            made, while it is still in the CPU's cache (its digest is then :func:`whole_digest`'s).
+            made, while it is still in the CPU's cache (the bucket's digest: of its whole tensors' bytes, in order).
 
     Returns:
         ``(slot, tensor)`` for every slot, in order, tied aliases included; each tensor in the wire dtype and shape
@@ -98,18 +98,12 @@ def _rebuilt(
         whole = buf.view(t.dtype).view(t.shape)
         whole.copy_(source)
         return apply_delta(entry, t.delta, whole, t.name, out=whole)
-    base = source.to(dtype=t.dtype, memory_format=torch.contiguous_format).reshape(t.shape)
-    # Written in place: a copy made just now, or a copy of its own the target gives up (a worker's kept base).
+    base = source.to(dtype=t.dtype, memory_format=torch.contiguous_format)
+    base = base if base.shape == t.shape else base.reshape(t.shape)
+    # Written in place: a copy made just now, or a copy of its own the target gives up (a worker's kept base:
+    # then the kept tensor itself is returned, which its keeper recognises as already kept).
     copied = base.untyped_storage().data_ptr() != served.untyped_storage().data_ptr()
     return apply_delta(entry, t.delta, base, t.name, out=base if copied or writable else None)
-
-
-def whole_digest(wholes: list[tuple[TensorSlot, torch.Tensor]]) -> Digest:
-    """The digest of a delta bucket: its whole tensors' bytes, in order (``wsync.v1.BucketDigest``)."""
-    h = BucketHasher()
-    for _t, w in wholes:
-        h.update(w)
-    return h.digest()
 
 
 def staged(
