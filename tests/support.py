@@ -217,3 +217,26 @@ def assert_serve(targets: list[str], version: str, tensors: dict[str, torch.Tens
     for target, (v, sums) in served(targets).items():
         assert v == version, (target, v)
         assert {n: sums[n] for n in expected} == expected, target
+
+
+@contextmanager
+def ray_cluster(head: dict[str, Any], nodes: int, node_cpus: int, store_bytes: int) -> Iterator[Any]:
+    """A real local Ray cluster (``ray.cluster_utils.Cluster``, Ray's usage reporting off): a head started with
+    ``head`` (its node arguments) and ``nodes`` more nodes of ``node_cpus`` CPUs and ``store_bytes`` of object store
+    each (bytes), this process connected as its driver; shut down, driver first, at the end."""
+    import pytest
+    import ray
+    from ray import cluster_utils  # the ray extra: imported by the tests that use it only
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        c = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
+        try:
+            for _ in range(nodes):
+                c.add_node(num_cpus=node_cpus, object_store_memory=store_bytes)
+            ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+            c.wait_for_nodes()
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()

@@ -35,13 +35,13 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from support import ENV, ROOT, assert_serve, served
+from support import ENV, ROOT, assert_serve, ray_cluster, served
 
 from wsync_grpc.engines import synthetic
 from wsync_grpc.trainer import FleetPolicy, SyncProgress, TrainerClient
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
+pytest.importorskip("ray.cluster_utils")
 
 import ray_ranks  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
@@ -125,20 +125,12 @@ def engine_pids(handles: list[EngineHandle]) -> set[int]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[object]:
     head = {"num_cpus": CPUS, "object_store_memory": STORE_BYTES, "include_dashboard": False}
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        c = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
-        try:
-            for _ in range(NODES - 1):
-                c.add_node(num_cpus=CPUS, object_store_memory=STORE_BYTES)
-            ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-            c.wait_for_nodes()
+    try:
+        with ray_cluster(head, nodes=NODES - 1, node_cpus=CPUS, store_bytes=STORE_BYTES) as c:
             yield c
-        finally:
-            ray.shutdown()
-            c.shutdown()
-            for leftover in Path(tempfile.gettempdir()).glob(f"wsync-{NAME}*"):  # the files of killed engines
-                shutil.rmtree(leftover, ignore_errors=True)
+    finally:
+        for leftover in Path(tempfile.gettempdir()).glob(f"wsync-{NAME}*"):  # the files of killed engines
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

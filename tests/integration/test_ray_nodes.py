@@ -24,13 +24,13 @@ from collections.abc import Iterator
 import psutil
 import pytest
 import torch
-from support import assert_serve
+from support import assert_serve, ray_cluster
 
 from wsync_grpc.engines import synthetic
 from wsync_grpc.trainer import FleetPolicy
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
+pytest.importorskip("ray.cluster_utils")
 
 from wsync_grpc.ray import EngineSpec, launch_engines, stop_engines, trainer_client  # noqa: E402
 
@@ -73,18 +73,8 @@ def cluster() -> Iterator[object]:
         "include_dashboard": False,
         "_system_config": FAST_HEALTH_CHECK,
     }
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        c = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
-        try:
-            for _ in range(3):
-                c.add_node(num_cpus=1, object_store_memory=STORE_BYTES)
-            ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-            c.wait_for_nodes()
-            yield c
-        finally:
-            ray.shutdown()
-            c.shutdown()
+    with ray_cluster(head, nodes=3, node_cpus=1, store_bytes=STORE_BYTES) as c:
+        yield c
 
 
 def test_an_engine_on_a_removed_node_is_left_out_and_placed_again_when_capacity_returns(cluster: object) -> None:
