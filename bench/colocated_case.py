@@ -12,12 +12,14 @@ back on the same processes, the ways after the ceiling in a rotated order:
 - ``shm``: the same sync with ``transport="shared_memory"``: the trainer packs each bucket into a ring
   of two slots of a memfd, the engine copies it out;
 - ``shm_shared``: the same, the trainer's tensors already in shared memory (``share_memory_()`` of a
-  copy of the model, as ``Module.share_memory()`` does): what the target of "one copy in all" asks;
+  copy of the model, as ``Module.share_memory()`` does): the transport's zero-copy path, the engine reading
+  every bucket straight from the trainer's storages (``os.preadv``, never mapped; nothing packed: each
+  sync's ``storage_buckets`` and ``packed_buckets`` are recorded), what the target of "one copy in all" asks;
 - ``broadcast_digests`` and ``shm_digests``: the two syncs with bucket digests, the client's default
   on CPU (the other syncs run without, as the other cases' do);
 - ``one_copy``: not a sync: the bytes copied once out of a memfd mapped read-only for the copy into
-  touched memory, in this process: what the engine's side of a zero-copy path would cost (the
-  transport has none yet: it always packs into its ring).
+  touched memory, in this process: the bound of a copy through a mapping (the zero-copy path reads with
+  ``pread`` instead, which a storage its owner truncates cannot crash, at a kernel copy's speed).
 
 The engine's memory: the peak extra resident memory of the engine process during a sync (``VmHWM``
 reset through ``/proc/PID/clear_refs`` before it), with its anonymous (its own buffers) and shared (the
@@ -49,8 +51,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from wsync_grpc.core.planning import plan_buckets
+from wsync_grpc.transports import shared_memory
 from wsync_grpc.transports.shared_memory.handover import page_round
-from wsync_grpc.transports.shared_memory.sender import SLOTS
+from wsync_grpc.transports.shared_memory.sender import SLOTS, SharedMemorySender
+from wsync_grpc.transports.shared_memory.storages import SendCounts
 
 if TYPE_CHECKING:
     from bench.run import Harness, Session
@@ -190,11 +194,21 @@ def _sync(
         "buckets": r.bucket_count,
         "payload": r.payload_bytes,
     }
+    if transport == "shared_memory":  # what the sender did with the buckets: packed, or read from the storages
+        counts = _shm_counts(s)
+        out["packed_buckets"], out["storage_buckets"] = counts.packed_buckets, counts.storage_buckets
     if mem:
         out.update(s.mem_after(before))
         assert sampler is not None
         out["sampled"] = sampler.extra()
     return out
+
+
+def _shm_counts(s: Session) -> SendCounts:
+    """The client's shared-memory sender's counts of its last send."""
+    sender = s.client._senders.of(shared_memory.PART)
+    assert isinstance(sender, SharedMemorySender)
+    return sender.last_send
 
 
 def _config(h: Harness, model: str, dtype: str, reps: int) -> dict[str, Any]:
@@ -253,7 +267,9 @@ def _config(h: Harness, model: str, dtype: str, reps: int) -> dict[str, Any]:
                     rounds.append(r)
                     _say(
                         f"  {model} {mode}: ceiling {r['ceiling']:.3f} s, broadcast {r['broadcast']['seconds']:.3f} s,"
-                        f" shm {r['shm']['seconds']:.3f} s (shared {r['shm_shared']['seconds']:.3f} s), digests "
+                        f" shm {r['shm']['seconds']:.3f} s (shared {r['shm_shared']['seconds']:.3f} s, "
+                        f"{r['shm_shared']['storage_buckets']} of {r['shm_shared']['buckets']} buckets zero-copy), "
+                        "digests "
                         f"{r['broadcast_digests']['seconds']:.3f} / {r['shm_digests']['seconds']:.3f} s, "
                         f"one copy {r['one_copy']:.3f} s"
                     )

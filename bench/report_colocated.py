@@ -60,6 +60,18 @@ def _ratio(cfg: dict[str, Any], mode: str, way: str) -> float:
     return _med(speedup(cfg["rounds"][mode], way))
 
 
+def _zero_copy(c: dict[str, Any]) -> str:
+    """How many of the ``shm_shared`` syncs' buckets the engine read from the trainer's storages (zero copy)."""
+    read = total = 0
+    for _, mode, cfg in _configs(c):
+        for r in cfg["rounds"][mode]:
+            total += int(r["shm_shared"].get("buckets", 0))
+            read += int(r["shm_shared"].get("storage_buckets", 0))
+    if not read:
+        return "no bucket read zero-copy in this run"
+    return f"zero copy: {read} of {total} buckets read from the trainer's storages"
+
+
 def _worst(c: dict[str, Any], way: str) -> tuple[float, float, str]:
     """The smallest and largest median ratio to the ceiling of ``way`` over the configurations, and where the
     smallest is."""
@@ -104,7 +116,7 @@ def checks(c: dict[str, Any]) -> list[tuple[str, str, bool]]:
     out.append(
         (
             f"colocated, the trainer's tensors in shared memory: >= {SHARED_RATIO:g} x the ceiling",
-            f"{low:.2f}-{high:.2f} x (least: {where}); no zero-copy path yet",
+            f"{low:.2f}-{high:.2f} x (least: {where}); {_zero_copy(c)}",
             low >= SHARED_RATIO,
         )
     )
@@ -238,9 +250,11 @@ def section(c: dict[str, Any]) -> str:
         'each round, `sync` by broadcast and by `transport="shared_memory"` (digests off, as the other cases; '
         "and again with digests, the client's default on CPU), and by shared memory once more from a copy "
         "of the trainer's tensors moved to shared memory (`share_memory_()`, what `Module.share_memory()` "
-        "does); last, not a sync, the model's bytes copied once out of a memfd mapped read-only into touched "
-        "memory (what the engine's side of a zero-copy path would cost: the transport always packs into its "
-        "ring). GB/s: the payload over the sync's wall time (`transfer`: over the trainer's send phase, "
+        "does: the transport's zero-copy path, the engine reading every bucket from the trainer's storages with "
+        "`pread`, nothing packed); last, not a sync, the model's bytes copied once out of a memfd mapped "
+        "read-only into touched memory (the bound of one copy through a mapping, which the zero-copy path does "
+        "not use: a storage its owner shrinks would crash the engine). GB/s: the payload over the sync's wall "
+        "time (`transfer`: over the trainer's send phase, "
         "`SyncResult.broadcast_seconds`, with its packing seconds in brackets); x ceiling and x broadcast: "
         "per round, then the median; p95 over the rounds (interpolated); first: the way's first sync in "
         "that apply mode on the engine (the warm-up's first); CPU: trainer and engine, every thread"
@@ -255,15 +269,18 @@ def section(c: dict[str, Any]) -> str:
         lines += _throughput_rows(model, mode, cfg)
     low, high, where = _worst(c, "shm")
     one_low, one_high, _ = _worst(c, "one_copy")
+    sh_low, sh_high, _ = _worst(c, "shm_shared")
     lines += [
         "",
         f"Shared memory reaches {low:.2f}-{high:.2f} x the ceiling (least: {where}). Where the trainer's time goes "
         f"(medians, digests off): {_trainer_profile(c)}. The trainer packs every bucket into a slot with one "
         "single-threaded `memmove` per tensor (`pack_bucket`), hashes the slot when digests are on, and the "
         "engine copies the slot out (and, streaming, applies it: a third pass), all on this host's cores. "
-        "With the trainer's tensors already in shared memory the sync is no faster: the transport packs them "
-        "into its ring all the same (there is no zero-copy path yet); one copy out of a shared mapping, what "
-        f"such a path would leave, takes {one_low:.1f}-{one_high:.1f} x less time than the ceiling.",
+        f"With the trainer's tensors already in shared memory the sync reaches {sh_low:.2f}-{sh_high:.2f} x the "
+        f"ceiling ({_zero_copy(c)}): nothing is packed, and each engine worker reads the storages with `pread` "
+        "on two threads, a kernel copy (never a mapping: the storages are not sealed); one copy out of a shared "
+        f"mapping takes {one_low:.1f}-{one_high:.1f} x less time than the ceiling, but a trainer shrinking its "
+        "storage would crash an engine reading that way.",
         "",
         "Engine memory during a sync: the engine process's peak resident memory above its level before the "
         "sync (`VmHWM`, reset through `/proc/PID/clear_refs`), split by a sampler reading `/proc/PID/status` "
@@ -326,18 +343,25 @@ def missed(c: dict[str, Any], failed: list[str]) -> str:
             f"({_med(way_seconds(r, 'shm', 'complete')):.3f} s); and within the transfer the trainer packs every "
             f"byte into the ring on one thread ({pack:.3f} s, {pack / transfer:.0%} of it) while the engine copies "
             f"them out: two passes over the bytes, three when streaming, on this host's two cores (the sync kept "
-            f"{cores:.1f} cores busy). What would close it: fewer passes (the one-copy path below) and packing on "
-            "several threads where cores are free."
+            f"{cores:.1f} cores busy). What would close it: fewer passes (the zero-copy path below, for tensors "
+            "already in shared memory) and packing on several threads where cores are free."
         )
-    low, _, _ = _worst(c, "shm_shared")
+    low, _, where = _worst(c, "shm_shared")
     if low < SHARED_RATIO:
         one, _, _ = _worst(c, "one_copy")
+        _, mode, cfg = min(_configs(c), key=lambda t: _ratio(t[2], t[1], "shm_shared"))
+        r = cfg["rounds"][mode]
+        transfer = _med(way_seconds(r, "shm_shared", "broadcast"))
+        ceiling = _med(way_seconds(r, "ceiling"))
         out.append(
-            f"With the trainer's tensors in shared memory the sync reaches {low:.2f} x the ceiling (target "
-            f"{SHARED_RATIO:g} x): not met, because there is no zero-copy path yet: the transport packs them into "
-            "its ring like any tensors, then the engine copies them out (two copies). Handing the engine the "
-            "tensors' own segments (their memfds and offsets, no packing) would leave one copy, which alone "
-            f"runs at {one:.1f} x the ceiling or more here."
+            f"With the trainer's tensors in shared memory the sync reaches {low:.2f} x the ceiling at least "
+            f"({where}; target {SHARED_RATIO:g} x; {_zero_copy(c)}). Nothing is packed: its transfer phase runs "
+            f"at {ceiling / transfer:.2f} x the ceiling's rate, the engine reading each storage with `pread` on two "
+            "threads (a kernel copy, about 3.5 GB/s a thread here, where a copy out of a mapping runs at "
+            f"{one:.1f} x the ceiling; the storages are not sealed, so a mapping could crash the engine). The sync "
+            f"adds Prepare ({_med(way_seconds(r, 'shm_shared', 'prepare')):.3f} s) and Complete "
+            f"({_med(way_seconds(r, 'shm_shared', 'complete')):.3f} s), whose staged apply copies every byte once "
+            "more into the served tensors (streaming does it during the transfer): the second pass that is left."
         )
     v = c.get("vllm")
     if v is not None and any("vLLM" in f for f in failed):

@@ -8,10 +8,13 @@ greedy answers itself (``--check``); the tests read every rank's JSON lines.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import random
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -216,19 +219,40 @@ def test_status_and_checksums_are_read_through_the_ranks_trainer_client(engine: 
     assert (after.HasField("owner"), after.owner.generation) == (before.HasField("owner"), before.owner.generation)
 
 
-@pytest.mark.parametrize(("mode", "steps"), [("direct", 3), ("gather", 2)])
+SEGMENT = "/memfd:wsync-shm"
+"""How a shared-memory segment shows in ``/proc/<pid>/maps`` and as a descriptor's target in ``/proc/<pid>/fd``."""
+
+
+def segments_held(pid: int) -> int:
+    """The mappings and descriptors of shared-memory segments process ``pid`` holds."""
+    held = sum(SEGMENT in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SEGMENT)
+    return held
+
+
+@pytest.mark.parametrize(
+    ("mode", "steps", "transport"),
+    # The gather mode's diff is the same whatever carries it: its delta runs through shared memory, whose gathered
+    # sends the broadcast's gather case (test_each_mode_is_bit_exact_...) does not cover; one run of ranks each.
+    [("direct", 3, "broadcast"), ("gather", 2, "shared_memory")],
+)
 def test_deltas_from_sharded_ranks_are_bit_exact_and_a_few_percent_of_the_bytes(
-    engine: EngineProcess, mode: str, steps: int
+    engine: EngineProcess, mode: str, steps: int, transport: str
 ) -> None:
     """Deltas from two FSDP2 ranks trained with AdamW (lr 1e-5). Direct: every rank encodes its own shards
     against its own copy of what it last sent and sends them; the engine rebuilds every piece from what it
     serves and assembles the tensors. Gather: the ranks gather every bucket in lockstep before Prepare, rank 0
     diffs the whole tensors against its copy and sends the delta alone. Either way the engine serves the gathered
-    weights in bfloat16 bit for bit (rank 0's checksums), and a delta is a few percent of the bytes."""
+    weights in bfloat16 bit for bit (rank 0's checksums), and a delta is a few percent of the bytes. Through
+    shared memory (gather: rank 0 packs each gathered bucket into its ring) no group is formed and the engine holds
+    no segment afterwards."""
     ranks = start_ranks(
         [engine.target],
         f"--steps={steps}",
         f"--modes={mode}",
+        f"--transport={transport}",
         "--train",
         "--lr=1e-5",
         "--dtype=bfloat16",
@@ -245,3 +269,50 @@ def test_deltas_from_sharded_ranks_are_bit_exact_and_a_few_percent_of_the_bytes(
         assert [e["received"][engine.target] for e in synced] == [e["wire_bytes"] for e in synced]
     checks = [e for e in ranks[0].events if e["event"] == "checked"]
     assert [c["failures"] for c in checks] == [[]] * steps  # every checksum bit-exact against the gathered weights
+    if transport == "shared_memory":
+        synced = [e for e in ranks[0].events if e["event"] == "synced"]
+        assert all(e["init_seconds"] == 0 for e in synced), synced  # no group was formed for any sync
+        status = _stub(engine.target).GetStatus(pb.GetStatusRequest(), timeout=10)
+        assert (status.weight_version, status.HasField("group")) == (f"step-{steps}-{mode}", False)
+        assert segments_held(engine.process.pid) == 0  # nothing mapped, no descriptor kept, after the update
+
+
+def test_shared_memory_refuses_the_direct_mode_and_the_individual_layout_before_any_call(
+    engine: EngineProcess,
+) -> None:
+    """A one-rank ``ShardedTrainerClient`` in this process: ``transport="shared_memory"`` with ``mode="direct"`` or
+    the individual layout, and an unknown transport, are ``ValueError`` s on every rank (agreed on) before any
+    engine is called; the trainer half refuses a direct topology too."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from wsync_grpc.core.layout import Layout
+    from wsync_grpc.core.topology import SendTopology
+    from wsync_grpc.trainer.sharded import ShardedTrainerClient
+    from wsync_grpc.transports.sending import ONE_PROCESS, SendJob, SendSite
+    from wsync_grpc.transports.shared_memory.sender import SharedMemorySender
+
+    stub = _stub(engine.target)
+    before = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    tensors = [("w", torch.ones(4, 4))]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with ShardedTrainerClient([engine.target]) as client:
+            with pytest.raises(ValueError, match="shared memory carries a sharded trainer's gather mode only"):
+                client.sync(tensors, "v-direct", mode="direct", transport="shared_memory")
+            with pytest.raises(ValueError, match="flattened layout only"):
+                client.sync(tensors, "v-individual", layout="individual", transport="shared_memory")
+            with pytest.raises(ValueError, match="unknown transport 'bogus'"):
+                client.sync(tensors, "v-bogus", transport="bogus")  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="gather mode only"):
+                client.catch_up(tensors, mode="direct", transport="shared_memory")
+    finally:
+        dist.destroy_process_group()
+    after = stub.GetStatus(pb.GetStatusRequest(), timeout=10)  # no call reached the engine
+    assert (after.weight_version, after.updates_completed) == (before.weight_version, before.updates_completed)
+    sender = SharedMemorySender(SendSite(ONE_PROCESS, torch.device("cpu")))
+    job = SendJob(None, [], Layout.FLATTENED, lambda b: {}, SendTopology.direct(2), threading.Event())
+    with pytest.raises(ValueError, match="direct sends are not built yet"):
+        sender.header_fields(job)

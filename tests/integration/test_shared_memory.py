@@ -1,6 +1,7 @@
 """The shared-memory transport (issue 46, CPU half): a trainer on the engines' host packs each bucket into a ring of
 slots in a memfd it hands over on an abstract Unix socket; every engine worker maps it read-only and copies each
-bucket out.
+bucket out; and the zero-copy path: tensors already in the trainer's shared memory (``share_memory_()``) are not
+packed, each worker reads them from the trainer's storages with ``pread`` (never mapped).
 
 Real gRPC servers on loopback ports serving synthetic :class:`TensorEngine` s and a reference engine (a tiny Llama),
 a real :class:`TrainerClient` (``sync(..., transport="shared_memory")``), a real trainer process SIGKILLed
@@ -413,20 +414,25 @@ def die(p):
         os.kill(os.getpid(), signal.SIGKILL)
 
 client = TrainerClient([sys.argv[1]], bucket_bytes=32 << 10, ramp_bytes=0, solo_bytes=64 << 10)
-client.sync(synthetic.build("tiny", seed=7).items(), "v1", transport="shared_memory", progress=die)
+tensors = synthetic.build("tiny", seed=7)
+if sys.argv[2] == "shared":  # the zero-copy path: the engine reads the trainer's own storages
+    tensors = {n: t.share_memory_() for n, t in tensors.items()}
+client.sync(tensors.items(), "v1", transport="shared_memory", progress=die)
 print("not killed", flush=True)
 """
 
 
-def test_a_trainer_sigkilled_mid_update_leaves_the_engine_its_weights_and_nothing_behind() -> None:
-    """A trainer process SIGKILLs itself once bucket 1 was copied out: the engine notices (the socket closed under
-    its reader), abandons the update with its old weights served, holds no mapping or descriptor of the segment, and
-    ``/dev/shm`` is as it was."""
+@pytest.mark.parametrize("tensors", ["packed", "shared"])
+def test_a_trainer_sigkilled_mid_update_leaves_the_engine_its_weights_and_nothing_behind(tensors: str) -> None:
+    """A trainer process SIGKILLs itself once bucket 1 was copied out (or, ``shared``, read from its storages): the
+    engine notices (the socket closed under its reader), abandons the update with its old weights served, holds no
+    mapping or descriptor of the segment or of a storage, and ``/dev/shm`` is as it was."""
     shm_before = dev_shm()
+    storage_fds = torch_shm_fds()
     with tensor_server("tiny", seed=0) as (srv, engine, stub):
         old = {n: t.clone() for n, t in engine.tensors.items()}
         p = subprocess.run(
-            [sys.executable, "-c", TRAINER, srv.address], capture_output=True, text=True, timeout=60, env=ENV
+            [sys.executable, "-c", TRAINER, srv.address, tensors], capture_output=True, text=True, timeout=60, env=ENV
         )
         assert p.returncode == -signal.SIGKILL and "dying" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
 
@@ -442,7 +448,7 @@ def test_a_trainer_sigkilled_mid_update_leaves_the_engine_its_weights_and_nothin
         for n, t in engine.tensors.items():
             assert torch.equal(t, old[n]), n
         wait_for(lambda: mappings() == {})
-        assert segment_fds() == 0
+        assert segment_fds() == 0 and torch_shm_fds() == storage_fds
         assert not listening_sockets()
     assert dev_shm() == shm_before
 
@@ -505,3 +511,270 @@ def test_a_trainer_process_killed_while_a_worker_waits_ends_the_receive_and_unma
     finally:
         holder.kill()
         holder.wait(30)
+
+
+# ----------------------------------------------------------------------------- zero copy: the trainer's own storages
+
+TORCH_SHM = "/dev/shm/torch_"
+"""How torch's shared-memory storages (``file_descriptor`` strategy) show as the target of a descriptor."""
+
+
+def torch_shm_fds() -> int:
+    """This process's descriptors of torch shared-memory storages (torch keeps one per storage it shared)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(TORCH_SHM)
+    return n
+
+
+def storage_mappings() -> dict[str, int]:
+    """This process's mappings of torch shared-memory storages by permissions (torch's own are ``rw-s``; an engine
+    never maps one)."""
+    found: dict[str, int] = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if TORCH_SHM in line:
+            perms = line.split()[1]
+            found[perms] = found.get(perms, 0) + 1
+    return found
+
+
+def in_one_shared_storage(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``tensors`` again, as views of one flat ``uint8`` buffer moved to shared memory (each at an offset aligned
+    for its dtype), and that buffer."""
+    offsets, end = {}, 0
+    for n, t in tensors.items():
+        end = -(-end // 64) * 64
+        offsets[n] = end
+        end += t.numel() * t.element_size()
+    flat = torch.zeros(end, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+    out = {}
+    for n, t in tensors.items():
+        v = flat[offsets[n] : offsets[n] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        out[n] = v
+    return out, flat
+
+
+def sm_sender(client: TrainerClient) -> shared_memory.sender.SharedMemorySender:
+    sender = client._senders.of(shared_memory.PART)
+    assert isinstance(sender, shared_memory.sender.SharedMemorySender)
+    return sender
+
+
+@pytest.mark.parametrize("apply_mode", ["staged", "streaming"])
+def test_a_model_in_shared_memory_is_read_from_its_storages_not_packed(apply_mode: ApplyModeName) -> None:
+    """Every parameter ``share_memory_()``d in the wire dtype (one storage each): no bucket is packed, every one is
+    read by the engine from the trainer's storages; bit-exact by checksums and every bucket's digest; the engine
+    neither maps a storage nor keeps a descriptor of one, and the trainer's handed-over read-only descriptors are
+    closed."""
+    aliases = synthetic.aliases("tiny")
+    new = {n: t.share_memory_() for n, t in synthetic.build("tiny", seed=7).items()}  # type: ignore[no-untyped-call]
+    fds_before = torch_shm_fds()
+    assert fds_before >= len(new) and storage_mappings().get("r--s", 0) == 0
+    with tensor_server("tiny", seed=0) as (srv, engine, stub), TrainerClient([srv.address], **SMALL) as client:
+        r = client.sync(new.items(), "v1", apply_mode=apply_mode, transport="shared_memory")
+        counts = sm_sender(client).last_send
+        assert (counts.packed_buckets, counts.packed_bytes) == (0, 0)
+        assert (counts.storage_buckets, counts.storage_bytes) == (r.bucket_count, r.wire_bytes)
+        assert r.bucket_count > 3 and r.pack_seconds == 0
+        assert r.engines[srv.address].buckets_verified == r.bucket_count
+        got = served(client)[srv.address]
+        assert got == sums(new, got, aliases)
+        for n, t in new.items():
+            assert torch.equal(engine.tensors[n], t), n
+        assert status(stub).weight_version == "v1"
+        assert torch_shm_fds() == fds_before  # no engine or handover descriptor left, torch's own kept
+        assert storage_mappings().get("r--s", 0) == 0  # never mapped by the engine
+        assert mappings() == {"rw-s": 1} and segment_fds() == TRAINER_FDS  # the ring, kept, as before
+
+
+def test_shared_and_unshared_tensors_mixed_in_one_sync_bit_exact() -> None:
+    """The embedding (a bucket alone) and one layer's tensors in shared memory, the rest not, one bucket holding
+    both kinds: the buckets whose tensors are all shared are read from their storages (views of one flat storage,
+    at offsets of its own), the others packed into the ring; bit-exact, digests verified. With the path turned off,
+    the same tensors all go through the ring."""
+    aliases = synthetic.aliases("tiny")
+    base = synthetic.build("tiny", seed=7)
+    shared_part = {n: t for n, t in base.items() if "embed" in n or ".layers.1." in n}
+    views, flat = in_one_shared_storage(shared_part)
+    new = {n: views.get(n, t) for n, t in base.items()}
+    with tensor_server("tiny", seed=0) as (srv, engine, _stub), TrainerClient([srv.address], **SMALL) as client:
+        r = client.sync(new.items(), "v1", transport="shared_memory")
+        counts = sm_sender(client).last_send
+        assert counts.storage_buckets >= 2 and counts.packed_buckets >= 2
+        assert counts.storage_buckets + counts.packed_buckets == r.bucket_count
+        assert counts.storage_bytes + counts.packed_bytes == r.wire_bytes
+        assert r.engines[srv.address].buckets_verified == r.bucket_count
+        got = served(client)[srv.address]
+        assert got == sums(new, got, aliases)
+        for n, t in new.items():
+            assert torch.equal(engine.tensors[n], t), n
+
+        sm_sender(client).storages = False
+        newer = {n: t.clone() + 1 for n, t in base.items()}
+        r2 = client.sync(newer.items(), "v2", transport="shared_memory")
+        assert sm_sender(client).last_send.storage_buckets == 0
+        got = served(client)[srv.address]
+        assert got == sums(newer, got, aliases) and r2.engines[srv.address].buckets_verified == r2.bucket_count
+    del flat
+
+
+def test_a_storage_truncated_under_the_engines_read_fails_cleanly_with_the_old_weights_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer's storage is truncated to nothing (by its owner's descriptor) after the engine checked its size
+    and before it reads: the read comes short, the engine fails the update with DATA_LOSS SHARED_MEMORY_STORAGE (no
+    crash: it never mapped the storage), keeps serving its old weights and holds no descriptor; the next sync
+    applies."""
+    from wsync_grpc.transports.shared_memory import storages
+
+    aliases = synthetic.aliases("tiny")
+    base = synthetic.build("tiny", seed=7)
+    new, flat = in_one_shared_storage(base)
+    owner_fd, size = flat.untyped_storage()._share_fd_cpu_()
+    fds_before = torch_shm_fds()
+    original = storages.StorageReader._read
+    truncated: list[int] = []
+
+    def truncate_first(self: Any, bucket: Bucket, *args: Any) -> None:
+        if not truncated:
+            truncated.append(bucket.index)
+            os.ftruncate(owner_fd, 0)  # the owner shrinks its storage under the engine's read
+            try:
+                original(self, bucket, *args)
+            finally:
+                os.ftruncate(owner_fd, size)  # the trainer's mapping is whole again (zeros) before it is touched
+            return
+        original(self, bucket, *args)
+
+    monkeypatch.setattr(storages.StorageReader, "_read", truncate_first)
+    with tensor_server("tiny", seed=0) as (srv, engine, stub), TrainerClient([srv.address], **SMALL) as client:
+        client.digests = False  # the trainer would hash the storage it shrank meanwhile
+        old = {n: t.clone() for n, t in engine.tensors.items()}
+        before = served(client)
+        with pytest.raises(SyncError) as e:
+            client.sync(new.items(), "v1", transport="shared_memory")
+        assert truncated == [0]
+        st = status(stub)
+        assert (st.weight_version, st.dirty, st.HasField("update")) == ("", False, False), st
+        assert st.last_error.reason == "SHARED_MEMORY_STORAGE", st.last_error
+        assert "could be read" in st.last_error.message, st.last_error
+        assert "SHARED_MEMORY_STORAGE" in str(e.value)
+        assert served(client) == before
+        for n, t in engine.tensors.items():
+            assert torch.equal(t, old[n]), n
+        wait_for(lambda: torch_shm_fds() == fds_before)  # the engine's descriptors closed
+        assert storage_mappings().get("r--s", 0) == 0
+
+        monkeypatch.setattr(storages.StorageReader, "_read", original)
+        fresh, flat2 = in_one_shared_storage(synthetic.build("tiny", seed=9))
+        client.digests = True
+        r = client.sync(fresh.items(), "v2", transport="shared_memory")
+        got = served(client)[srv.address]
+        assert got == sums(fresh, got, aliases) and r.engines[srv.address].buckets_verified == r.bucket_count
+    del flat, flat2
+
+
+def test_the_engines_storage_checks_refuse_a_short_storage_and_a_non_file(tmp_path: Path) -> None:
+    """The engine half's checks alone: a storage smaller than its reads need, a read that comes short (the file
+    ended), a descriptor that is not a regular file: each a clean error naming the bucket; a descriptor open for
+    writing is re-opened read-only."""
+    from wsync_grpc.core.errors import DataLoss, InvalidArgument
+    from wsync_grpc.transports.shared_memory.storages import StorageRead, StorageReader, fcntl_mode
+
+    slot = TensorSlot("w", torch.uint8, (64,), 0, 64, "w")
+    bucket = Bucket(3, 64, (slot,))
+    fd = os.memfd_create("wsync-test-storage", os.MFD_CLOEXEC)
+    r, w = os.pipe()
+    try:
+        os.ftruncate(fd, 32)
+        with pytest.raises(DataLoss) as e:
+            StorageReader._check(bucket, [fd], [StorageRead(0, 0, 0, 64)])
+        assert e.value.reason == "SHARED_MEMORY_STORAGE" and "holds 32 bytes" in e.value.message
+        dst = torch.zeros(64, dtype=torch.uint8)
+        reader = StorageReader(None, threading.Event(), 1.0)  # type: ignore[arg-type]
+        with pytest.raises(DataLoss) as e:
+            reader._read(bucket, [fd], [StorageRead(0, 0, 0, 64)], memoryview(dst.numpy()))  # type: ignore[arg-type]
+        assert e.value.reason == "SHARED_MEMORY_STORAGE" and "only 32 of 64 bytes" in e.value.message
+        with pytest.raises(InvalidArgument) as e2:
+            StorageReader._check(bucket, [r], [StorageRead(0, 0, 0, 64)])
+        assert e2.value.reason == "SHARED_MEMORY_STORAGE"
+        ro = reader._read_only(os.dup(fd))  # a read-write descriptor: re-opened read-only, the other closed
+        try:
+            assert fcntl_mode(ro) == os.O_RDONLY
+        finally:
+            os.close(ro)
+    finally:
+        for x in (fd, r, w):
+            os.close(x)
+
+
+def test_an_engine_not_told_of_storages_refuses_a_grant_that_offers_them() -> None:
+    """A trainer offering storages uses another grant magic: an engine whose handle does not say ``storages`` (as
+    an engine of a wsync without the path reads it) refuses the grant before any byte, DATA_LOSS
+    SHARED_MEMORY_PROTOCOL, and holds nothing."""
+    from wsync_grpc.core.errors import DataLoss
+    from wsync_grpc.transports.shared_memory.handover import Handover, Segment
+
+    engine = TensorEngine(synthetic.build("tiny", seed=0), aliases=synthetic.aliases("tiny"))
+    name, t = next(iter(engine.tensors.items()))
+    slot = TensorSlot(name, t.dtype, tuple(t.shape), 0, t.numel() * t.element_size(), name)
+    bucket = Bucket(0, slot.nbytes, (slot,))
+    segment = Segment(4096 * 64, 2)
+    handover = Handover(segment, "u1", storages=True)
+    try:
+        h = handover.handle(boot_id())
+        assert h.storages
+        old_style = SharedMemoryHandle(h.socket_name, h.token, h.boot_id, h.slot_bytes, h.slots)
+        plan = ReceivePlan(
+            Transport.SHARED_MEMORY,
+            Payload.WEIGHTS,
+            Layout.FLATTENED,
+            ApplyMode.STAGED,
+            (bucket,),
+            closed=True,
+            timeout_s=10,
+            update_id="u1",
+            shared_memory=old_style,
+        )
+        feed = BucketFeed()
+        feed.extend([bucket])
+        feed.close()
+        site = ReceiveSite(
+            0, torch.device("cpu"), engine, feed, threading.Event(), lambda r: None, None, BufferPool(t.device, False)
+        )
+        receiver = shared_memory.PART.receiver(site, plan)
+        receiver.start()
+        assert receiver.done.wait(20)
+        assert isinstance(receiver.error, DataLoss) and receiver.error.reason == "SHARED_MEMORY_PROTOCOL"
+        assert "WSYNCSH2" in receiver.error.message
+        assert receiver.buckets_done == 0 and mappings() == {"rw-s": 1}  # the trainer's own only
+    finally:
+        handover.close()
+        segment.close()
+
+
+def test_the_engines_threaded_read_of_large_storages_is_exact() -> None:
+    """Reads large enough to be cut in pieces and shared between the read threads land byte for byte where the
+    bucket puts them, from two storages at offsets of their own."""
+    from wsync_grpc.transports.shared_memory.storages import CHUNK_BYTES, StorageRead, StorageReader
+
+    a = torch.randint(0, 256, (3 * CHUNK_BYTES + 123,), dtype=torch.uint8)
+    b = torch.randint(0, 256, (CHUNK_BYTES + 7,), dtype=torch.uint8)
+    fds = []
+    for t in (a, b):
+        fd = os.memfd_create("wsync-test-storage", os.MFD_CLOEXEC)
+        os.write(fd, t.numpy().tobytes())
+        fds.append(fd)
+    reads = [StorageRead(0, 100, 0, a.numel() - 100), StorageRead(1, 0, a.numel() - 100 + 16, b.numel())]
+    dst = torch.zeros(reads[1].bucket_offset + b.numel(), dtype=torch.uint8)
+    reader = StorageReader(None, threading.Event(), 5.0)  # type: ignore[arg-type]
+    try:
+        reader._read(Bucket(0, dst.numel(), ()), fds, reads, memoryview(dst.numpy()))  # type: ignore[arg-type]
+        assert torch.equal(dst[: a.numel() - 100], a[100:])
+        assert torch.equal(dst[reads[1].bucket_offset :], b)
+    finally:
+        reader.close()
+        for fd in fds:
+            os.close(fd)

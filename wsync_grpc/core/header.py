@@ -24,6 +24,9 @@ class SharedMemoryHandle:
         boot_id: the trainer host's ``/proc/sys/kernel/random/boot_id`` (an engine elsewhere refuses).
         slot_bytes: one ring slot's size, in bytes (every bucket fits in one).
         slots: the ring's slots (at least 2: the trainer packs one while the engine copies another).
+        storages: the trainer may send a bucket whose tensors already live in its shared memory as reads of
+            those storages instead of through a slot (:mod:`wsync_grpc.transports.shared_memory.storages`);
+            ``False``: every bucket comes through a slot.
     """
 
     socket_name: str
@@ -31,6 +34,7 @@ class SharedMemoryHandle:
     boot_id: str
     slot_bytes: int
     slots: int
+    storages: bool = False
 
     @property
     def segment_bytes(self) -> int:

@@ -208,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
                         dtype=wire,
                         progress=_progress(version, args.bucket_delay) if args.progress else None,
                         delta=args.delta,
+                        transport=args.transport,
                     )
                 except (ClientError, ValueError) as e:  # RanksDisagree is a ValueError
                     lost = e.lost if isinstance(e, TrainerRankLost) else []
@@ -236,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
                     attempts=r.attempts,
                     delta_base=r.delta.base_version if r.delta is not None else None,
                     received={t: e.bytes_received for t, e in r.engines.items()},
+                    init_seconds=r.init_seconds,
                 )
                 if args.check != "none":
                     local_copy = local if args.check == "all" else None
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         if args.catch_up_after is not None:
             _wait_for_file(args.catch_up_after)
             mode = args.modes.split(",")[0]
-            caught = c.catch_up(model.named_parameters(), mode=mode)  # type: ignore[arg-type]
+            caught = c.catch_up(model.named_parameters(), mode=mode, transport=args.transport)  # type: ignore[arg-type]
             emit(event="caught_up", rank=c.rank, engines=sorted(caught.engines) if caught else [])
             if args.check != "none" and caught is not None:
                 failures = _check(c, model, caught.weight_version, wire, None)
@@ -267,6 +269,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train", action="store_true", help="a real AdamW step per step (default: a seeded perturbation)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--apply-mode", default="staged", choices=["staged", "streaming"])
+    p.add_argument(
+        "--transport",
+        default="broadcast",
+        choices=["broadcast", "shared_memory"],
+        help="how the bytes travel (shared_memory: engines on this host, gather mode)",
+    )
     add_setting_options(p, *CLIENT_OPTIONS, defaults=RANK_DEFAULTS)
     p.add_argument(
         "--check",

@@ -172,8 +172,8 @@ class MemberCalls(ClientParts):
             apply_mode: as for :meth:`sync`.
             topology: which trainer ranks send the tensors (``None``: this process); a sharded trainer's
                 rank 0 passes its own (:meth:`ShardedTrainerClient.catch_up
-                <wsync_grpc.trainer.sharded.ShardedTrainerClient.catch_up>`; shared memory carries a
-                trainer of one process only).
+                <wsync_grpc.trainer.sharded.ShardedTrainerClient.catch_up>`; shared memory carries its
+                ``gather`` topology, not ``direct``).
             transport: how ``named_tensors`` travel, as for :meth:`sync`: ``"broadcast"`` (default) or
                 ``"shared_memory"`` (members behind on this host: :mod:`wsync_grpc.transports.shared_memory`).
                 Unused when the members read the fleet's checkpoint. Never chosen by the client itself.

@@ -184,13 +184,18 @@ def header_to_proto(h: UpdateHeader, owner: str = "") -> pb.PrepareHeader:
 
 def shared_memory_from_proto(m: pb.SharedMemoryHandle) -> SharedMemoryHandle:
     """The domain :class:`~wsync_grpc.core.header.SharedMemoryHandle` of its message (not validated yet)."""
-    return SharedMemoryHandle(m.socket_name, bytes(m.token), m.boot_id, m.slot_bytes, m.slots)
+    return SharedMemoryHandle(m.socket_name, bytes(m.token), m.boot_id, m.slot_bytes, m.slots, m.storages)
 
 
 def shared_memory_to_proto(h: SharedMemoryHandle) -> pb.SharedMemoryHandle:
     """The ``wsync.v1.SharedMemoryHandle`` of ``h``; the inverse of :func:`shared_memory_from_proto`."""
     return pb.SharedMemoryHandle(
-        socket_name=h.socket_name, token=h.token, boot_id=h.boot_id, slot_bytes=h.slot_bytes, slots=h.slots
+        socket_name=h.socket_name,
+        token=h.token,
+        boot_id=h.boot_id,
+        slot_bytes=h.slot_bytes,
+        slots=h.slots,
+        storages=h.storages,
     )
 
 

@@ -954,6 +954,21 @@ class SharedMemoryHandle(_message.Message):
     size in bytes) once the bucket's flattened bytes (as a broadcast carries
     them) are in that slot, and the worker answers (uint64 bucket index) once
     it copied them out. Either side closing its end ends the transfer.
+
+    With storages set, the grant's magic is "WSYNCSH2" (an engine that does not
+    know this field refuses it, as a grant it does not speak, before any byte
+    is read), and a bucket may come as reads of the trainer's own shared-memory
+    storages instead of a slot: the trainer sends (bucket index, slot
+    0xFFFFFFFF, size in bytes), then one or more groups, each (uint64 bucket
+    index, uint32 descriptors, uint32 reads, uint32 last) with that many
+    read-only storage descriptors attached (SCM_RIGHTS, at most 64), followed by
+    that many reads (uint32 descriptor index in the group, uint64 byte offset in
+    the storage, uint64 byte offset in the bucket, uint64 length in bytes), one
+    per tensor of the bucket of at least one byte, in bucket order. The worker
+    checks each descriptor (a regular file of at least offset + length bytes),
+    reads the bytes with pread (it never maps a storage: these are not sealed,
+    their owner may shrink them), zeroes the padding between them, closes the
+    descriptors, and answers as for a slot.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -963,6 +978,7 @@ class SharedMemoryHandle(_message.Message):
     BOOT_ID_FIELD_NUMBER: _builtins.int
     SLOT_BYTES_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
+    STORAGES_FIELD_NUMBER: _builtins.int
     socket_name: _builtins.str
     """socket_name is the trainer's Unix socket in the abstract namespace
     (Linux; without the leading NUL byte), e.g. "wsync-shm-<random>".
@@ -985,6 +1001,12 @@ class SharedMemoryHandle(_message.Message):
     """slots is how many ring slots the segment holds (the trainer packs one
     while the engine copies another); at least 2.
     """
+    storages: _builtins.bool
+    """storages says the trainer may send buckets whose tensors already live in
+    its shared memory as reads of those storages (see above) rather than
+    through a slot. false (the default): every bucket comes through a slot,
+    and the grant's magic is "WSYNCSHM".
+    """
     def __init__(
         self,
         *,
@@ -993,10 +1015,11 @@ class SharedMemoryHandle(_message.Message):
         boot_id: _builtins.str = ...,
         slot_bytes: _builtins.int = ...,
         slots: _builtins.int = ...,
+        storages: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "slot_bytes", b"slot_bytes", "slots", b"slots", "socket_name", b"socket_name", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "slot_bytes", b"slot_bytes", "slots", b"slots", "socket_name", b"socket_name", "storages", b"storages", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,9 @@ weight-sync group and its buffers (:class:`~wsync_grpc.trainer.sharded.follower.
   ``DTensor`` s) and rank 0 sends it; no rank holds more than the buckets in flight beyond its shards;
 - in the ``"direct"`` mode nothing is gathered: every rank sends the buckets of its own shards
   (:class:`~wsync_grpc.trainer.sharded.source.DirectSource`), the engines assemble each tensor;
+- through shared memory (``transport="shared_memory"``, engines on rank 0's host; the ``"gather"`` mode only) rank 0
+  packs each gathered bucket into its ring (:mod:`wsync_grpc.transports.shared_memory`) instead of broadcasting
+  it, and no weight-sync group is formed: the other ranks only gather in lockstep;
 - with deltas on, the gather mode gathers its buckets the same way before Prepare and rank 0 diffs them as a
   single process does (:meth:`~wsync_grpc.trainer.sharded.source.LockstepSource.whole_tensors`); the direct mode's
   ranks each diff their own shards;
@@ -38,14 +41,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.layout import Bucket, Transport
 from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.delta import DeltaPayload
-from wsync_grpc.trainer.options import ApplyMode, Layout
+from wsync_grpc.trainer.options import ApplyMode, Layout, TransportName, transport_of
 from wsync_grpc.trainer.planning import Planner
-from wsync_grpc.trainer.request import BroadcastRequest, catch_up_request
+from wsync_grpc.trainer.request import BroadcastRequest, catch_up_request, sent_kind
 from wsync_grpc.trainer.results import SyncProgress, SyncResult
 from wsync_grpc.trainer.roster import FleetPolicy, Member
 from wsync_grpc.trainer.settings import AUTO_MASTER_ADDRESS
@@ -60,6 +63,24 @@ from wsync_grpc.trainer.views import Checksums, EngineStatus, LeaveResult
 __all__ = ["SendMode", "ShardedTrainerClient"]
 
 log = logging.getLogger(__name__)
+
+
+def _sent_by(transport: str, mode: str, layout: str) -> Transport:
+    """The transport a sharded trainer's sync in ``mode`` and ``layout`` sends by, named ``transport``.
+
+    Raises:
+        ValueError: an unknown ``transport``; ``"shared_memory"`` with the ``"direct"`` mode (every rank would need
+            a segment of its own, which the handle cannot name yet) or the individual layout.
+    """
+    sent_by = transport_of(transport)
+    if sent_by is Transport.SHARED_MEMORY and mode == "direct":
+        raise ValueError(
+            "shared memory carries a sharded trainer's gather mode only (rank 0 packs each gathered bucket): "
+            "sync with mode='gather', or by broadcast for the direct mode"
+        )
+    if sent_by is Transport.SHARED_MEMORY and layout != "flattened":
+        raise ValueError("shared memory carries the flattened layout only: bucket by bucket through its ring")
+    return sent_by
 
 
 class ShardedTrainerClient:
@@ -173,6 +194,7 @@ class ShardedTrainerClient:
         progress: Callable[[SyncProgress], None] | None = None,
         on_phase: Callable[[str], None] | None = None,
         delta: bool | None = None,
+        transport: TransportName = "broadcast",
     ) -> SyncResult:
         """Push this trainer's weights to every engine as ``weight_version``: collective, on every rank.
 
@@ -201,6 +223,11 @@ class ShardedTrainerClient:
                 ``"direct"`` mode: every rank encodes its own pieces against its own copy of what it last sent
                 (2 bytes per parameter of its shards for bfloat16), the ranks exchange the entries' sizes, and each
                 sends its own; a rank without that copy (a new process) makes the sync whole. Flattened layout.
+            transport: how the bytes travel, the same on every rank: ``"broadcast"`` (default: over the weight-sync
+                group, every rank a member) or ``"shared_memory"`` (engines on rank 0's host: rank 0 packs each
+                gathered bucket into its ring of shared memory, which the engines' workers map read-only; no group
+                is formed: :mod:`wsync_grpc.transports.shared_memory`). Shared memory carries the ``"gather"``
+                mode in the flattened layout only. Never chosen by the client itself.
 
         Returns:
             Rank 0's :class:`SyncResult`, on every rank.
@@ -210,7 +237,8 @@ class ShardedTrainerClient:
             TrainerRankLost: a trainer rank died or became unreachable (on the surviving ranks).
             SyncError: the update failed (on every rank; a failure of a trainer rank is named
                 under ``TRAINER`` in ``failures``); rank 0 cancelled it on every engine.
-            ValueError: a bad argument (``delta`` with the individual layout), or (direct mode) shards that do
+            ValueError: a bad argument (``delta`` with the individual layout; an unknown ``transport``, or
+                ``"shared_memory"`` with the direct mode or the individual layout), or (direct mode) shards that do
                 not tile a tensor (on every rank).
         """
         c = self._client
@@ -222,8 +250,9 @@ class ShardedTrainerClient:
                 raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
             if deltas and layout != "flattened":
                 raise ValueError("a sharded trainer sends deltas in the flattened layout")
+            kind = sent_kind(_sent_by(transport, mode, layout))
             topology = SendTopology(mode, self._ranks.size)
-            request = BroadcastRequest.create(
+            request = kind.create(
                 weight_version,
                 layout,
                 apply_mode,
@@ -241,7 +270,16 @@ class ShardedTrainerClient:
             "sync",
             {
                 "weight version": weight_version,
-                "options": [mode, layout, apply_mode, bucket_bytes or c.bucket_bytes, str(dtype), flush_cache, deltas],
+                "options": [
+                    mode,
+                    layout,
+                    apply_mode,
+                    bucket_bytes or c.bucket_bytes,
+                    str(dtype),
+                    flush_cache,
+                    deltas,
+                    transport,
+                ],
                 "client settings": [c.alignment, c.ramp_bytes, c.solo_bytes],
                 "tensors (names, dtypes, global shapes)": metas,
                 "argument checks": problem,
@@ -283,6 +321,7 @@ class ShardedTrainerClient:
         *,
         mode: SendMode = "gather",
         apply_mode: ApplyMode = "staged",
+        transport: TransportName = "broadcast",
     ) -> SyncResult | None:
         """Bring every engine behind (excluded from earlier syncs, restarted, added) to the fleet's version:
         collective, on every rank, as :meth:`sync` is; rank 0's :meth:`TrainerClient.catch_up`.
@@ -294,13 +333,15 @@ class ShardedTrainerClient:
         Args:
             named_tensors: as for :meth:`sync`, the same on every rank; ``None`` when the fleet's version
                 came from a checkpoint.
-            mode, apply_mode: as for :meth:`sync`.
+            mode, apply_mode, transport: as for :meth:`sync` (``transport``: how ``named_tensors`` travel to the
+                engines behind; unused when they read the fleet's checkpoint).
 
         Returns:
             Rank 0's :class:`SyncResult` of the catch-up, on every rank; ``None`` when no engine was behind.
 
         Raises:
-            as :meth:`sync`; ValueError (on every rank): engines are behind, the fleet's version came from
+            as :meth:`sync`; ValueError (on every rank): a bad ``mode``, ``apply_mode`` or ``transport`` (as for
+            :meth:`sync`), or engines are behind, the fleet's version came from
             no checkpoint and no ``named_tensors`` were given.
         """
         source = ShardedTensors(named_tensors if named_tensors is not None else [])
@@ -308,16 +349,21 @@ class ShardedTrainerClient:
         try:
             if mode not in SEND_MODES:
                 raise ValueError(f"unknown send mode {mode!r}; use one of {', '.join(SEND_MODES)}")
+            sent_by = _sent_by(transport, mode, "flattened")
             topology = SendTopology(mode, self._ranks.size)
             # The fleet's version is rank 0's to know: every rank plans with this request, whose version only
             # rank 0's own request (built by TrainerClient.catch_up) sends.
-            request = catch_up_request("catch-up", apply_mode, self._client.bucket_bytes, topology)
+            request = catch_up_request("catch-up", apply_mode, self._client.bucket_bytes, topology, sent_by)
             metas = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
         except ValueError as e:
             problem = str(e)
         self._agree(
             "catch_up",
-            {"options": [mode, apply_mode], "tensors (names, dtypes, global shapes)": metas, "checks": problem},
+            {
+                "options": [mode, apply_mode, transport],
+                "tensors (names, dtypes, global shapes)": metas,
+                "checks": problem,
+            },
         )
         if problem or request is None:
             raise ValueError(problem)
@@ -328,7 +374,9 @@ class ShardedTrainerClient:
             sending = LockstepSource(source, self._ranks)
         if self._follower is None:
             given = sending if named_tensors is not None else None
-            return self._lead(lambda: self._client.catch_up(given, apply_mode=apply_mode, topology=topology))
+            return self._lead(
+                lambda: self._client.catch_up(given, apply_mode=apply_mode, topology=topology, transport=transport)
+            )
         return follow(self._follower.call(sending, request))
 
     def _lead(self, update: Callable[[], SyncResult | None]) -> SyncResult | None:

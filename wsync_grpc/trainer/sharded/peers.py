@@ -23,6 +23,11 @@ rounds:
   0 waits in the :data:`~wsync_grpc.trainer.sharded.rounds.SENT` round, in a helper thread, for every
   rank to report its sends done).
 
+Through shared memory (``TRANSPORT_SHARED_MEMORY``, the ``"gather"`` topology only) no group is formed and
+:meth:`ShardedPeers.forming` is never called: rank 0's
+:class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender` packs each bucket into its ring as
+``job.tensors`` gathers it (the same :data:`~wsync_grpc.trainer.sharded.rounds.GATHER` rounds).
+
 What each round does, on rank 0 and on the others, is in :mod:`wsync_grpc.trainer.sharded.rounds`.
 
 Units: sizes in bytes, times in seconds.

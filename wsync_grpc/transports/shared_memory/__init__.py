@@ -8,12 +8,21 @@ never pickled. Flattened layout only; the bytes in a slot are exactly what a bro
 (:func:`~wsync_grpc.core.packing.pack_bucket`, zero padding), so bucket digests are the same. It carries what
 a broadcast carries: base weights (``TrainerClient.sync``), a live LoRA adapter's tensors
 (``TrainerClient.sync_adapter``: read once, by the engine's first worker in its own process, as an adapter
-needing no group is) and a catch-up of the members behind (``TrainerClient.catch_up``).
+needing no group is) and a catch-up of the members behind (``TrainerClient.catch_up``); and a sharded trainer's
+syncs in the gather mode (``ShardedTrainerClient.sync(mode="gather")``: its ranks gather each bucket in lockstep,
+as for a broadcast, and rank 0 packs it into its ring).
 
 Halves: :class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender` (the trainer's: the
 ring; the segment and its handover are :mod:`~wsync_grpc.transports.shared_memory.handover`'s) and
 :class:`~wsync_grpc.transports.shared_memory.receiver.SharedMemoryReceiver` (one per engine worker); the
 socket protocol between them is :mod:`wsync_grpc.transports.shared_memory.protocol`.
+
+Zero copy (:mod:`~wsync_grpc.transports.shared_memory.storages`): a bucket whose tensors already live in the
+trainer's shared memory (``Module.share_memory()``; CPU, contiguous, in the wire dtype) is not packed: the
+engine workers get read-only descriptors of those storages and read each tensor's bytes into their buffer at
+the bucket's offsets (one copy in all). Those storages are not sealed (their owner may shrink them), so they are
+read with ``pread``, never mapped: a storage that shrinks is an error, not a crash. Offered when the handle says
+``storages`` (the grant's magic differs, so an engine without the path refuses before any byte is read).
 
 Why a memfd passed over an abstract Unix socket (and not a named segment under ``/dev/shm``):
 
@@ -35,8 +44,9 @@ Why a memfd passed over an abstract Unix socket (and not a named segment under `
 Limits: abstract Unix sockets belong to a network namespace, so the engine must share the trainer's
 (as it shares its host: the header carries the trainer's boot id, and an engine on another host or boot
 refuses the update with INVALID_ARGUMENT SHARED_MEMORY_HOST); engines in another container's network
-namespace cannot use this transport (SHARED_MEMORY_CONNECT). Linux only. One trainer process (a sharded
-trainer's sends are not built yet), whole tensors only.
+namespace cannot use this transport (SHARED_MEMORY_CONNECT). Linux only. One trainer process, or a
+sharded trainer's rank 0 sending what its ranks gathered: whole tensors only (a sharded trainer's direct sends, each
+rank its own pieces from a segment of its own, are not built yet).
 
 Units: sizes in bytes, times in seconds.
 """
@@ -135,7 +145,7 @@ class SharedMemoryTransport:
 
         Raises:
             InvalidArgument: SHARED_MEMORY_SLOT, a bucket larger than a slot; SHARED_MEMORY_PIECES, a bucket holds
-                a piece of a tensor (a sharded trainer's: not built yet).
+                a piece of a tensor (a sharded trainer's direct send: not built yet).
         """
         m = header.shared_memory
         assert m is not None, "check_header refused the update"
@@ -150,7 +160,7 @@ class SharedMemoryTransport:
                 raise InvalidArgument(
                     "SHARED_MEMORY_PIECES",
                     f"bucket {b.index} holds a piece of a tensor: shared memory carries whole tensors from one "
-                    "trainer process (sharded trainers are not served yet)",
+                    "trainer process (a sharded trainer's direct sends are not served yet: use the gather mode)",
                     bucket=str(b.index),
                 )
         return PlannedUpdate(header, buckets)

@@ -24,6 +24,7 @@ from wsync_grpc.core.header import SharedMemoryHandle
 from wsync_grpc.transports.shared_memory.protocol import (
     GRANT,
     MAGIC,
+    MAGIC_STORAGES,
     POLL_S,
     SOCKET_PREFIX,
     TOKEN_BYTES,
@@ -128,14 +129,17 @@ class Handover:
     Args:
         segment: the segment handed over (it outlives the handover).
         update_id: the update it serves.
+        storages: buckets may also go as reads of the trainer's storages (the handle says so and the grant's
+            magic is :data:`~wsync_grpc.transports.shared_memory.protocol.MAGIC_STORAGES`).
 
     Raises:
         OSError: no socket could be bound (:data:`BIND_TRIES` names taken, or no Unix sockets).
     """
 
-    def __init__(self, segment: Segment, update_id: str) -> None:
+    def __init__(self, segment: Segment, update_id: str, *, storages: bool = False) -> None:
         self.segment = segment
         self.update_id = update_id
+        self.storages = storages
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._lock = threading.Lock()
         self._readers: list[socket.socket] = []
@@ -163,7 +167,9 @@ class Handover:
 
     def handle(self, host: str) -> SharedMemoryHandle:
         """The header's handle of this handover (``host``: this host's boot id)."""
-        return SharedMemoryHandle(self.name, self.token, host, self.segment.slot_bytes, self.segment.slots)
+        return SharedMemoryHandle(
+            self.name, self.token, host, self.segment.slot_bytes, self.segment.slots, storages=self.storages
+        )
 
     def _accept(self) -> None:
         while True:
@@ -193,8 +199,9 @@ class Handover:
                 if self._closed:
                     self._refuse(conn, pid, "the send had begun (or the handover was closed)")
                     return
+                magic = MAGIC_STORAGES if self.storages else MAGIC
                 socket.send_fds(
-                    conn, [GRANT.pack(MAGIC, self.segment.slots, self.segment.slot_bytes)], [self.segment.read_only_fd]
+                    conn, [GRANT.pack(magic, self.segment.slots, self.segment.slot_bytes)], [self.segment.read_only_fd]
                 )
                 self._readers.append(conn)
             log.debug("shared-memory handover of update %s: worker pid %d connected", self.update_id, pid)

@@ -8,7 +8,10 @@ On each connection, in order:
    descriptor attached (``SCM_RIGHTS``, :func:`socket.send_fds`); a refused connection is closed instead;
 3. per bucket, in index order: trainer -> engine worker :data:`BUCKET` (bucket index, slot, size in bytes,
    once the bucket is packed in that slot); engine worker -> trainer :data:`ACK` (the bucket index, once it
-   copied the slot out: the trainer may pack another bucket there).
+   copied the slot out: the trainer may pack another bucket there). With the handle's ``storages`` (grant magic
+   :data:`MAGIC_STORAGES`), a bucket may name slot
+   :data:`~wsync_grpc.transports.shared_memory.storages.STORAGE_SLOT` instead: groups of storage descriptors and
+   reads follow (:mod:`wsync_grpc.transports.shared_memory.storages`), and the ACK says the worker read them.
 
 Either side closing its end ends the update's transfer on the other (a trainer or an engine that died).
 
@@ -33,6 +36,11 @@ TOKEN_BYTES = 32
 
 MAGIC = b"WSYNCSHM"
 """The first bytes of :data:`GRANT`: the trainer speaks this protocol."""
+
+MAGIC_STORAGES = b"WSYNCSH2"
+"""The first bytes of :data:`GRANT` when the handle says ``storages``: buckets may also come as reads of the
+trainer's own storages (:mod:`wsync_grpc.transports.shared_memory.storages`); an engine that does not know them
+refuses this grant before any byte is read."""
 
 GRANT = struct.Struct("<8sIQ")
 """trainer -> engine worker, with the segment's descriptor: (:data:`MAGIC`, slots, slot size in bytes)."""

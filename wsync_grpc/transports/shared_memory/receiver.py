@@ -17,6 +17,11 @@ Then, for each declared bucket in index order: it waits for the trainer's word t
 slot, copies the slot into a flat buffer of its own (from the worker's
 :class:`~wsync_grpc.worker.buffers.BufferPool`: the slot is reused for a later bucket), acknowledges it
 at once (the trainer may pack a later bucket there) and hashes the copy when the update promised digests.
+When the handle says ``storages``, a bucket may come instead as reads of the trainer's own shared-memory
+storages (the zero-copy path, :class:`~wsync_grpc.transports.shared_memory.storages.StorageReader`): the worker
+reads them with ``pread`` into the same kind of buffer (never mapping them: they are not sealed, and a storage its
+owner shrinks is then an error, DATA_LOSS SHARED_MEMORY_STORAGE, not a ``SIGBUS``), zeroes the padding, closes
+their descriptors and goes on as for a slot.
 A bucket is used only once its digest is known and matched (DATA_LOSS BUCKET_DIGEST_MISMATCH otherwise,
 nothing of it used): it loads its tensors (streaming) or keeps them for Complete (staged); a staged
 bucket that is one tensor of the served dtype and shape, on an engine that offers
@@ -72,6 +77,7 @@ from wsync_grpc.transports.shared_memory.protocol import (
     BUCKET,
     GRANT,
     MAGIC,
+    MAGIC_STORAGES,
     POLL_S,
     Closed,
     address,
@@ -79,6 +85,7 @@ from wsync_grpc.transports.shared_memory.protocol import (
     peer_credentials,
     recv_exact,
 )
+from wsync_grpc.transports.shared_memory.storages import STORAGE_SLOT, StorageReader
 from wsync_grpc.worker.delta import expand, loaded, staged
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
@@ -130,6 +137,7 @@ class SharedMemoryReceiver(ReceiverThread):
         self._sock: socket.socket | None = None
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None  # the mapping as bytes (read-only: only ever copied from)
+        self._storages: StorageReader | None = None  # reads of the trainer's own storages (handle.storages)
 
     @property
     def timeout_s(self) -> float:
@@ -229,6 +237,8 @@ class SharedMemoryReceiver(ReceiverThread):
         with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only: it is only read
             warnings.simplefilter("ignore", UserWarning)
             self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        if h.storages:  # buckets may also come as reads of the trainer's own storages
+            self._storages = StorageReader(sock, self.cancel, self._timeout_s, self.worker)
 
     def _trainer_lost(self, why: str) -> Unavailable:
         return Unavailable(
@@ -272,7 +282,7 @@ class SharedMemoryReceiver(ReceiverThread):
             bad = f"{len(msg)} bytes and {len(fds)} descriptor(s) (flags {flags:#x})"
         else:
             magic, slots, slot_bytes = GRANT.unpack(msg)
-            if magic != MAGIC or slots != h.slots or slot_bytes != h.slot_bytes:
+            if magic != (MAGIC_STORAGES if h.storages else MAGIC) or slots != h.slots or slot_bytes != h.slot_bytes:
                 bad = f"a grant of {slots} x {slot_bytes} bytes (magic {magic!r})"
         if bad:
             for fd in fds:
@@ -323,6 +333,9 @@ class SharedMemoryReceiver(ReceiverThread):
                 mapping.close()
             except BufferError:  # a view of it is still alive: unmapped when that goes
                 log.warning("shared-memory receiver of worker %d: the segment is still viewed", self.worker)
+        storages, self._storages = self._storages, None
+        if storages is not None:
+            storages.close()
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
@@ -347,7 +360,8 @@ class SharedMemoryReceiver(ReceiverThread):
         except Closed as e:
             raise self._trainer_lost(str(e)) from e
         index, slot, nbytes = BUCKET.unpack(message)
-        if index != bucket.index or slot >= h.slots or nbytes != bucket.size_bytes:
+        from_storages = slot == STORAGE_SLOT and self._storages is not None
+        if index != bucket.index or (slot >= h.slots and not from_storages) or nbytes != bucket.size_bytes:
             raise DataLoss(
                 "SHARED_MEMORY_PROTOCOL",
                 f"the trainer put bucket {index} ({nbytes} bytes) in slot {slot}; bucket {bucket.index} "
@@ -361,7 +375,14 @@ class SharedMemoryReceiver(ReceiverThread):
             flat = self.pool.take(bucket.size_bytes, self.feed.max_size_bytes if self.streaming else 0)
         received = _Received(bucket, flat, swap)
         self._pending.append(received)  # released with the others from here on
-        self._copy(slot, flat)
+        if from_storages:
+            assert self._storages is not None
+            try:
+                self._storages.read_bucket(bucket, flat)  # read (never mapped) from the trainer's own storages
+            except Closed as e:
+                raise self._trainer_lost(str(e)) from e
+        else:
+            self._copy(slot, flat)
         try:
             sock.sendall(ACK.pack(index))
         except OSError as e:

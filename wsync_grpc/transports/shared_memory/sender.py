@@ -18,6 +18,12 @@ engine answered Prepare only once its receivers were armed, i.e. connected) and 
   :func:`~wsync_grpc.core.packing.pack_bucket`), so its digest is the same;
 - each reader is told (bucket index, slot, size); meanwhile the trainer hashes the slot (when the
   update's digests follow: ``job.on_digest``) and then packs the next bucket into the other slot;
+- a bucket whose tensors all live in this process's shared memory already (CPU, contiguous, in the wire
+  dtype: ``Module.share_memory()``) is not packed (the zero-copy path, on unless
+  :attr:`SharedMemorySender.storages` is false): each reader is told it comes from storages and gets
+  read-only descriptors of them with the reads that place each tensor in the bucket
+  (:mod:`~wsync_grpc.transports.shared_memory.storages`); the trainer hashes it from its own memory;
+  :attr:`SharedMemorySender.last_send` counts the buckets of each kind;
 - a bucket is reported sent (``job.on_sent``) once every reader acknowledged it;
 - the waits look at ``job.cancel`` every :data:`~wsync_grpc.transports.shared_memory.protocol.POLL_S`
   seconds and give up after the send site's ``timeout_s`` (the client's group timeout) without an
@@ -43,6 +49,15 @@ from wsync_grpc.core.packing import pack_bucket
 from wsync_grpc.transports.sending import SendJob, SendSite
 from wsync_grpc.transports.shared_memory.handover import Handover, Segment, page_round
 from wsync_grpc.transports.shared_memory.protocol import ACK, BUCKET, POLL_S, boot_id
+from wsync_grpc.transports.shared_memory.storages import (
+    STORAGE_SLOT,
+    SendCounts,
+    StorageBucket,
+    StorageFds,
+    may_read,
+    opened_read_only,
+    send_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +73,25 @@ class Ring:
         readers: one connected socket per engine worker (a timeout of at most ``POLL_S`` set).
         job: the update.
         timeout_s: the longest wait for an acknowledgement, in seconds.
+        storages: the look-up of the trainer's shared-memory storages, for buckets the engines read from them
+            (:mod:`~wsync_grpc.transports.shared_memory.storages`); ``None``: every bucket is packed into a slot.
     """
 
-    def __init__(self, segment: Segment, readers: Sequence[socket.socket], job: SendJob, timeout_s: float) -> None:
+    def __init__(
+        self,
+        segment: Segment,
+        readers: Sequence[socket.socket],
+        job: SendJob,
+        timeout_s: float,
+        storages: StorageFds | None = None,
+    ) -> None:
         self.segment = segment
         self.readers = list(readers)
         self.job = job
         self.timeout_s = timeout_s
+        self.storages = storages
+        self.counts = SendCounts()
+        """What the send did with its buckets (packed, or read from the trainer's storages)."""
         self.buckets = list(job.buckets)
         self.acked = [0] * len(self.readers)
         """Per reader: how many buckets it acknowledged (in index order)."""
@@ -100,10 +127,18 @@ class Ring:
             self._check_cancel()
             self._wait(pos - segment.slots + 1)  # the bucket that was in this slot was copied out everywhere
             slot = pos % segment.slots
+            tensors = job.tensors(b)
+            storages = self.storages.plan(b, tensors) if self.storages is not None else None
+            if storages is not None:  # the engines read the trainer's own storages: nothing packed
+                self._post_storages(storages)
+                continue
             t = time.monotonic()
             buf = segment.slot(slot, b.size_bytes)
-            pack_bucket(b, job.tensors(b), buf, zero_padding=True)  # padding zeroed: no stale bytes
+            pack_bucket(b, tensors, buf, zero_padding=True)  # padding zeroed: no stale bytes
             pack_s += time.monotonic() - t
+            del tensors
+            self.counts.packed_buckets += 1
+            self.counts.packed_bytes += b.size_bytes
             message = BUCKET.pack(b.index, slot, b.size_bytes)
             for i, r in enumerate(self.readers):
                 try:
@@ -117,6 +152,36 @@ class Ring:
             self._read(0.0)
         self._wait(len(self.buckets))
         return pack_s
+
+    def _post_storages(self, storages: StorageBucket) -> None:
+        """Tell every reader that ``storages``' bucket is to be read from the trainer's storages, then send its
+        groups (read-only descriptors opened per group, closed once every reader has them); hash it meanwhile.
+
+        Raises:
+            Unavailable: SHARED_MEMORY_READER_LOST.
+            OSError: a storage's descriptor could not be re-opened read-only.
+        """
+        b = storages.bucket
+        message = BUCKET.pack(b.index, STORAGE_SLOT, b.size_bytes)
+        for i, r in enumerate(self.readers):
+            try:
+                r.sendall(message)
+            except OSError as e:
+                raise self._lost(i, str(e)) from e
+        groups = list(storages.groups())
+        for g, (fds, reads) in enumerate(groups):
+            with opened_read_only(fds) as ro:
+                for i, r in enumerate(self.readers):
+                    try:
+                        send_group(r, b.index, ro, reads, g == len(groups) - 1, self.timeout_s)
+                    except OSError as e:
+                        raise self._lost(i, str(e)) from e
+        self.posted += 1
+        self.counts.storage_buckets += 1
+        self.counts.storage_bytes += b.size_bytes
+        if self.job.on_digest is not None:  # hashed from the trainer's memory while the readers read it
+            self.job.on_digest(b, storages.digest())
+        self._read(0.0)
 
     def _check_cancel(self) -> None:
         if self.job.cancel.is_set():
@@ -190,18 +255,30 @@ class SharedMemorySender:
     """The shared-memory transport's trainer half (a :class:`~wsync_grpc.transports.sending.TransportSender`).
 
     Args:
-        site: where it runs (one trainer process: the segment is this process's); ``site.timeout_s`` bounds the
-            wait for the engines' acknowledgement of a bucket, in seconds.
+        site: where it runs (one trainer process, or a sharded trainer's rank 0 whose ranks gather each bucket
+            with it: the segment is this process's); ``site.timeout_s`` bounds the wait for the engines'
+            acknowledgement of a bucket, in seconds.
         slots: the ring's slots (at least 2).
+        storages: offer the engines the zero-copy path: a bucket whose tensors all live in this process's shared
+            memory (CPU, contiguous, in the wire dtype) is read by the engines straight from their storages, not
+            packed (:mod:`~wsync_grpc.transports.shared_memory.storages`). Offered in an update's handle
+            (``storages``, which an engine of a wsync without the path refuses) only when some bucket of a trainer
+            of one process may go that way. ``False``: every bucket through the ring. Settable between updates
+            (:attr:`storages`).
     """
 
-    def __init__(self, site: SendSite, *, slots: int = SLOTS) -> None:
+    def __init__(self, site: SendSite, *, slots: int = SLOTS, storages: bool = True) -> None:
         if slots < 2:
             raise ValueError(f"a ring needs at least 2 slots, not {slots}")
         self._site = site
         self._slots = slots
         self._segment: Segment | None = None
         self._handover: Handover | None = None
+        self.storages = storages
+        """Whether the next updates offer the zero-copy path (see the class)."""
+        self.last_send = SendCounts()
+        """What the last send did with its buckets: packed into the ring, or read from the trainer's storages
+        (zero-copy); all 0 before the first send."""
 
     @property
     def segment(self) -> Segment | None:
@@ -211,10 +288,11 @@ class SharedMemorySender:
     def _check(self, job: SendJob) -> None:
         if job.layout is not Layout.FLATTENED:
             raise ValueError("shared memory carries the flattened layout only: bucket by bucket through its slots")
-        if job.topology.kind != "single" or self._site.peers.trainer_ranks != 1:
+        if job.topology.kind == "direct" or job.topology.ranks != self._site.peers.trainer_ranks:
             raise ValueError(
-                f"shared memory carries updates of a trainer of one process, not {job.topology.kind} sends of "
-                f"{job.topology.ranks} ranks (a sharded trainer's direct sends are not built yet)"
+                f"shared memory carries updates of one trainer process, or of a sharded trainer's ranks gathering "
+                f"each bucket for this one to send; not {job.topology.kind} sends of {job.topology.ranks} ranks from "
+                f"a trainer of {self._site.peers.trainer_ranks} (a sharded trainer's direct sends are not built yet)"
             )
         if not job.buckets:
             raise ValueError("nothing to send: the update has no bucket")
@@ -224,7 +302,7 @@ class SharedMemorySender:
         a fresh socket and token for this update's engine workers.
 
         Raises:
-            ValueError: a layout or topology shared memory does not carry (individual, sharded).
+            ValueError: a layout or topology shared memory does not carry (individual, direct).
             Unavailable: SHARED_MEMORY_HOST, this host's boot id cannot be read.
             OSError: the segment or the socket could not be made.
         """
@@ -237,7 +315,12 @@ class SharedMemorySender:
         if self._segment is None or self._segment.slot_bytes < needed or self._segment.slots != self._slots:
             self._close_segment()  # the old one goes before the larger one is made
             self._segment = Segment(needed, self._slots)
-        self._handover = Handover(self._segment, job.update_id)
+        # Offered only where some bucket may go as storage reads (one process's own tensors, looked at cheaply): an
+        # engine of a wsync without the path refuses a handle that offers it.
+        offer = (
+            self.storages and job.topology.kind == "single" and any(may_read(b, job.tensors(b)) for b in job.buckets)
+        )
+        self._handover = Handover(self._segment, job.update_id, storages=offer)
         return {"shared_memory": self._handover.handle(host)}
 
     def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
@@ -266,7 +349,9 @@ class SharedMemorySender:
         try:
             if not readers:
                 raise Unavailable("SHARED_MEMORY_NO_READER", "no engine worker connected to take the segment")
-            return Ring(self._segment, readers, job, self._site.timeout_s).run()
+            ring = Ring(self._segment, readers, job, self._site.timeout_s, StorageFds() if handover.storages else None)
+            self.last_send = ring.counts
+            return ring.run()
         finally:
             for r in readers:
                 r.close()
