@@ -235,8 +235,9 @@ def segments_held(pid: int) -> int:
 @pytest.mark.parametrize(
     ("mode", "steps", "transport"),
     # The gather mode's diff is the same whatever carries it: its delta runs through shared memory, whose gathered
-    # sends the broadcast's gather case (test_each_mode_is_bit_exact_...) does not cover; one run of ranks each.
-    [("direct", 3, "broadcast"), ("gather", 2, "shared_memory")],
+    # sends the broadcast's gather case (test_each_mode_is_bit_exact_...) does not cover; the direct mode runs both
+    # by broadcast and through shared memory (every rank its own ring); one run of ranks each.
+    [("direct", 3, "broadcast"), ("gather", 2, "shared_memory"), ("direct", 2, "shared_memory")],
 )
 def test_deltas_from_sharded_ranks_are_bit_exact_and_a_few_percent_of_the_bytes(
     engine: EngineProcess, mode: str, steps: int, transport: str
@@ -246,8 +247,9 @@ def test_deltas_from_sharded_ranks_are_bit_exact_and_a_few_percent_of_the_bytes(
     serves and assembles the tensors. Gather: the ranks gather every bucket in lockstep before Prepare, rank 0
     diffs the whole tensors against its copy and sends the delta alone. Either way the engine serves the gathered
     weights in bfloat16 bit for bit (rank 0's checksums), and a delta is a few percent of the bytes. Through
-    shared memory (gather: rank 0 packs each gathered bucket into its ring) no group is formed and the engine holds
-    no segment afterwards."""
+    shared memory (gather: rank 0 packs each gathered bucket into its ring; direct: every rank packs its own
+    buckets into a ring of its own, the engine's worker reads each from its sender's) no group is formed and the
+    engine holds no segment afterwards."""
     ranks = start_ranks(
         [engine.target],
         f"--steps={steps}",
@@ -277,18 +279,16 @@ def test_deltas_from_sharded_ranks_are_bit_exact_and_a_few_percent_of_the_bytes(
         assert segments_held(engine.process.pid) == 0  # nothing mapped, no descriptor kept, after the update
 
 
-def test_shared_memory_refuses_the_direct_mode_and_the_individual_layout_before_any_call(
-    engine: EngineProcess,
-) -> None:
-    """A one-rank ``ShardedTrainerClient`` in this process: ``transport="shared_memory"`` with ``mode="direct"`` or
-    the individual layout, and an unknown transport, are ``ValueError`` s on every rank (agreed on) before any
-    engine is called; the trainer half refuses a direct topology too."""
+def test_shared_memory_refuses_the_individual_layout_before_any_call(engine: EngineProcess) -> None:
+    """A one-rank ``ShardedTrainerClient`` in this process: ``transport="shared_memory"`` with the individual layout,
+    and an unknown transport, are ``ValueError`` s on every rank (agreed on) before any engine is called; the
+    trainer half refuses a direct topology from a trainer without rings of its ranks (one process)."""
     import threading
 
     import torch
     import torch.distributed as dist
 
-    from wsync_grpc.core.layout import Layout
+    from wsync_grpc.core.layout import Bucket, Layout
     from wsync_grpc.core.topology import SendTopology
     from wsync_grpc.trainer.sharded import ShardedTrainerClient
     from wsync_grpc.transports.sending import ONE_PROCESS, SendJob, SendSite
@@ -300,19 +300,21 @@ def test_shared_memory_refuses_the_direct_mode_and_the_individual_layout_before_
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with ShardedTrainerClient([engine.target]) as client:
-            with pytest.raises(ValueError, match="shared memory carries a sharded trainer's gather mode only"):
-                client.sync(tensors, "v-direct", mode="direct", transport="shared_memory")
             with pytest.raises(ValueError, match="flattened layout only"):
                 client.sync(tensors, "v-individual", layout="individual", transport="shared_memory")
             with pytest.raises(ValueError, match="unknown transport 'bogus'"):
                 client.sync(tensors, "v-bogus", transport="bogus")  # type: ignore[arg-type]
-            with pytest.raises(ValueError, match="gather mode only"):
-                client.catch_up(tensors, mode="direct", transport="shared_memory")
+            with pytest.raises(ValueError, match="flattened layout only"):
+                client.sync(tensors, "v-direct", mode="direct", layout="individual", transport="shared_memory")
     finally:
         dist.destroy_process_group()
     after = stub.GetStatus(pb.GetStatusRequest(), timeout=10)  # no call reached the engine
     assert (after.weight_version, after.updates_completed) == (before.weight_version, before.updates_completed)
     sender = SharedMemorySender(SendSite(ONE_PROCESS, torch.device("cpu")))
     job = SendJob(None, [], Layout.FLATTENED, lambda b: {}, SendTopology.direct(2), threading.Event())
-    with pytest.raises(ValueError, match="direct sends are not built yet"):
+    with pytest.raises(ValueError, match="a trainer of 1 rank"):
+        sender.header_fields(job)
+    bucket = Bucket(0, 64, (), 0)
+    job = SendJob(None, [bucket], Layout.FLATTENED, lambda b: {}, SendTopology.direct(1), threading.Event())
+    with pytest.raises(ValueError, match="without rings of its ranks"):
         sender.header_fields(job)

@@ -271,6 +271,129 @@ def test_the_engine_refuses_a_handle_from_another_host_or_layout() -> None:
         assert not listening_sockets() and mappings() == {}
 
 
+NORM = "model.norm.weight"
+"""bfloat16 [64] in the tiny preset (128 bytes)."""
+
+
+def ring(**fields: Any) -> pb.SharedMemoryHandle:
+    """A handle of this host's boot with ``fields`` replaced (its socket need not exist)."""
+    base: dict[str, Any] = {
+        "socket_name": "wsync-shm-0123456789abcdef",
+        "token": bytes(32),
+        "boot_id": boot_id(),
+        "slot_bytes": 1 << 20,
+        "slots": 2,
+    }
+    return pb.SharedMemoryHandle(**{**base, **fields})
+
+
+def norm_halves(*srcs: int) -> list[pb.PrepareRequest]:
+    """Two buckets, each a half of ``NORM`` as a piece (a sharded trainer's direct sends), sent by ``srcs``."""
+    return [
+        pb.PrepareRequest(
+            bucket=pb.BucketSpec(
+                index=i,
+                size_bytes=64,
+                src_rank=src,
+                tensors=[
+                    pb.TensorSpec(
+                        name=NORM,
+                        dtype="bfloat16",
+                        shape=[32],
+                        shard=pb.TensorShard(global_shape=[64], offsets=[32 * i]),
+                    )
+                ],
+            )
+        )
+        for i, src in enumerate(srcs)
+    ]
+
+
+def test_the_engine_checks_the_rings_of_a_sharded_trainers_direct_sends() -> None:
+    """Raw Prepare calls naming one ring per trainer rank (``shared_memory_ranks``): both fields set, an entry of
+    another boot, a bucket whose rank has no ring, and pieces through a single ring are INVALID_ARGUMENT with their
+    reasons; well-formed rings whose pieces tile the tensor pass the checks, and each worker connects to every
+    rank's ring (the second rank's socket does not exist: SHARED_MEMORY_CONNECT naming it). Nothing changes."""
+    from wsync_grpc.transports.shared_memory.handover import Handover, Segment
+
+    def prepare(buckets: list[pb.PrepareRequest], **header: Any) -> grpc.RpcError:
+        h = pb.PrepareHeader(
+            weight_version="v1",
+            transport=pb.TRANSPORT_SHARED_MEMORY,
+            bucket_count=len(buckets),
+            total_bytes=64 * len(buckets),
+            **header,
+        )
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.Prepare(iter([pb.PrepareRequest(header=h), *buckets]), timeout=30)
+        return rpc.value
+
+    segment = Segment(4096, 2)
+    handover = Handover(segment, "u1")
+    live = handover.handle(boot_id())
+    rank0 = ring(socket_name=live.socket_name, token=live.token, slot_bytes=live.slot_bytes, slots=live.slots)
+    try:
+        with tensor_server("tiny", seed=0) as (_srv, engine, stub):
+            old = {n: t.clone() for n, t in engine.tensors.items()}
+            cases: list[tuple[list[pb.PrepareRequest], dict[str, Any], grpc.StatusCode, str, str]] = [
+                (
+                    norm_halves(0, 1),
+                    {"shared_memory": ring(), "shared_memory_ranks": [ring(), ring()]},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "SHARED_MEMORY_HANDLE",
+                    "both set",
+                ),
+                (
+                    norm_halves(0, 1),
+                    {"shared_memory_ranks": [ring(), ring(boot_id="00000000-0000-0000-0000-000000000000")]},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "SHARED_MEMORY_HOST",
+                    "",
+                ),
+                (
+                    norm_halves(0, 1),
+                    {"shared_memory_ranks": [ring(), ring(slots=1)]},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "SHARED_MEMORY_HANDLE",
+                    "shared_memory_ranks[1]",
+                ),
+                (
+                    norm_halves(0, 1),
+                    {"shared_memory_ranks": [ring()]},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "INVALID_SRC_RANK",
+                    "src_rank 1",
+                ),
+                (
+                    norm_halves(0, 0),
+                    {"shared_memory": ring()},
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "SHARED_MEMORY_PIECES",
+                    "shared_memory_ranks",
+                ),
+                (
+                    norm_halves(0, 1),
+                    {"shared_memory_ranks": [rank0, ring(socket_name="wsync-shm-ffffffffffffffff")]},
+                    grpc.StatusCode.UNAVAILABLE,
+                    "SHARED_MEMORY_CONNECT",
+                    "wsync-shm-ffffffffffffffff",
+                ),
+            ]
+            for buckets, header, code, reason, text in cases:
+                err = prepare(buckets, **header)
+                assert (err.code(), error_info(err)[0]) == (code, reason), (header, err)
+                assert text in (err.details() or ""), (header, err.details())
+            st = status(stub)
+            assert (st.weight_version, st.HasField("update")) == ("", False)
+            for n, t in engine.tensors.items():
+                assert torch.equal(t, old[n]), n
+            assert mappings() == {"rw-s": 1}  # the trainer's own segment alone: the worker unmapped rank 0's
+    finally:
+        handover.close()
+        segment.close()
+    assert mappings() == {} and not listening_sockets()
+
+
 def test_a_member_behind_catches_up_through_shared_memory_with_no_group() -> None:
     """An engine added after v1 is behind; ``catch_up(..., transport="shared_memory")`` brings it to v1 alone,
     bit-exact, with no group formed (neither the client's nor the engine's status names one) and the other engine

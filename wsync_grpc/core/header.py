@@ -60,7 +60,11 @@ class UpdateHeader:
             From a disk update's header only its name is known until the engine read ``adapter_config.json``.
         digests_follow: every bucket has a digest, in its spec or declared by a later Update
             (``wsync.v1.PrepareHeader.digests_follow``); a worker holds a bucket until its digest came.
-        shared_memory: where a shared-memory update's segment is handed over; ``None`` for other transports.
+        shared_memory: where a shared-memory update's segment is handed over; ``None`` for other transports, and
+            where :attr:`shared_memory_ranks` names one ring per trainer rank.
+        shared_memory_ranks: a sharded trainer's direct sends through shared memory: entry ``r`` is trainer rank
+            ``r``'s ring (``wsync.v1.PrepareHeader.shared_memory_ranks``), each bucket read from its ``src``'s;
+            empty: one ring, :attr:`shared_memory`.
         base_weight_version: a delta's base version (``wsync.v1.PrepareHeader.base_weight_version``); empty: a
             whole update.
         base_weight_identity: the engine-issued identity of that base (``GetStatusResponse.weight_identity``).
@@ -83,6 +87,13 @@ class UpdateHeader:
     base_weight_version: str = ""
     base_weight_identity: str = ""
     delta_base: bool = False
+    shared_memory_ranks: tuple[SharedMemoryHandle, ...] = ()
+
+    @property
+    def shared_memory_rings(self) -> tuple[SharedMemoryHandle, ...]:
+        """The rings a shared-memory update's buckets come through, entry ``r`` for the buckets whose ``src`` is ``r``:
+        :attr:`shared_memory_ranks`, or :attr:`shared_memory` alone; empty for other transports."""
+        return rings_of(self.shared_memory, self.shared_memory_ranks)
 
     @property
     def delta(self) -> bool:
@@ -98,6 +109,16 @@ class UpdateHeader:
     def streaming(self) -> bool:
         """Whether buckets are applied as they arrive."""
         return self.apply_mode is ApplyMode.STREAMING
+
+
+def rings_of(
+    single: SharedMemoryHandle | None, ranks: tuple[SharedMemoryHandle, ...]
+) -> tuple[SharedMemoryHandle, ...]:
+    """The rings of a shared-memory update, one per sending trainer rank (in rank order): ``ranks`` when some are
+    named, else ``single`` alone, else none."""
+    if ranks:
+        return ranks
+    return (single,) if single is not None else ()
 
 
 def transport_unimplemented(transport: Transport) -> Unimplemented:

@@ -155,6 +155,7 @@ def plan_to_msg(p: ReceivePlan) -> dict[str, Any]:
         "update_id": p.update_id,
         "shared_memory": dataclasses.asdict(p.shared_memory) if p.shared_memory is not None else None,
         "keep_base": p.keep_base,
+        "shared_memory_ranks": [dataclasses.asdict(h) for h in p.shared_memory_ranks],
     }
 
 
@@ -180,6 +181,7 @@ def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
         timeout_s=float(m["timeout_s"]),
         digests_follow=bool(m.get("digests_follow", False)),
         keep_base=bool(m.get("keep_base", False)),
+        shared_memory_ranks=tuple(SharedMemoryHandle(**h) for h in m.get("shared_memory_ranks", ())),
     )
 
 

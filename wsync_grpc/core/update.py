@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from wsync_grpc.core.header import SharedMemoryHandle, UpdateHeader
+from wsync_grpc.core.header import SharedMemoryHandle, UpdateHeader, rings_of
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport
 
 
@@ -145,7 +145,9 @@ class ReceivePlan:
         update_id: the update's id (``PrepareHeader.update_id``), for a transport whose bytes are found by it;
             ``""`` where none was given.
         shared_memory: where a shared-memory update's segment is handed over (``PrepareHeader.shared_memory``);
-            ``None`` for other transports.
+            ``None`` for other transports, or where ``shared_memory_ranks`` names one ring per trainer rank.
+        shared_memory_ranks: a sharded trainer's direct sends: entry ``r`` is trainer rank ``r``'s ring
+            (``PrepareHeader.shared_memory_ranks``); empty: one ring, ``shared_memory``.
         keep_base: every worker keeps a copy of the update's tensors (in the wire dtype, by canonical name) once
             applied, the base a later delta is applied to (``PrepareHeader.delta_base``, on an engine whose workers
             cannot read back what they serve).
@@ -163,6 +165,13 @@ class ReceivePlan:
     update_id: str = ""
     shared_memory: SharedMemoryHandle | None = None
     keep_base: bool = False
+    shared_memory_ranks: tuple[SharedMemoryHandle, ...] = ()
+
+    @property
+    def shared_memory_rings(self) -> tuple[SharedMemoryHandle, ...]:
+        """The rings the buckets come through, entry ``r`` for the buckets whose ``src`` is ``r``
+        (:func:`~wsync_grpc.core.header.rings_of`); empty for other transports."""
+        return rings_of(self.shared_memory, self.shared_memory_ranks)
 
     @property
     def streaming(self) -> bool:

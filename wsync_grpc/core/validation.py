@@ -205,7 +205,8 @@ class UpdateValidator:
             carries (:func:`~wsync_grpc.core.lora.adapter_param_specs`); ``None``: adapter updates are
             UNIMPLEMENTED. An adapter update is validated against these instead of ``specs``.
         trainer_ranks: the group's trainer ranks (``wsync.v1.InitRequest.trainer_ranks``): every
-            bucket's ``src_rank`` must be below it.
+            bucket's ``src_rank`` must be below it (a header naming ``shared_memory_ranks`` replaces it with their
+            number: no group).
     """
 
     def __init__(
@@ -282,10 +283,13 @@ class UpdateValidator:
             self._from_source = rules.engine_builds_buckets
         elif h.transport is not Transport.BROADCAST:
             raise transport_unimplemented(h.transport)
-        if h.shared_memory is not None and h.transport is not Transport.SHARED_MEMORY:
+        if h.shared_memory_rings and h.transport is not Transport.SHARED_MEMORY:
             raise InvalidArgument(
-                "UNEXPECTED_SHARED_MEMORY", "header.shared_memory is for transport TRANSPORT_SHARED_MEMORY only"
+                "UNEXPECTED_SHARED_MEMORY",
+                "header.shared_memory and header.shared_memory_ranks are for transport TRANSPORT_SHARED_MEMORY only",
             )
+        if h.shared_memory_ranks:  # no group: the trainer's sending ranks are the rings the header names
+            self._trainer_ranks = len(h.shared_memory_ranks)
         if h.adapter is not None:
             check_adapter_header(h, self._adapter_specs is not None, self._from_source)
             if not self._from_source:  # an adapter read from a source gets its spec from there first
@@ -357,8 +361,9 @@ class UpdateValidator:
         if b.src_rank >= self._trainer_ranks:
             raise InvalidArgument(
                 "INVALID_SRC_RANK",
-                f"bucket {b.index} names src_rank {b.src_rank}, but the group has "
-                f"{self._trainer_ranks} trainer rank(s) (Init's trainer_ranks)",
+                f"bucket {b.index} names src_rank {b.src_rank}, but the update has "
+                f"{self._trainer_ranks} sending trainer rank(s) (Init's trainer_ranks, or the rings of "
+                "header.shared_memory_ranks)",
                 bucket=idx,
             )
         tensors = tuple(self._tensor(t, b, pending) for t in b.tensors)

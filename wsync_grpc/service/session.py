@@ -177,6 +177,7 @@ class UpdateSession:
             digests_follow=h.digests_follow,
             update_id=h.update_id,
             shared_memory=h.shared_memory,
+            shared_memory_ranks=h.shared_memory_ranks,
             keep_base=self.keeps_base,
         )
         self.workers = update_workers(

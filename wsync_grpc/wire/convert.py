@@ -151,6 +151,7 @@ def header_from_proto(h: pb.PrepareHeader) -> UpdateHeader:
         base_weight_version=h.base_weight_version,
         base_weight_identity=h.base_weight_identity,
         delta_base=h.delta_base,
+        shared_memory_ranks=tuple(shared_memory_from_proto(m) for m in h.shared_memory_ranks),
     )
 
 
@@ -179,6 +180,7 @@ def header_to_proto(h: UpdateHeader, owner: str = "") -> pb.PrepareHeader:
         base_weight_version=h.base_weight_version,
         base_weight_identity=h.base_weight_identity,
         delta_base=h.delta_base,
+        shared_memory_ranks=[shared_memory_to_proto(m) for m in h.shared_memory_ranks],
     )
 
 

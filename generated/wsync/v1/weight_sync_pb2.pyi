@@ -798,6 +798,7 @@ class PrepareHeader(_message.Message):
     BASE_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     BASE_WEIGHT_IDENTITY_FIELD_NUMBER: _builtins.int
     DELTA_BASE_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_RANKS_FIELD_NUMBER: _builtins.int
     update_id: _builtins.str
     """update_id identifies the update in Update, Complete, Cancel and the
     status. Empty means the engine assigns one and returns it.
@@ -904,7 +905,24 @@ class PrepareHeader(_message.Message):
         """shared_memory is, for transport TRANSPORT_SHARED_MEMORY only, where the
         trainer hands over the segment the buckets travel through (required
         there: INVALID_ARGUMENT SHARED_MEMORY_HANDLE when unset; must be unset
-        for every other transport). Unset means none.
+        for every other transport; unset when shared_memory_ranks names one
+        ring per trainer rank). Unset means none.
+        """
+
+    @_builtins.property
+    def shared_memory_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___SharedMemoryHandle]:
+        """shared_memory_ranks is, for transport TRANSPORT_SHARED_MEMORY from a
+        sharded trainer whose ranks each send the buckets of their own shards
+        (the direct mode), one handle per trainer rank: entry r is the ring of
+        trainer rank r, and each bucket comes through the ring of its src_rank
+        (which must be below the number of entries: INVALID_ARGUMENT
+        INVALID_SRC_RANK otherwise). Each entry is checked as shared_memory is;
+        each engine worker connects to every entry's socket and reads the
+        buckets in index order, each from its rank's ring. Set either this or
+        shared_memory, not both (INVALID_ARGUMENT SHARED_MEMORY_HANDLE). Empty
+        (the default) means one trainer process (or rank 0 sending what its
+        ranks gathered): shared_memory names the one ring, and every bucket's
+        src_rank is 0.
         """
 
     def __init__(
@@ -926,10 +944,11 @@ class PrepareHeader(_message.Message):
         base_weight_version: _builtins.str = ...,
         base_weight_identity: _builtins.str = ...,
         delta_base: _builtins.bool = ...,
+        shared_memory_ranks: _abc.Iterable[Global___SharedMemoryHandle] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "shared_memory", b"shared_memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "base_weight_identity", b"base_weight_identity", "base_weight_version", b"base_weight_version", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "delta_base", b"delta_base", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "shared_memory", b"shared_memory", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "apply_mode", b"apply_mode", "base_weight_identity", b"base_weight_identity", "base_weight_version", b"base_weight_version", "bucket_count", b"bucket_count", "checkpoint_path", b"checkpoint_path", "delta_base", b"delta_base", "digests_follow", b"digests_follow", "incremental", b"incremental", "layout", b"layout", "owner", b"owner", "shared_memory", b"shared_memory", "shared_memory_ranks", b"shared_memory_ranks", "total_bytes", b"total_bytes", "transport", b"transport", "update_id", b"update_id", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,9 +17,12 @@ weight-sync group and its buffers (:class:`~wsync_grpc.trainer.sharded.follower.
   ``DTensor`` s) and rank 0 sends it; no rank holds more than the buckets in flight beyond its shards;
 - in the ``"direct"`` mode nothing is gathered: every rank sends the buckets of its own shards
   (:class:`~wsync_grpc.trainer.sharded.source.DirectSource`), the engines assemble each tensor;
-- through shared memory (``transport="shared_memory"``, engines on rank 0's host; the ``"gather"`` mode only) rank 0
-  packs each gathered bucket into its ring (:mod:`wsync_grpc.transports.shared_memory`) instead of broadcasting
-  it, and no weight-sync group is formed: the other ranks only gather in lockstep;
+- through shared memory (``transport="shared_memory"``, engines on the ranks' host) no weight-sync group is formed:
+  in the ``"gather"`` mode rank 0 packs each gathered bucket into its ring
+  (:mod:`wsync_grpc.transports.shared_memory`) instead of broadcasting it, the other ranks only gather in
+  lockstep; in the ``"direct"`` mode every rank packs its own buckets into a ring of its own (the
+  :data:`~wsync_grpc.trainer.sharded.rounds.RINGS` round exchanges their handles before Prepare) and the engines'
+  workers read each bucket from the ring of the rank that sends it;
 - with deltas on, the gather mode gathers its buckets the same way before Prepare and rank 0 diffs them as a
   single process does (:meth:`~wsync_grpc.trainer.sharded.source.LockstepSource.whole_tensors`); the direct mode's
   ranks each diff their own shards;
@@ -69,15 +72,9 @@ def _sent_by(transport: str, mode: str, layout: str) -> Transport:
     """The transport a sharded trainer's sync in ``mode`` and ``layout`` sends by, named ``transport``.
 
     Raises:
-        ValueError: an unknown ``transport``; ``"shared_memory"`` with the ``"direct"`` mode (every rank would need
-            a segment of its own, which the handle cannot name yet) or the individual layout.
+        ValueError: an unknown ``transport``; ``"shared_memory"`` with the individual layout.
     """
     sent_by = transport_of(transport)
-    if sent_by is Transport.SHARED_MEMORY and mode == "direct":
-        raise ValueError(
-            "shared memory carries a sharded trainer's gather mode only (rank 0 packs each gathered bucket): "
-            "sync with mode='gather', or by broadcast for the direct mode"
-        )
     if sent_by is Transport.SHARED_MEMORY and layout != "flattened":
         raise ValueError("shared memory carries the flattened layout only: bucket by bucket through its ring")
     return sent_by
@@ -224,10 +221,12 @@ class ShardedTrainerClient:
                 (2 bytes per parameter of its shards for bfloat16), the ranks exchange the entries' sizes, and each
                 sends its own; a rank without that copy (a new process) makes the sync whole. Flattened layout.
             transport: how the bytes travel, the same on every rank: ``"broadcast"`` (default: over the weight-sync
-                group, every rank a member) or ``"shared_memory"`` (engines on rank 0's host: rank 0 packs each
-                gathered bucket into its ring of shared memory, which the engines' workers map read-only; no group
-                is formed: :mod:`wsync_grpc.transports.shared_memory`). Shared memory carries the ``"gather"``
-                mode in the flattened layout only. Never chosen by the client itself.
+                group, every rank a member) or ``"shared_memory"`` (engines on the ranks' host; no group is formed:
+                :mod:`wsync_grpc.transports.shared_memory`): in the ``"gather"`` mode rank 0 packs each gathered
+                bucket into its ring of shared memory, which the engines' workers map read-only; in the ``"direct"``
+                mode every rank packs its own buckets into a ring of its own (every trainer rank on the engines'
+                host) and the workers read each bucket from its sender's ring. Flattened layout only. Never chosen
+                by the client itself.
 
         Returns:
             Rank 0's :class:`SyncResult`, on every rank.
@@ -238,8 +237,8 @@ class ShardedTrainerClient:
             SyncError: the update failed (on every rank; a failure of a trainer rank is named
                 under ``TRAINER`` in ``failures``); rank 0 cancelled it on every engine.
             ValueError: a bad argument (``delta`` with the individual layout; an unknown ``transport``, or
-                ``"shared_memory"`` with the direct mode or the individual layout), or (direct mode) shards that do
-                not tile a tensor (on every rank).
+                ``"shared_memory"`` with the individual layout), or (direct mode) shards that do not tile a tensor
+                (on every rank).
         """
         c = self._client
         source = ShardedTensors(named_tensors)

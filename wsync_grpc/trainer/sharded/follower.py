@@ -29,6 +29,8 @@ from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.sharded.ranks import TrainerRanks
 from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.transports.broadcast.sender import PackBuffers
+from wsync_grpc.transports.sending import ONE_PROCESS, SendSite
+from wsync_grpc.transports.shared_memory.sender import SharedMemorySender
 
 __all__ = ["FollowedCall", "Follower", "FollowerGroup", "JoinSettings"]
 
@@ -159,6 +161,16 @@ class Follower:
         self.group = FollowerGroup(settings, ranks)
         self.buffers = PackBuffers(keep_buffers, settings.device)
         self._planner = Planner(settings)
+        self._rings: SharedMemorySender | None = None
+
+    @property
+    def rings(self) -> SharedMemorySender:
+        """This rank's ring of shared memory for its own buckets (direct sends through shared memory: made at the
+        first, its segment kept between syncs as rank 0's is)."""
+        if self._rings is None:
+            site = SendSite(ONE_PROCESS, self.settings.device, timeout_s=self.settings.group_timeout_s)
+            self._rings = SharedMemorySender(site)
+        return self._rings
 
     def call(self, source: WeightSource, request: BroadcastRequest) -> FollowedCall:
         """Start following one update: plan its buckets as rank 0 does (same metadata, settings and topology).
@@ -183,9 +195,11 @@ class Follower:
         return FollowedCall(self, source, request, buckets, delta=delta, delta_buckets=delta_buckets)
 
     def close(self) -> None:
-        """Leave the weight-sync group and drop the buffers (not collective; idempotent)."""
+        """Leave the weight-sync group and drop the buffers and the ring (not collective; idempotent)."""
         self.group.close()
         self.buffers.release()
+        if self._rings is not None:
+            self._rings.release()
 
 
 @dataclasses.dataclass

@@ -23,10 +23,14 @@ rounds:
   0 waits in the :data:`~wsync_grpc.trainer.sharded.rounds.SENT` round, in a helper thread, for every
   rank to report its sends done).
 
-Through shared memory (``TRANSPORT_SHARED_MEMORY``, the ``"gather"`` topology only) no group is formed and
-:meth:`ShardedPeers.forming` is never called: rank 0's
-:class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender` packs each bucket into its ring as
-``job.tensors`` gathers it (the same :data:`~wsync_grpc.trainer.sharded.rounds.GATHER` rounds).
+Through shared memory (``TRANSPORT_SHARED_MEMORY``) no group is formed and :meth:`ShardedPeers.forming` is never
+called. ``"gather"``: rank 0's :class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender` packs each
+bucket into its ring as ``job.tensors`` gathers it (the same :data:`~wsync_grpc.trainer.sharded.rounds.GATHER`
+rounds). ``"direct"`` (:class:`~wsync_grpc.transports.shared_memory.sender.RankRings`): the same
+:data:`~wsync_grpc.trainer.sharded.rounds.DIGESTS` round, then the
+:data:`~wsync_grpc.trainer.sharded.rounds.RINGS` round (every rank opens a ring for its own buckets; rank 0 puts
+the handles in the Prepare header), then the :data:`~wsync_grpc.trainer.sharded.rounds.SEND` round, every rank
+packing its own buckets into its own ring.
 
 What each round does, on rank 0 and on the others, is in :mod:`wsync_grpc.trainer.sharded.rounds`.
 
@@ -36,12 +40,13 @@ Units: sizes in bytes, times in seconds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from wsync_grpc.core.digests import Digest
+from wsync_grpc.core.header import SharedMemoryHandle
 from wsync_grpc.trainer.sharded.ranks import TrainerRankLost, TrainerRanks
-from wsync_grpc.trainer.sharded.rounds import AGAIN, DIGESTS, JOIN, SEND, SentWait
+from wsync_grpc.trainer.sharded.rounds import AGAIN, DIGESTS, JOIN, RINGS, SEND, SentWait, send_own
 from wsync_grpc.transports.broadcast.sender import PackBuffers, SendJob
 
 log = logging.getLogger(__name__)
@@ -58,7 +63,8 @@ SEND_MODES: tuple[str, ...] = ("gather", "direct")
 class ShardedPeers:
     """Trainer rank 0's view of its ranks for the weight-sync group and the broadcast transport's sender:
     one group rank per trainer rank (:class:`~wsync_grpc.transports.sending.TrainerPeers`, and
-    :class:`~wsync_grpc.transports.broadcast.sender.DirectSends` for the ``direct`` topology), each
+    :class:`~wsync_grpc.transports.broadcast.sender.DirectSends` or, through shared memory,
+    :class:`~wsync_grpc.transports.shared_memory.sender.RankRings` for the ``direct`` topology), each
     call leading one round of :mod:`~wsync_grpc.trainer.sharded.rounds`.
 
     Args:
@@ -107,7 +113,35 @@ class ShardedPeers:
                 sends stop at once).
             Exception: as :meth:`TransportSender.send <wsync_grpc.transports.sending.TransportSender.send>`.
         """
-        pack_s = SEND.lead(self._ranks, job, buffers, self._waiting)
+        pack_s = SEND.lead(self._ranks, job, lambda j: send_own(j, buffers), self._waiting)
+        self.settle()
+        return pack_s
+
+    def direct_rings(
+        self, job: SendJob, own: Callable[[SendJob, int], SharedMemoryHandle]
+    ) -> Sequence[SharedMemoryHandle]:
+        """The :data:`~wsync_grpc.trainer.sharded.rounds.RINGS` round (shared memory): every rank opens a ring for
+        its own buckets (this one with ``own``); the handles, entry ``r`` trainer rank ``r``'s.
+
+        Raises:
+            TrainerRankLost: the round or the exchange failed.
+            TrainerRankFailed: a rank could not open its ring, or failed its part of the previous command.
+            Exception: this rank could not open its own.
+        """
+        return RINGS.lead(self._ranks, job, own)
+
+    def direct_ring_send(self, job: SendJob, own: Callable[[SendJob, int], float]) -> float:
+        """The :data:`~wsync_grpc.trainer.sharded.rounds.SEND` round through shared memory: this rank's buckets
+        through its ring (``own``) while the others send theirs through theirs; then the
+        :data:`~wsync_grpc.trainer.sharded.rounds.SENT` round, every rank's sends ended.
+
+        Raises:
+            TrainerRankLost, TrainerRankFailed: another rank died or its sends failed (this rank's own sends
+                stop at once).
+            Exception: as :meth:`SharedMemorySender.send
+                <wsync_grpc.transports.shared_memory.sender.SharedMemorySender.send>`.
+        """
+        pack_s = SEND.lead(self._ranks, job, lambda j: own(j, self.rank), self._waiting)
         self.settle()
         return pack_s
 

@@ -71,6 +71,9 @@ class Command(enum.IntEnum):
     """Direct mode, before Prepare: hash your own buckets and exchange their digests."""
     AGAIN = 7
     """The update runs again over fewer engines (a fleet policy left some out): forget this call's failures."""
+    RINGS = 8
+    """Direct mode through shared memory, before Prepare: open your ring for your own buckets and exchange the
+    handles."""
 
 
 class TrainerRankLost(ClientError):

@@ -14,8 +14,11 @@ reading one round is reading one class and the two halves cannot drift apart:
   gather mode): every rank gathers the bucket; rank 0 sends it, the others drop it.
 - :data:`DIGESTS` (led by the sender before Prepare, direct mode): every rank hashes its own buckets and
   the ranks exchange the digests.
-- :data:`SEND` (led by the sender, direct mode): every rank sends its own buckets; rank 0 meanwhile
-  leads :data:`SENT` in a helper thread, in which every rank reports its sends done.
+- :data:`RINGS` (led by the shared-memory sender before Prepare, direct mode): every rank opens a ring of its own
+  for its own buckets; the ranks exchange the rings' handles, which rank 0 puts in the Prepare header.
+- :data:`SEND` (led by the sender, direct mode): every rank sends its own buckets (by broadcast, or through its ring
+  by the request's transport); rank 0 meanwhile leads :data:`SENT` in a helper thread, in which every rank reports
+  its sends done.
 - :data:`AGAIN` (led by the sender when rank 0's fleet policy runs a failed update again over fewer
   engines): every rank forgets the failed attempt's failures and follows the next attempt.
 - :data:`OUTCOME` (led by :class:`~wsync_grpc.trainer.sharded.client.ShardedTrainerClient` at the end of
@@ -29,6 +32,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import json
 import logging
 import struct
 import threading
@@ -38,7 +42,8 @@ from typing import Any, ClassVar
 import torch
 
 from wsync_grpc.core.digests import Digest, DigestAlgorithm
-from wsync_grpc.core.layout import Bucket, Layout
+from wsync_grpc.core.header import SharedMemoryHandle
+from wsync_grpc.core.layout import Bucket, Layout, Transport
 from wsync_grpc.trainer.results import SyncResult
 from wsync_grpc.trainer.sharded.follower import FollowedCall
 from wsync_grpc.trainer.sharded.outcome import decode_outcome, encode_error, encode_result
@@ -52,6 +57,7 @@ __all__ = [
     "GATHER",
     "JOIN",
     "OUTCOME",
+    "RINGS",
     "ROUNDS",
     "SEND",
     "SENT",
@@ -59,7 +65,9 @@ __all__ = [
     "Round",
     "SentWait",
     "decode_digests",
+    "decode_handle",
     "encode_digests",
+    "encode_handle",
     "follow",
     "own_digests",
     "send_own",
@@ -238,6 +246,87 @@ class DigestsRound(Round):
         call.ranks.exchange(mine, _DIGESTS_EXCHANGE)
 
 
+# ---------------------------------------------------------------------- RINGS
+
+
+def encode_handle(h: SharedMemoryHandle) -> bytes:
+    """A rank's ring handle as its share of the :data:`RINGS` exchange (JSON, the token in hex; never pickle)."""
+    d = dataclasses.asdict(h)
+    d["token"] = h.token.hex()
+    return json.dumps(d).encode()
+
+
+def decode_handle(payload: bytes) -> SharedMemoryHandle:
+    """The handle :func:`encode_handle` wrote.
+
+    Raises:
+        ValueError: not such a share (the engines check the handle's fields again at Prepare).
+    """
+    d = json.loads(payload)
+    if not isinstance(d, dict):
+        raise ValueError("a ring handle is a JSON object")
+    return SharedMemoryHandle(
+        socket_name=str(d["socket_name"]),
+        token=bytes.fromhex(str(d["token"])),
+        boot_id=str(d["boot_id"]),
+        slot_bytes=int(d["slot_bytes"]),
+        slots=int(d["slots"]),
+        storages=bool(d["storages"]),
+    )
+
+
+_RINGS_EXCHANGE = "exchanging the rings' handles"
+
+
+class RingsRound(Round):
+    """Direct mode through shared memory, before Prepare: every rank opens a ring of its own for its own buckets
+    (:meth:`SharedMemorySender.open_own <wsync_grpc.transports.shared_memory.sender.SharedMemorySender.open_own>`);
+    the ranks exchange the handles."""
+
+    command = Command.RINGS
+
+    def lead(
+        self, ranks: TrainerRanks, job: SendJob, own: Callable[[SendJob, int], SharedMemoryHandle]
+    ) -> list[SharedMemoryHandle]:
+        """Rank 0: every rank's handle, entry ``r`` trainer rank ``r``'s (rank 0's own from ``own(job, 0)``).
+
+        Raises:
+            TrainerRankLost: the round or the exchange failed.
+            TrainerRankFailed: a rank could not open its ring (it shared nothing), or a rank failed its part of
+                the previous command.
+            Exception: rank 0 could not open its own ring.
+        """
+        ranks.lead(Command.RINGS, int(job.digest_of is not None))  # 1: the delta's buckets
+        error: Exception | None = None
+        try:
+            mine = encode_handle(own(job, ranks.rank))
+        except Exception as e:  # the exchange is collective: take part, then fail
+            error, mine = e, b""
+        shares = ranks.exchange(mine, _RINGS_EXCHANGE)
+        if error is not None:
+            raise error
+        missing = [r for r, share in enumerate(shares) if not share]
+        if missing:
+            raise TrainerRankFailed(
+                f"trainer rank {', '.join(map(str, missing))} could not open its ring (see its own error)", missing
+            )
+        return [decode_handle(share) for share in shares]
+
+    def follow(self, call: FollowedCall, arg: int, arg2: int) -> None:
+        """Open this rank's ring for its own buckets and take part in the exchange (with nothing, when opening
+        failed: rank 0 names this rank)."""
+        mine = b""
+        try:
+            buckets, tensors, _digest_of = call.plan(delta=bool(arg))
+            request = call.request
+            job = SendJob(None, buckets, request.layout, tensors, request.topology, threading.Event())
+            mine = encode_handle(call.follower.rings.open_own(job, call.ranks.rank))
+        except Exception as e:
+            log.exception("trainer rank %d: opening its ring failed", call.ranks.rank)
+            call.failed(e, report=False)
+        call.ranks.exchange(mine, _RINGS_EXCHANGE)
+
+
 # ---------------------------------------------------------------------- SEND and SENT
 
 
@@ -306,9 +395,14 @@ class SendRound(Round):
     command = Command.SEND
 
     def lead(
-        self, ranks: TrainerRanks, job: SendJob, buffers: PackBuffers, waiting: Callable[[SentWait], None]
+        self,
+        ranks: TrainerRanks,
+        job: SendJob,
+        own: Callable[[SendJob], float],
+        waiting: Callable[[SentWait], None],
     ) -> float:
-        """Rank 0: start every rank's sends, then send its own while it waits in the :data:`SENT` round
+        """Rank 0: start every rank's sends, then send its own (``own(job)``, returning its packing time in seconds:
+        :func:`send_own` by broadcast, or through its ring) while it waits in the :data:`SENT` round
         (handed to ``waiting`` as soon as it runs, for the caller to wait for it afterwards); then tell
         the others whether its own sends succeeded (:meth:`TrainerRanks.release_followers
         <wsync_grpc.trainer.sharded.ranks.TrainerRanks.release_followers>`).
@@ -326,7 +420,7 @@ class SendRound(Round):
         sent = SENT.lead(ranks, stop)
         waiting(sent)
         try:
-            pack_s = send_own(dataclasses.replace(job, cancel=stop), buffers)
+            pack_s = own(dataclasses.replace(job, cancel=stop))
         except BaseException as e:
             ranks.release_followers(ok=False)  # their sends stop too
             if isinstance(e, Exception):
@@ -340,16 +434,21 @@ class SendRound(Round):
         return pack_s
 
     def follow(self, call: FollowedCall, arg: int, arg2: int) -> None:
-        """Send this rank's own buckets, watching rank 0 meanwhile (rank 0 gone, or its sends failed, stops
-        them); then wait for rank 0's word that its own sends ended. A failure is reported in :data:`SENT`."""
+        """Send this rank's own buckets (by broadcast, or through the ring it opened in :data:`RINGS`, by the
+        request's transport), watching rank 0 meanwhile (rank 0 gone, or its sends failed, stops them); then wait
+        for rank 0's word that its own sends ended. A failure is reported in :data:`SENT`."""
         ranks, follower = call.ranks, call.follower
         stop = threading.Event()
         watch = ranks.watch_leader(stop)
         try:
             request = call.request
             buckets, tensors, _digest_of = call.plan(delta=bool(arg))
-            job = SendJob(follower.group.group(), buckets, request.layout, tensors, request.topology, stop)
-            send_own(job, follower.buffers)
+            if request.transport is Transport.SHARED_MEMORY:
+                job = SendJob(None, buckets, request.layout, tensors, request.topology, stop)
+                follower.rings.send_own(job, ranks.rank)
+            else:
+                job = SendJob(follower.group.group(), buckets, request.layout, tensors, request.topology, stop)
+                send_own(job, follower.buffers)
             watch.join(ranks.timeout_s)  # rank 0's word that its own sends ended
         except Exception as e:  # rank 0 gone or failed (stop set), or this rank's own failure
             watch.join(ranks.timeout_s)
@@ -453,12 +552,13 @@ class AgainRound(Round):
 JOIN = JoinRound()
 GATHER = GatherRound()
 DIGESTS = DigestsRound()
+RINGS = RingsRound()
 SEND = SendRound()
 SENT = SentRound()
 OUTCOME = OutcomeRound()
 AGAIN = AgainRound()
 
-ROUNDS: Mapping[Command, Round] = {r.command: r for r in (JOIN, GATHER, DIGESTS, SEND, SENT, OUTCOME, AGAIN)}
+ROUNDS: Mapping[Command, Round] = {r.command: r for r in (JOIN, GATHER, DIGESTS, RINGS, SEND, SENT, OUTCOME, AGAIN)}
 """Every command rank 0 may name, and its round."""
 
 

@@ -10,7 +10,9 @@ a broadcast carries: base weights (``TrainerClient.sync``), a live LoRA adapter'
 (``TrainerClient.sync_adapter``: read once, by the engine's first worker in its own process, as an adapter
 needing no group is) and a catch-up of the members behind (``TrainerClient.catch_up``); and a sharded trainer's
 syncs in the gather mode (``ShardedTrainerClient.sync(mode="gather")``: its ranks gather each bucket in lockstep,
-as for a broadcast, and rank 0 packs it into its ring).
+as for a broadcast, and rank 0 packs it into its ring) and in the direct mode (``mode="direct"``: every rank packs
+the buckets of its own pieces into a ring of its own; the header names them all, ``PrepareHeader.shared_memory_ranks``
+entry ``r`` for trainer rank ``r``, and each worker opens every ring and reads each bucket from its ``src``'s).
 
 Halves: :class:`~wsync_grpc.transports.shared_memory.sender.SharedMemorySender` (the trainer's: the
 ring; the segment and its handover are :mod:`~wsync_grpc.transports.shared_memory.handover`'s) and
@@ -44,9 +46,9 @@ Why a memfd passed over an abstract Unix socket (and not a named segment under `
 Limits: abstract Unix sockets belong to a network namespace, so the engine must share the trainer's
 (as it shares its host: the header carries the trainer's boot id, and an engine on another host or boot
 refuses the update with INVALID_ARGUMENT SHARED_MEMORY_HOST); engines in another container's network
-namespace cannot use this transport (SHARED_MEMORY_CONNECT). Linux only. One trainer process, or a
-sharded trainer's rank 0 sending what its ranks gathered: whole tensors only (a sharded trainer's direct sends, each
-rank its own pieces from a segment of its own, are not built yet).
+namespace cannot use this transport (SHARED_MEMORY_CONNECT). Linux only. One ring (one trainer process, or a
+sharded trainer's rank 0 sending what its ranks gathered) carries whole tensors only; pieces come through one ring
+per rank (a sharded trainer's direct sends, every rank on the engines' host).
 
 Units: sizes in bytes, times in seconds.
 """
@@ -56,7 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wsync_grpc.core.errors import InvalidArgument
-from wsync_grpc.core.header import UpdateHeader, transport_unimplemented
+from wsync_grpc.core.header import SharedMemoryHandle, UpdateHeader, transport_unimplemented
 from wsync_grpc.core.layout import Bucket, Layout, Transport
 from wsync_grpc.core.update import PlannedUpdate, ReceivePlan
 from wsync_grpc.core.validation import UpdateValidator
@@ -72,6 +74,37 @@ __all__ = ["PART", "SharedMemoryTransport"]
 MIN_SLOTS = 2
 """The fewest ring slots a handle may name (the trainer packs one while the engines copy another)."""
 
+MAX_RINGS = 1024
+"""The most rings a header may name (``shared_memory_ranks``: one per sending trainer rank; each engine worker
+connects to every one)."""
+
+
+def _check_handle(m: SharedMemoryHandle, field: str, here: str) -> None:
+    """Check one handle of a header (``field``: where it is, for the messages; ``here``: this host's boot id, ``""``
+    when unreadable).
+
+    Raises:
+        InvalidArgument: SHARED_MEMORY_HANDLE, SHARED_MEMORY_HOST (see :meth:`SharedMemoryTransport.check_header`).
+    """
+    if m.slots < MIN_SLOTS or m.slot_bytes <= 0:
+        raise InvalidArgument(
+            "SHARED_MEMORY_HANDLE",
+            f"{field} names {m.slots} slots of {m.slot_bytes} bytes; at least {MIN_SLOTS} slots of at least 1 byte "
+            "are needed",
+        )
+    if len(m.token) != TOKEN_BYTES:
+        raise InvalidArgument("SHARED_MEMORY_HANDLE", f"{field}.token has {len(m.token)} bytes, not {TOKEN_BYTES}")
+    if not m.socket_name or len(m.socket_name) > MAX_NAME_CHARS or "\0" in m.socket_name:
+        raise InvalidArgument(
+            "SHARED_MEMORY_HANDLE", f"{field}.socket_name must have 1 to {MAX_NAME_CHARS} characters and no NUL"
+        )
+    if not here or m.boot_id != here:
+        raise InvalidArgument(
+            "SHARED_MEMORY_HOST",
+            f"the trainer's boot id {m.boot_id!r} is not this host's ({here or 'unreadable'}): shared memory needs "
+            "the trainer on the engine's host",
+        )
+
 
 @dataclass(frozen=True)
 class SharedMemoryTransport:
@@ -82,42 +115,34 @@ class SharedMemoryTransport:
     engine_builds_buckets: bool = False
 
     def check_header(self, h: UpdateHeader) -> UpdateHeader:
-        """A shared-memory update names a well-formed handle from this host, is flattened and declares every bucket
-        at Prepare.
+        """A shared-memory update names well-formed handles from this host (one ring, or one per trainer rank), is
+        flattened and declares every bucket at Prepare.
 
         Raises:
-            InvalidArgument: SHARED_MEMORY_HANDLE (missing, or slots below 2, a slot of 0 bytes, a token not of
-                32 bytes, a socket name empty, too long or holding a NUL), SHARED_MEMORY_HOST (another host's or
+            InvalidArgument: SHARED_MEMORY_HANDLE (none, both ``shared_memory`` and ``shared_memory_ranks``, more
+                than :data:`MAX_RINGS` rings, or a handle with slots below 2, a slot of 0 bytes, a token not of 32
+                bytes, a socket name empty, too long or holding a NUL), SHARED_MEMORY_HOST (another host's or
                 boot's, or this host's boot id cannot be read), SHARED_MEMORY_LAYOUT (individual),
                 SHARED_MEMORY_INCREMENTAL.
         """
-        m = h.shared_memory
-        if m is None:
+        if h.shared_memory is None and not h.shared_memory_ranks:
             raise InvalidArgument(
                 "SHARED_MEMORY_HANDLE", "header.shared_memory is required for transport TRANSPORT_SHARED_MEMORY"
             )
-        if m.slots < MIN_SLOTS or m.slot_bytes <= 0:
+        if h.shared_memory is not None and h.shared_memory_ranks:
             raise InvalidArgument(
                 "SHARED_MEMORY_HANDLE",
-                f"header.shared_memory names {m.slots} slots of {m.slot_bytes} bytes; at least {MIN_SLOTS} slots of "
-                "at least 1 byte are needed",
+                "header.shared_memory and header.shared_memory_ranks are both set: one ring, or one per trainer rank",
             )
-        if len(m.token) != TOKEN_BYTES:
-            raise InvalidArgument(
-                "SHARED_MEMORY_HANDLE", f"header.shared_memory.token has {len(m.token)} bytes, not {TOKEN_BYTES}"
-            )
-        if not m.socket_name or len(m.socket_name) > MAX_NAME_CHARS or "\0" in m.socket_name:
+        if len(h.shared_memory_ranks) > MAX_RINGS:
             raise InvalidArgument(
                 "SHARED_MEMORY_HANDLE",
-                f"header.shared_memory.socket_name must have 1 to {MAX_NAME_CHARS} characters and no NUL",
+                f"header.shared_memory_ranks names {len(h.shared_memory_ranks)} rings; at most {MAX_RINGS}",
             )
         here = boot_id()
-        if not here or m.boot_id != here:
-            raise InvalidArgument(
-                "SHARED_MEMORY_HOST",
-                f"the trainer's boot id {m.boot_id!r} is not this host's ({here or 'unreadable'}): shared memory "
-                "needs the trainer on the engine's host",
-            )
+        for r, m in enumerate(h.shared_memory_rings):
+            field = f"header.shared_memory_ranks[{r}]" if h.shared_memory_ranks else "header.shared_memory"
+            _check_handle(m, field, here)
         if h.layout is not Layout.FLATTENED:
             raise InvalidArgument(
                 "SHARED_MEMORY_LAYOUT", "a shared-memory update carries flattened buckets only, one per ring slot"
@@ -141,26 +166,37 @@ class SharedMemoryTransport:
     def plan(
         self, header: UpdateHeader, validator: UpdateValidator, buckets: list[Bucket], context: PlanContext
     ) -> PlannedUpdate:
-        """The stream's header and buckets as they are, once each fits a ring slot.
+        """The stream's header and buckets as they are, once each has a ring (its ``src``'s) and fits its slots.
 
         Raises:
-            InvalidArgument: SHARED_MEMORY_SLOT, a bucket larger than a slot; SHARED_MEMORY_PIECES, a bucket holds
-                a piece of a tensor (a sharded trainer's direct send: not built yet).
+            InvalidArgument: SHARED_MEMORY_SOURCE, a bucket's ``src`` names no ring of the header (a single ring
+                carries rank 0's buckets only); SHARED_MEMORY_SLOT, a bucket larger than its ring's slot;
+                SHARED_MEMORY_PIECES, a bucket holds a piece of a tensor through a single ring (pieces come from a
+                sharded trainer's direct sends, one ring per rank: ``shared_memory_ranks``).
         """
-        m = header.shared_memory
-        assert m is not None, "check_header refused the update"
+        rings = header.shared_memory_rings
+        assert rings, "check_header refused the update"
         for b in buckets:
+            if b.src >= len(rings):
+                raise InvalidArgument(
+                    "SHARED_MEMORY_SOURCE",
+                    f"bucket {b.index} comes from trainer rank {b.src}, but the header names {len(rings)} ring(s) "
+                    "(header.shared_memory_ranks: one per sending trainer rank)",
+                    bucket=str(b.index),
+                )
+            m = rings[b.src]
             if b.size_bytes > m.slot_bytes:
                 raise InvalidArgument(
                     "SHARED_MEMORY_SLOT",
-                    f"bucket {b.index} has {b.size_bytes} bytes; a slot of the segment holds {m.slot_bytes}",
+                    f"bucket {b.index} has {b.size_bytes} bytes; a slot of trainer rank {b.src}'s segment holds "
+                    f"{m.slot_bytes}",
                     bucket=str(b.index),
                 )
-            if any(t.piece is not None for t in b.tensors):
+            if not header.shared_memory_ranks and any(t.piece is not None for t in b.tensors):
                 raise InvalidArgument(
                     "SHARED_MEMORY_PIECES",
-                    f"bucket {b.index} holds a piece of a tensor: shared memory carries whole tensors from one "
-                    "trainer process (a sharded trainer's direct sends are not served yet: use the gather mode)",
+                    f"bucket {b.index} holds a piece of a tensor through a single ring: a sharded trainer's direct "
+                    "sends name one ring per rank (header.shared_memory_ranks)",
                     bucket=str(b.index),
                 )
         return PlannedUpdate(header, buckets)

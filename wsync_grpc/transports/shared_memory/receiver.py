@@ -36,6 +36,13 @@ Every wait looks at the update's cancel signal every
 :data:`~wsync_grpc.transports.shared_memory.protocol.POLL_S` seconds and is bounded by the engine's group
 timeout (``ReceivePlan.timeout_s``). A trainer that closes its socket (it died, or it gave up) ends the
 receive with UNAVAILABLE SHARED_MEMORY_TRAINER_LOST; the update is then abandoned.
+
+A sharded trainer's direct sends (``ReceivePlan.shared_memory_ranks``) come through one ring per trainer rank: the
+worker opens every rank's ring as above (each checked alike), then takes the buckets in index order, each from the
+ring of the rank that sends it (``Bucket.src``), acknowledging it on that ring's socket. Each rank's ring waits only
+for the acknowledgements of its own buckets, which the worker gives in index order, so no ring waits on another.
+Such buckets hold pieces of tensors: each piece is copied into its tensor
+(:class:`~wsync_grpc.core.pieces.PieceAssembler`), loaded or staged once whole, as from a direct broadcast.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ from wsync_grpc.core.errors import (
 from wsync_grpc.core.header import SharedMemoryHandle
 from wsync_grpc.core.layout import Bucket, TensorSlot
 from wsync_grpc.core.packing import tensor_views
+from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
 from wsync_grpc.transports.shared_memory.protocol import (
     ACK,
@@ -121,10 +129,14 @@ class SharedMemoryReceiver(ReceiverThread):
     """
 
     def __init__(self, site: ReceiveSite, plan: ReceivePlan) -> None:
-        if plan.shared_memory is None:
-            raise ValueError("a shared-memory receiver needs the header's shared_memory handle")
+        rings = plan.shared_memory_rings
+        if not rings:
+            raise ValueError("a shared-memory receiver needs the header's shared_memory (or shared_memory_ranks)")
         super().__init__(f"wsync-shm-reader-{site.worker}", site, plan)
-        self.handle: SharedMemoryHandle = plan.shared_memory
+        self.handle: SharedMemoryHandle = rings[0]
+        """The first ring's handle (the only one, unless a sharded trainer's ranks each send from a ring)."""
+        self._rings = [_Ring(r, h) for r, h in enumerate(rings)]
+        self._pieces = PieceAssembler(site.device)  # pieces of a sharded trainer's direct sends
         self.device = site.device
         self.pool = site.pool
         self._timeout_s = plan.timeout_s
@@ -134,10 +146,6 @@ class SharedMemoryReceiver(ReceiverThread):
         self.swap_in = SwapIn(site.target, self.device, self.streaming)
         """Staged apply on a :class:`~wsync_grpc.core.engine.StorageSwap` engine: lone tensors copied into buffers
         it serves as they are."""
-        self._sock: socket.socket | None = None
-        self._map: mmap.mmap | None = None
-        self._bytes: torch.Tensor | None = None  # the mapping as bytes (read-only: only ever copied from)
-        self._storages: StorageReader | None = None  # reads of the trainer's own storages (handle.storages)
 
     @property
     def timeout_s(self) -> float:
@@ -146,8 +154,8 @@ class SharedMemoryReceiver(ReceiverThread):
 
     @property
     def mapped(self) -> bool:
-        """Whether the trainer's segment is mapped in this process now."""
-        return self._map is not None
+        """Whether a trainer's segment is mapped in this process now."""
+        return any(r.map is not None for r in self._rings)
 
     # ------------------------------------------------------------------ the thread
 
@@ -197,6 +205,15 @@ class SharedMemoryReceiver(ReceiverThread):
     # ------------------------------------------------------------------ the handover
 
     def _open(self) -> None:
+        """Open every ring of the update (see :meth:`_open_ring`), in rank order.
+
+        Raises:
+            as :meth:`_open_ring`.
+        """
+        for ring in self._rings:
+            self._open_ring(ring)
+
+    def _open_ring(self, ring: _Ring) -> None:
         """Connect, check the trainer, send the token, map the segment it hands over (see the module).
 
         Raises:
@@ -206,8 +223,8 @@ class SharedMemoryReceiver(ReceiverThread):
             DataLoss: SHARED_MEMORY_PROTOCOL.
             Cancelled, GroupTimeout: while waiting for the segment.
         """
-        h = self.handle
-        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        h = ring.handle
+        sock = ring.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self._timeout_s)
         try:
             sock.connect(address(h.socket_name))
@@ -229,16 +246,16 @@ class SharedMemoryReceiver(ReceiverThread):
             sock.sendall(h.token)
         except OSError as e:
             raise self._trainer_lost(f"sending the token failed: {e}") from e
-        fd = self._grant()
+        fd = self._grant(ring)
         try:
-            self._map = self._map_segment(fd)
+            ring.map = self._map_segment(h, fd)
         finally:
             os.close(fd)  # the mapping holds the memory (and mmap's own duplicate of fd, closed as it unmaps)
         with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only: it is only read
             warnings.simplefilter("ignore", UserWarning)
-            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+            ring.bytes = torch.frombuffer(ring.map, dtype=torch.uint8)
         if h.storages:  # buckets may also come as reads of the trainer's own storages
-            self._storages = StorageReader(sock, self.cancel, self._timeout_s, self.worker)
+            ring.storages = StorageReader(sock, self.cancel, self._timeout_s, self.worker)
 
     def _trainer_lost(self, why: str) -> Unavailable:
         return Unavailable(
@@ -246,7 +263,7 @@ class SharedMemoryReceiver(ReceiverThread):
             f"the trainer's shared-memory socket closed ({why}): the trainer gave the update up, or died",
         )
 
-    def _grant(self) -> int:
+    def _grant(self, ring: _Ring) -> int:
         """The segment's descriptor, once the trainer granted it (the caller closes it).
 
         Raises:
@@ -254,7 +271,7 @@ class SharedMemoryReceiver(ReceiverThread):
             DataLoss: SHARED_MEMORY_PROTOCOL, another message than a grant of the handle's slots.
             Cancelled, GroupTimeout.
         """
-        sock, h = self._sock, self.handle
+        sock, h = ring.sock, ring.handle
         assert sock is not None
         deadline = time.monotonic() + self._timeout_s
         while True:
@@ -294,14 +311,13 @@ class SharedMemoryReceiver(ReceiverThread):
             )
         return int(fds[0])
 
-    def _map_segment(self, fd: int) -> mmap.mmap:
-        """Check the segment ``fd`` and map the handle's bytes of it read-only.
+    def _map_segment(self, h: SharedMemoryHandle, fd: int) -> mmap.mmap:
+        """Check the segment ``fd`` and map the handle ``h``'s bytes of it read-only.
 
         Raises:
             InvalidArgument: SHARED_MEMORY_SEALS, SHARED_MEMORY_SIZE.
             Unavailable: SHARED_MEMORY_HANDOVER, it cannot be mapped.
         """
-        h = self.handle
         st = os.fstat(fd)
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
@@ -325,26 +341,16 @@ class SharedMemoryReceiver(ReceiverThread):
             raise Unavailable("SHARED_MEMORY_HANDOVER", f"mapping the segment failed: {e}") from e
 
     def _close(self) -> None:
-        """Unmap the segment and close the socket (idempotent; from the receiver's thread)."""
-        self._bytes = None  # its last view: the mapping can close
-        mapping, self._map = self._map, None
-        if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:  # a view of it is still alive: unmapped when that goes
+        """Unmap every segment and close every socket (idempotent; from the receiver's thread)."""
+        for ring in self._rings:
+            if ring.close():
                 log.warning("shared-memory receiver of worker %d: the segment is still viewed", self.worker)
-        storages, self._storages = self._storages, None
-        if storages is not None:
-            storages.close()
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
 
     # ------------------------------------------------------------------ the buckets
 
     def _bucket(self, i: int, bucket: Bucket) -> None:
-        """Copy bucket ``bucket`` (the ``i``-th) out of its slot, acknowledge it, hash it; then use every bucket
-        received whose digest is known (see :meth:`_settle`).
+        """Copy bucket ``bucket`` (the ``i``-th) out of its slot in the ring of its sending rank (``bucket.src``),
+        acknowledge it there, hash it; then use every bucket received whose digest is known (see :meth:`_settle`).
 
         Raises:
             Unavailable: SHARED_MEMORY_TRAINER_LOST.
@@ -352,15 +358,16 @@ class SharedMemoryReceiver(ReceiverThread):
             DeadlineExceeded, InvalidArgument: DIGEST_TIMEOUT, DIGEST_MISSING.
             Cancelled, GroupTimeout.
         """
-        sock, h = self._sock, self.handle
+        ring = self._rings[bucket.src]  # the part's plan refused a bucket whose src names no ring
+        sock, h = ring.sock, ring.handle
         assert sock is not None
-        what = f"the trainer's word of bucket {bucket.index}"
+        what = f"trainer rank {bucket.src}'s word of bucket {bucket.index}"
         try:
             message = recv_exact(sock, BUCKET.size, self.cancel, self._timeout_s, what)
         except Closed as e:
             raise self._trainer_lost(str(e)) from e
         index, slot, nbytes = BUCKET.unpack(message)
-        from_storages = slot == STORAGE_SLOT and self._storages is not None
+        from_storages = slot == STORAGE_SLOT and ring.storages is not None
         if index != bucket.index or (slot >= h.slots and not from_storages) or nbytes != bucket.size_bytes:
             raise DataLoss(
                 "SHARED_MEMORY_PROTOCOL",
@@ -376,13 +383,13 @@ class SharedMemoryReceiver(ReceiverThread):
         received = _Received(bucket, flat, swap)
         self._pending.append(received)  # released with the others from here on
         if from_storages:
-            assert self._storages is not None
+            assert ring.storages is not None
             try:
-                self._storages.read_bucket(bucket, flat)  # read (never mapped) from the trainer's own storages
+                ring.storages.read_bucket(bucket, flat)  # read (never mapped) from the trainer's own storages
             except Closed as e:
                 raise self._trainer_lost(str(e)) from e
         else:
-            self._copy(slot, flat)
+            ring.copy(slot, flat)
         try:
             sock.sendall(ACK.pack(index))
         except OSError as e:
@@ -427,13 +434,6 @@ class SharedMemoryReceiver(ReceiverThread):
             self.buckets_done += 1
             self.on_event(self)
 
-    def _copy(self, slot: int, flat: torch.Tensor) -> None:
-        """Copy the first ``flat.numel()`` bytes of slot ``slot`` into ``flat`` (torch's copy: several threads on
-        CPU, about twice one thread's ``memcpy``; to another device straight from the mapping)."""
-        assert self._bytes is not None
-        start = slot * self.handle.slot_bytes
-        flat.copy_(self._bytes[start : start + flat.numel()])
-
     def _expected(self, bucket: Bucket, wait: bool) -> Digest | _NotYet | None:
         """``bucket``'s digest: its spec's, or the one declared after it; ``None``: none promised; :data:`_NOT_YET`:
         not declared yet (only when not ``wait``ing for it).
@@ -467,10 +467,20 @@ class SharedMemoryReceiver(ReceiverThread):
         if received.swap:
             self.swap_in.add(bucket.tensors[0], flat)
             return
-        if received.whole is None:
+        views = True  # whether what is used views ``flat`` (pieces are copied into their tensors)
+        if received.whole is not None:
+            pieces = self._pieces
+            named = loaded(received.whole, pieces) if self.streaming else staged(received.whole, self.swap_in, pieces)
+        elif all(t.piece is None for t in bucket.tensors):
             named = tensor_views(flat, bucket.tensors)
-        else:
-            named = loaded(received.whole) if self.streaming else staged(received.whole, self.swap_in)
+        else:  # a sharded trainer's direct sends: whole tensors viewed, pieces copied into their tensors
+            named = tensor_views(flat, [t for t in bucket.tensors if t.piece is None])
+            views = bool(named)
+            for t in bucket.tensors:
+                if t.piece is not None and t.load:
+                    whole = self._pieces.add(t, flat[t.offset : t.end].view(t.dtype).view(t.shape))
+                    if whole is not None:
+                        named.append(whole)
         if self.streaming:
             if named:
                 self.wrote_served = True
@@ -478,8 +488,11 @@ class SharedMemoryReceiver(ReceiverThread):
                     self.tensors_applied += self.target.load_weights(self.worker, named)
             self.pool.give(flat)
         else:
-            self.staged.append(named)  # views of this bucket's own buffer, kept until Complete
-            self._held.append(flat)
+            self.staged.append(named)  # views of this bucket's own buffer (or whole tensors), kept until Complete
+            if views:
+                self._held.append(flat)
+            else:  # every tensor was copied out (pieces): the buffer is free again
+                self.pool.give(flat)
 
     def apply_swaps(self) -> int:
         """Staged apply: hand the tensors copied to swap in to the engine to serve (:meth:`SwapIn.apply
@@ -495,6 +508,7 @@ class SharedMemoryReceiver(ReceiverThread):
         held = self._held + self.swap_in.clear() + [r.flat for r in self._pending]
         self._held, self.staged = [], []
         self._pending.clear()
+        self._pieces.clear()
         if reuse:
             for buf in held:
                 self.pool.give(buf)
@@ -519,3 +533,50 @@ class _Received:
     swap: bool
     digest: Digest | None = None
     whole: list[tuple[TensorSlot, torch.Tensor]] | None = None
+
+
+class _Ring:
+    """One trainer process's ring as a worker reads it (one per sending trainer rank).
+
+    Attributes:
+        rank: the trainer rank whose buckets come through it (``Bucket.src``).
+        handle: its handle (``PrepareHeader.shared_memory``, or ``shared_memory_ranks[rank]``).
+        sock: the connection to its trainer's socket, once connected.
+        map: its segment, mapped read-only, once handed over.
+        bytes: the mapping as bytes (read-only: only ever copied from).
+        storages: reads of the trainer's own storages (``handle.storages``); ``None``: none.
+    """
+
+    def __init__(self, rank: int, handle: SharedMemoryHandle) -> None:
+        self.rank = rank
+        self.handle = handle
+        self.sock: socket.socket | None = None
+        self.map: mmap.mmap | None = None
+        self.bytes: torch.Tensor | None = None
+        self.storages: StorageReader | None = None
+
+    def copy(self, slot: int, flat: torch.Tensor) -> None:
+        """Copy the first ``flat.numel()`` bytes of slot ``slot`` into ``flat`` (torch's copy: several threads on
+        CPU, about twice one thread's ``memcpy``; to another device straight from the mapping)."""
+        assert self.bytes is not None
+        start = slot * self.handle.slot_bytes
+        flat.copy_(self.bytes[start : start + flat.numel()])
+
+    def close(self) -> bool:
+        """Unmap the segment and close the socket (idempotent); whether the mapping is still viewed (it is then
+        unmapped when that view goes)."""
+        viewed = False
+        self.bytes = None  # its last view: the mapping can close
+        mapping, self.map = self.map, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                viewed = True
+        storages, self.storages = self.storages, None
+        if storages is not None:
+            storages.close()
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+        return viewed

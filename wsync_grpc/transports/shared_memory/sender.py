@@ -30,23 +30,31 @@ engine answered Prepare only once its receivers were armed, i.e. connected) and 
   acknowledgement; a reader that
   closes its socket before the last bucket fails the send (its engine abandoned the update).
 
+A sharded trainer's direct sends (``job.topology.kind == "direct"``; the peers are :class:`RankRings`): every rank
+has a sender of its own (rank 0 this one; the others their follower's), and each opens a ring for its own buckets
+(:meth:`SharedMemorySender.open_own`) in a round of the ranks that hands rank 0 every handle for the header's
+``shared_memory_ranks``; then each sends its own buckets through its ring (:meth:`SharedMemorySender.send_own`) while
+the others send theirs. The digests are the ranks' own, exchanged before Prepare, as for a direct broadcast.
+
 Units: sizes in bytes, times in seconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import selectors
 import socket
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from wsync_grpc.core.digests import Digest, digest_of
 from wsync_grpc.core.errors import Cancelled, DataLoss, GroupTimeout, Unavailable
+from wsync_grpc.core.header import SharedMemoryHandle
 from wsync_grpc.core.layout import Layout
 from wsync_grpc.core.packing import pack_bucket
-from wsync_grpc.transports.sending import SendJob, SendSite
+from wsync_grpc.transports.sending import SendJob, SendSite, TrainerPeers
 from wsync_grpc.transports.shared_memory.handover import Handover, Segment, page_round
 from wsync_grpc.transports.shared_memory.protocol import ACK, BUCKET, POLL_S, boot_id
 from wsync_grpc.transports.shared_memory.storages import (
@@ -139,12 +147,7 @@ class Ring:
             del tensors
             self.counts.packed_buckets += 1
             self.counts.packed_bytes += b.size_bytes
-            message = BUCKET.pack(b.index, slot, b.size_bytes)
-            for i, r in enumerate(self.readers):
-                try:
-                    r.sendall(message)
-                except OSError as e:
-                    raise self._lost(i, str(e)) from e
+            self._tell(BUCKET.pack(b.index, slot, b.size_bytes))
             self.posted += 1
             if job.on_digest is not None:  # hashed while the readers copy it (both only read the slot)
                 job.on_digest(b, digest_of([buf]))
@@ -162,12 +165,7 @@ class Ring:
             OSError: a storage's descriptor could not be re-opened read-only.
         """
         b = storages.bucket
-        message = BUCKET.pack(b.index, STORAGE_SLOT, b.size_bytes)
-        for i, r in enumerate(self.readers):
-            try:
-                r.sendall(message)
-            except OSError as e:
-                raise self._lost(i, str(e)) from e
+        self._tell(BUCKET.pack(b.index, STORAGE_SLOT, b.size_bytes))
         groups = list(storages.groups())
         for g, (fds, reads) in enumerate(groups):
             with opened_read_only(fds) as ro:
@@ -182,6 +180,18 @@ class Ring:
         if self.job.on_digest is not None:  # hashed from the trainer's memory while the readers read it
             self.job.on_digest(b, storages.digest())
         self._read(0.0)
+
+    def _tell(self, message: bytes) -> None:
+        """Send ``message`` to every reader.
+
+        Raises:
+            Unavailable: SHARED_MEMORY_READER_LOST.
+        """
+        for i, r in enumerate(self.readers):
+            try:
+                r.sendall(message)
+            except OSError as e:
+                raise self._lost(i, str(e)) from e
 
     def _check_cancel(self) -> None:
         if self.job.cancel.is_set():
@@ -251,6 +261,43 @@ class Ring:
         return came
 
 
+@runtime_checkable
+class RankRings(TrainerPeers, Protocol):
+    """The trainer's ranks when every one of them sends its own buckets from a ring of its own (a sharded trainer's
+    ``direct`` topology through shared memory): what the shared-memory sender asks of them besides
+    :class:`~wsync_grpc.transports.sending.TrainerPeers`. The ranks' coordination is the trainer's (the rank rounds of
+    :mod:`wsync_grpc.trainer.sharded.rounds`).
+    """
+
+    def direct_digests(self, job: SendJob) -> Mapping[int, Digest]:
+        """Every bucket's digest, each hashed by the rank that sends it, exchanged before Prepare.
+
+        Raises:
+            Exception: a rank failed to hash its buckets or is gone.
+        """
+        ...
+
+    def direct_rings(
+        self, job: SendJob, own: Callable[[SendJob, int], SharedMemoryHandle]
+    ) -> Sequence[SharedMemoryHandle]:
+        """Every rank opens its ring for its own buckets of ``job`` (this one with ``own(job, rank)``, the others
+        with their own sender's :meth:`SharedMemorySender.open_own`); the handles, entry ``r`` trainer rank ``r``'s.
+
+        Raises:
+            Exception: a rank could not open its ring, or is gone.
+        """
+        ...
+
+    def direct_ring_send(self, job: SendJob, own: Callable[[SendJob, int], float]) -> float:
+        """Every rank sends its own buckets of ``job`` through its ring (this one with ``own(job, rank)``); returns
+        once every rank's sends ended. Returns this rank's packing time, in seconds.
+
+        Raises:
+            Exception: a rank's sends failed or it is gone (this rank's own sends stop at once).
+        """
+        ...
+
+
 class SharedMemorySender:
     """The shared-memory transport's trainer half (a :class:`~wsync_grpc.transports.sending.TransportSender`).
 
@@ -288,48 +335,109 @@ class SharedMemorySender:
     def _check(self, job: SendJob) -> None:
         if job.layout is not Layout.FLATTENED:
             raise ValueError("shared memory carries the flattened layout only: bucket by bucket through its slots")
-        if job.topology.kind == "direct" or job.topology.ranks != self._site.peers.trainer_ranks:
+        if job.topology.ranks != self._site.peers.trainer_ranks:
             raise ValueError(
-                f"shared memory carries updates of one trainer process, or of a sharded trainer's ranks gathering "
-                f"each bucket for this one to send; not {job.topology.kind} sends of {job.topology.ranks} ranks from "
-                f"a trainer of {self._site.peers.trainer_ranks} (a sharded trainer's direct sends are not built yet)"
+                f"a trainer of {self._site.peers.trainer_ranks} rank(s) cannot send {job.topology.kind} sends of "
+                f"{job.topology.ranks} ranks"
             )
         if not job.buckets:
             raise ValueError("nothing to send: the update has no bucket")
 
-    def header_fields(self, job: SendJob) -> Mapping[str, Any]:
-        """``{"shared_memory": handle}``: the segment (kept, or a larger one made for ``job``'s largest bucket) and
-        a fresh socket and token for this update's engine workers.
+    def _rank_rings(self) -> RankRings:
+        """The peers, as ranks that each send their own buckets from a ring of their own (the direct topology).
 
         Raises:
-            ValueError: a layout or topology shared memory does not carry (individual, direct).
+            ValueError: they are one process (or cannot).
+        """
+        peers = self._site.peers
+        if not isinstance(peers, RankRings):
+            raise ValueError(
+                f"a trainer of {peers.trainer_ranks} rank(s) without rings of its ranks cannot send 'direct' through "
+                "shared memory"
+            )
+        return peers
+
+    def header_fields(self, job: SendJob) -> Mapping[str, Any]:
+        """``{"shared_memory": handle}``: the segment (kept, or a larger one made for ``job``'s largest bucket) and
+        a fresh socket and token for this update's engine workers. A sharded trainer's direct sends:
+        ``{"shared_memory_ranks": handles}``, one ring per rank, each rank's for its own buckets
+        (:meth:`RankRings.direct_rings`, which calls :meth:`open_own` on every rank).
+
+        Raises:
+            ValueError: a layout or topology shared memory does not carry (individual; direct from a trainer of one
+                process).
             Unavailable: SHARED_MEMORY_HOST, this host's boot id cannot be read.
             OSError: the segment or the socket could not be made.
+            Exception: (direct) a rank could not open its ring, or is gone.
         """
         self._check(job)
-        self._end_handover()
-        host = boot_id()
-        if not host:
-            raise Unavailable("SHARED_MEMORY_HOST", "this host's boot id cannot be read (/proc is needed)")
-        needed = page_round(max(b.size_bytes for b in job.buckets))
-        if self._segment is None or self._segment.slot_bytes < needed or self._segment.slots != self._slots:
-            self._close_segment()  # the old one goes before the larger one is made
-            self._segment = Segment(needed, self._slots)
+        if job.topology.kind == "direct":
+            return {"shared_memory_ranks": tuple(self._rank_rings().direct_rings(job, self.open_own))}
         # Offered only where some bucket may go as storage reads (one process's own tensors, looked at cheaply): an
         # engine of a wsync without the path refuses a handle that offers it.
         offer = (
             self.storages and job.topology.kind == "single" and any(may_read(b, job.tensors(b)) for b in job.buckets)
         )
+        return {"shared_memory": self._open(job, offer)}
+
+    def _open(self, job: SendJob, offer: bool) -> SharedMemoryHandle:
+        """This process's ring for ``job``'s buckets (the segment kept, or a larger one for its largest bucket; one
+        page when it has none) and a fresh handover; its handle (``offer``: the zero-copy path).
+
+        Raises:
+            Unavailable: SHARED_MEMORY_HOST.
+            OSError: the segment or the socket could not be made.
+        """
+        self._end_handover()
+        host = boot_id()
+        if not host:
+            raise Unavailable("SHARED_MEMORY_HOST", "this host's boot id cannot be read (/proc is needed)")
+        needed = page_round(max((b.size_bytes for b in job.buckets), default=1))
+        if self._segment is None or self._segment.slot_bytes < needed or self._segment.slots != self._slots:
+            self._close_segment()  # the old one goes before the larger one is made
+            self._segment = Segment(needed, self._slots)
         self._handover = Handover(self._segment, job.update_id, storages=offer)
-        return {"shared_memory": self._handover.handle(host)}
+        return self._handover.handle(host)
+
+    def open_own(self, job: SendJob, rank: int) -> SharedMemoryHandle:
+        """A sharded trainer's direct sends, on trainer rank ``rank`` (every rank, this one's sender): this rank's
+        ring for its own buckets of ``job`` (those whose ``src`` is ``rank``; possibly none: a ring of one page that
+        carries nothing) and a fresh handover, kept for :meth:`send_own`; its handle. No zero-copy path.
+
+        Raises:
+            Unavailable: SHARED_MEMORY_HOST.
+            OSError: the segment or the socket could not be made.
+        """
+        return self._open(job.own(rank), False)
+
+    def send_own(self, job: SendJob, rank: int) -> float:
+        """A sharded trainer's direct sends, on trainer rank ``rank``: its own buckets of ``job`` through the ring
+        :meth:`open_own` opened, to the engine workers connected by now (they read each bucket from the ring of its
+        rank, in index order); their digests went before Prepare (``job.on_digest`` is not called). Returns the
+        time spent packing, in seconds.
+
+        Raises:
+            as :meth:`send`.
+        """
+        own = dataclasses.replace(job.own(rank), on_digest=None)
+        return self._send(own)
 
     def digests_before_send(self, job: SendJob) -> Mapping[int, Digest] | None:
-        """``None``: each bucket is hashed as it is packed, and its digest follows the Prepare."""
+        """``None``: each bucket is hashed as it is packed, and its digest follows the Prepare. A sharded trainer's
+        direct sends: every bucket's, each hashed by the rank that sends it, exchanged before Prepare
+        (:meth:`RankRings.direct_digests`).
+
+        Raises:
+            Exception: (direct) a rank failed to hash its buckets, or is gone.
+        """
+        if job.topology.kind == "direct":
+            return self._rank_rings().direct_digests(job)
         return None
 
     def send(self, job: SendJob) -> float:
         """Every bucket of ``job`` through the ring to the workers connected at Prepare (see the module); returns
-        the time spent packing, in seconds.
+        the time spent packing, in seconds. A sharded trainer's direct sends: every rank its own buckets through its
+        own ring, at once (:meth:`RankRings.direct_ring_send`, which calls :meth:`send_own` on every rank).
 
         Raises:
             ValueError: :meth:`header_fields` was not called for this update, or a layout or topology shared
@@ -340,6 +448,12 @@ class SharedMemorySender:
             DataLoss: SHARED_MEMORY_PROTOCOL.
         """
         self._check(job)
+        if job.topology.kind == "direct":
+            return self._rank_rings().direct_ring_send(job, self.send_own)
+        return self._send(job)
+
+    def _send(self, job: SendJob) -> float:
+        """Every bucket of ``job`` through the ring :meth:`_open` opened for it (see :meth:`send`)."""
         handover, self._handover = self._handover, None
         if handover is None or handover.update_id != job.update_id or self._segment is None:
             if handover is not None:
@@ -349,6 +463,9 @@ class SharedMemorySender:
         try:
             if not readers:
                 raise Unavailable("SHARED_MEMORY_NO_READER", "no engine worker connected to take the segment")
+            if not job.buckets:  # a rank of a direct send with no bucket of its own: nothing to wait for
+                self.last_send = SendCounts()
+                return 0.0
             ring = Ring(self._segment, readers, job, self._site.timeout_s, StorageFds() if handover.storages else None)
             self.last_send = ring.counts
             return ring.run()
