@@ -51,7 +51,7 @@ from wsync_grpc.transports.shared_memory.receiver import SharedMemoryReceiver
 from wsync_grpc.wire.status import error_info
 from wsync_grpc.worker.buffers import BufferPool
 from wsync_grpc.worker.feed import BucketFeed
-from wsync_grpc.worker.receiver import ReceiveSite
+from wsync_grpc.worker.receiver import Receiver, ReceiveSite
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -129,6 +129,28 @@ def wait_for(predicate: Any, timeout: float = 20.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def one_bucket_receiver(engine: Any, bucket: Bucket, handle: SharedMemoryHandle, timeout_s: float) -> Receiver:
+    """An engine worker's shared-memory receiver of one staged update of ``bucket`` (update id ``"u1"``) through
+    ``handle``, for ``engine``'s CPU weights; not started."""
+    plan = ReceivePlan(
+        Transport.SHARED_MEMORY,
+        Payload.WEIGHTS,
+        Layout.FLATTENED,
+        ApplyMode.STAGED,
+        (bucket,),
+        closed=True,
+        timeout_s=timeout_s,
+        update_id="u1",
+        shared_memory=handle,
+    )
+    feed = BucketFeed()
+    feed.extend([bucket])
+    feed.close()
+    cpu = torch.device("cpu")
+    site = ReceiveSite(0, cpu, engine, feed, threading.Event(), lambda r: None, None, BufferPool(cpu, False))
+    return shared_memory.PART.receiver(site, plan)
 
 
 def test_the_registry_serves_the_part() -> None:
@@ -602,24 +624,7 @@ def test_a_trainer_process_killed_while_a_worker_waits_ends_the_receive_and_unma
         assert holder.stdout is not None
         socket_name, token, slot_bytes, slots = holder.stdout.readline().split()
         handle = SharedMemoryHandle(socket_name, bytes.fromhex(token), boot_id(), int(slot_bytes), int(slots))
-        plan = ReceivePlan(
-            Transport.SHARED_MEMORY,
-            Payload.WEIGHTS,
-            Layout.FLATTENED,
-            ApplyMode.STAGED,
-            (bucket,),
-            closed=True,
-            timeout_s=30,
-            update_id="u1",
-            shared_memory=handle,
-        )
-        feed = BucketFeed()
-        feed.extend([bucket])
-        feed.close()
-        site = ReceiveSite(
-            0, torch.device("cpu"), engine, feed, threading.Event(), lambda r: None, None, BufferPool(t.device, False)
-        )
-        receiver = shared_memory.PART.receiver(site, plan)
+        receiver = one_bucket_receiver(engine, bucket, handle, timeout_s=30)
         assert isinstance(receiver, SharedMemoryReceiver)
         receiver.start()
         assert receiver.armed.wait(20) and receiver.error is None, receiver.error
@@ -850,24 +855,7 @@ def test_an_engine_not_told_of_storages_refuses_a_grant_that_offers_them() -> No
         h = handover.handle(boot_id())
         assert h.storages
         old_style = SharedMemoryHandle(h.socket_name, h.token, h.boot_id, h.slot_bytes, h.slots)
-        plan = ReceivePlan(
-            Transport.SHARED_MEMORY,
-            Payload.WEIGHTS,
-            Layout.FLATTENED,
-            ApplyMode.STAGED,
-            (bucket,),
-            closed=True,
-            timeout_s=10,
-            update_id="u1",
-            shared_memory=old_style,
-        )
-        feed = BucketFeed()
-        feed.extend([bucket])
-        feed.close()
-        site = ReceiveSite(
-            0, torch.device("cpu"), engine, feed, threading.Event(), lambda r: None, None, BufferPool(t.device, False)
-        )
-        receiver = shared_memory.PART.receiver(site, plan)
+        receiver = one_bucket_receiver(engine, bucket, old_style, timeout_s=10)
         receiver.start()
         assert receiver.done.wait(20)
         assert isinstance(receiver.error, DataLoss) and receiver.error.reason == "SHARED_MEMORY_PROTOCOL"
