@@ -32,13 +32,14 @@ def _served(target: WeightTarget, t: TensorSlot) -> torch.Tensor:
         FailedPrecondition: DELTA_BASE_UNREADABLE, the engine does not expose it here.
     """
     try:
-        return target.get_weight(t.canonical).detach()
+        w = target.get_weight(t.canonical)
     except KeyError as e:
         raise FailedPrecondition(
             "DELTA_BASE_UNREADABLE",
             f"this engine's workers cannot read the served tensor {t.canonical!r} to apply a delta to",
             tensor=t.name,
         ) from e
+    return w.detach() if w.requires_grad else w  # the tensor itself where it can be: a kept copy knows it again
 
 
 def expand(
