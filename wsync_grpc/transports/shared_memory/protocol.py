@@ -92,6 +92,31 @@ def own_uid() -> int:
     return os.geteuid()
 
 
+def recv_fds(
+    sock: socket.socket, size: int, max_fds: int, cancel: threading.Event, timeout_s: float, what: str
+) -> tuple[bytes, list[int], int]:
+    """One message of at most ``size`` bytes from ``sock`` (which has a timeout of :data:`POLL_S` or less set) with
+    the descriptors that came with it (``SCM_RIGHTS``, at most ``max_fds``; the caller closes them) and its flags,
+    looking at ``cancel`` between two looks. An empty message without descriptors: the peer closed its end.
+
+    Raises:
+        Cancelled: ``cancel`` was set meanwhile.
+        GroupTimeout: ``timeout_s`` seconds passed without a message (``what`` says which).
+        OSError: the socket failed (the caller says what that means).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if cancel.is_set():
+            raise Cancelled("the update was cancelled")
+        try:
+            msg, fds, flags, _ = socket.recv_fds(sock, size, max_fds)
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise GroupTimeout(f"{what} did not come within {timeout_s:g} s") from None
+            continue
+        return msg, [int(fd) for fd in fds], flags
+
+
 def recv_exact(sock: socket.socket, n: int, cancel: threading.Event | None, timeout_s: float, what: str) -> bytes:
     """Exactly ``n`` bytes from ``sock`` (which has a timeout of :data:`POLL_S` or less set), looking at ``cancel``
     between two looks.

@@ -92,6 +92,7 @@ from wsync_grpc.transports.shared_memory.protocol import (
     own_uid,
     peer_credentials,
     recv_exact,
+    recv_fds,
 )
 from wsync_grpc.transports.shared_memory.storages import STORAGE_SLOT, StorageReader
 from wsync_grpc.worker.delta import expand, loaded, staged
@@ -273,21 +274,10 @@ class SharedMemoryReceiver(ReceiverThread):
         """
         sock, h = ring.sock, ring.handle
         assert sock is not None
-        deadline = time.monotonic() + self._timeout_s
-        while True:
-            if self.cancel.is_set():
-                raise Cancelled("the update was cancelled")
-            try:
-                msg, fds, flags, _ = socket.recv_fds(sock, GRANT.size, 1)
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise GroupTimeout(
-                        f"the trainer did not hand the segment over within {self._timeout_s:g} s"
-                    ) from None
-                continue
-            except OSError as e:
-                raise Unavailable("SHARED_MEMORY_HANDOVER", f"receiving the segment failed: {e}") from e
-            break
+        try:
+            msg, fds, flags = recv_fds(sock, GRANT.size, 1, self.cancel, self._timeout_s, "the trainer's segment")
+        except OSError as e:
+            raise Unavailable("SHARED_MEMORY_HANDOVER", f"receiving the segment failed: {e}") from e
         if not msg and not fds:
             raise Unavailable(
                 "SHARED_MEMORY_HANDOVER",

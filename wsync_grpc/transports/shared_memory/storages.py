@@ -50,7 +50,6 @@ import socket
 import stat
 import struct
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -58,9 +57,9 @@ from dataclasses import dataclass, field
 import torch
 
 from wsync_grpc.core.digests import BucketHasher, Digest
-from wsync_grpc.core.errors import Cancelled, DataLoss, GroupTimeout, InvalidArgument
+from wsync_grpc.core.errors import DataLoss, InvalidArgument
 from wsync_grpc.core.layout import Bucket, TensorSlot
-from wsync_grpc.transports.shared_memory.protocol import Closed, recv_exact
+from wsync_grpc.transports.shared_memory.protocol import Closed, recv_exact, recv_fds
 
 log = logging.getLogger(__name__)
 
@@ -386,20 +385,11 @@ class StorageReader:
         Raises:
             Closed, DataLoss, Cancelled, GroupTimeout: see :meth:`read_bucket`.
         """
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            if self.cancel.is_set():
-                raise Cancelled("the update was cancelled")
-            try:
-                msg, fds, flags, _ = socket.recv_fds(self.sock, STORAGES.size, MAX_FDS)
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise GroupTimeout(f"bucket {index}'s storages did not come within {self.timeout_s:g} s") from None
-                continue
-            except OSError as e:
-                raise Closed(f"the socket failed: {e}") from e
-            break
-        fds = [int(fd) for fd in fds]
+        what = f"bucket {index}'s storages"
+        try:
+            msg, fds, flags = recv_fds(self.sock, STORAGES.size, MAX_FDS, self.cancel, self.timeout_s, what)
+        except OSError as e:
+            raise Closed(f"the socket failed: {e}") from e
         try:
             if not msg:
                 raise Closed("the peer closed the socket before a group of storages")
