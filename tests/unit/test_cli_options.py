@@ -334,3 +334,18 @@ def test_the_demo_refuses_a_bad_option_in_one_line_before_loading_a_model(argv: 
     assert e.value.code == 2
     lines = err.getvalue().splitlines()
     assert len(lines) == 1 and f"argument {option}" in lines[0], lines
+
+
+@pytest.mark.parametrize("value", ["gloo", "shared-memory"])
+def test_a_trainer_rank_refuses_a_bad_transport_in_one_line(value: str) -> None:
+    """``python -m wsync_grpc.tools.fsdp_rank`` (the sharded demo's and tests' rank) refuses a bad ``--transport`` in
+    one line naming it, exit status 2, before it joins anything."""
+    from wsync_grpc.tools import fsdp_rank
+
+    err = io.StringIO()
+    argv = ["--rank", "0", "--world", "2", "--master-port", "1", "--targets", "127.0.0.1:1", "--transport", value]
+    with redirect_stderr(err), pytest.raises(SystemExit) as e:
+        fsdp_rank.parse_args(argv)
+    assert e.value.code == 2
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "argument --transport" in lines[0], lines

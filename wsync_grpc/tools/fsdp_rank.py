@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.tools.options import OneLineParser
 from wsync_grpc.trainer.settings import add_setting_options
 
 log = logging.getLogger("wsync.fsdp_rank")
@@ -257,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The rank's command line."""
-    p = argparse.ArgumentParser(prog="python -m wsync_grpc.tools.fsdp_rank", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m wsync_grpc.tools.fsdp_rank", description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", type=int, required=True, help="this trainer rank")
     p.add_argument("--world", type=int, required=True, help="trainer ranks in all")
     p.add_argument("--master-port", type=int, required=True, help="port of the trainer's own process group")
