@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
-.PHONY: venv proto check-proto lint typecheck test test-fast check docs docs-gen demo demo-vllm demo-fsdp bench soak clean
+.PHONY: venv proto check-proto lint typecheck test test-fast check docs docs-gen demo demo-vllm demo-fsdp bench gpu-check soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -110,6 +110,13 @@ demo-fsdp: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run
+
+## gpu-check: the CUDA IPC transport on one GPU, from a plain checkout (no venv: the machine's python3 with torch,
+## grpcio, protobuf, transformers...); writes GPU_CHECK_OUT. Under 4 minutes on one H100.
+GPU_PYTHON ?= python3
+GPU_CHECK_OUT ?= gpu-check.json
+gpu-check:
+	PYTHONPATH=.:generated $(GPU_PYTHON) -m wsync_grpc.tools.cuda_ipc_check --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache site $(TEST_REPORTS)

@@ -170,13 +170,23 @@ def test_an_adapter_broadcast_to_every_rank_answers_as_the_same_adapter_read_fro
 def test_fsdp2_ranks_sync_into_every_tensor_parallel_worker(engine_tp3: Vllm) -> None:
     """Two real FSDP2 trainer ranks sync in both modes; every worker's slices match the gathered weights
     (in the direct mode each of the 3 workers receives both ranks' pieces and assembles the tensors).
+    First, a direct sync through shared memory: each rank packs its own pieces into a ring of its own, and every
+    worker opens both rings and reads each bucket from its rank's (no group: the gather sync after it forms the
+    first); nothing of either ring is held once the ranks are done.
     The engine is left on the ranks' last step (the next module's hand-over restores the checkpoint)."""
     before = engine_tp3.complete()
     ranks = start_ranks(
-        [engine_tp3.target], "--steps=1", "--modes=gather,direct", "--dtype=bfloat16", "--check=checksums"
+        [engine_tp3.target],
+        *("--steps=1", "--modes=direct:shared_memory,gather,direct", "--dtype=bfloat16", "--check=checksums"),
     )
     assert [r.wait() for r in ranks] == [0, 0], [r.stderr for r in ranks]
-    assert [c["failures"] for c in ranks[0].events if c["event"] == "checked"] == [[], []]
+    assert [c["failures"] for c in ranks[0].events if c["event"] == "checked"] == [[], [], []]
+    synced = {e["version"]: e for e in ranks[0].events if e["event"] == "synced"}
+    assert list(synced) == ["step-1-direct-shared_memory", "step-1-gather", "step-1-direct"], synced
+    shm = synced["step-1-direct-shared_memory"]
+    assert shm["init_seconds"] == 0 and shm["verified"] == shm["buckets"] > 1, shm  # no group; every digest checked
+    assert synced["step-1-gather"]["init_seconds"] > 0  # the first group formed after it
+    assert segment_holders(engine_tp3.proc.pid) == {}
     assert engine_tp3.complete()[1] != before[1]
     st = engine_tp3.status()
     assert st.weight_version == "step-1-direct" and st.state == pb.LIFECYCLE_STATE_UNINITIALIZED and not st.dirty

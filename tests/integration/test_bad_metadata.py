@@ -182,11 +182,11 @@ CASES: dict[str, tuple[list[pb.PrepareRequest], grpc.StatusCode, str, str]] = {
         "BUCKET_SIZE_MISMATCH",
         "individual",
     ),
-    "cuda ipc transport": (
+    "cuda ipc transport without a ring": (
         [h(transport=pb.TRANSPORT_CUDA_IPC)],
-        grpc.StatusCode.UNIMPLEMENTED,
-        "TRANSPORT_UNIMPLEMENTED",
-        "TRANSPORT_CUDA_IPC",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "SHARED_MEMORY_HANDLE",
+        "required for transport TRANSPORT_CUDA_IPC",
     ),
     "disk transport without a checkpoint path": (
         [pb.PrepareRequest(header=pb.PrepareHeader(weight_version="v", transport=pb.TRANSPORT_DISK))],
@@ -213,7 +213,7 @@ CASES: dict[str, tuple[list[pb.PrepareRequest], grpc.StatusCode, str, str]] = {
         ],
         grpc.StatusCode.INVALID_ARGUMENT,
         "UNEXPECTED_SHARED_MEMORY",
-        "TRANSPORT_SHARED_MEMORY only",
+        "TRANSPORT_SHARED_MEMORY and TRANSPORT_CUDA_IPC only",
     ),
     "undefined layout": ([h(layout=7)], grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_ENUM_VALUE", "layout"),
 }

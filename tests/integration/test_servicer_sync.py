@@ -219,7 +219,7 @@ def test_incremental_update_with_update_rpc() -> None:
             r = stub.Update(pb.UpdateRequest(update_id=prep.update_id, buckets=[spec]), timeout=10)
             assert r.bucket_count == i + 1
             trainer.broadcast(t.reshape(-1).view(torch.uint8).clone()).wait()
-        with pytest.raises(grpc.RpcError) as e:  # CUDA IPC is reserved, not silently accepted
+        with pytest.raises(grpc.RpcError) as e:  # CUDA IPC declares every bucket at Prepare: not accepted here
             stub.Update(
                 pb.UpdateRequest(update_id=prep.update_id, transport=pb.TRANSPORT_CUDA_IPC, buckets=[spec]),
                 timeout=10,

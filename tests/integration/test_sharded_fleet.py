@@ -3,7 +3,8 @@
 Under ``FleetPolicy.exclude(min_engines=2)`` an engine SIGKILLed mid-sync is left out and every trainer
 rank runs the update again over the two others (rank 0 decides, an ``AGAIN`` round carries it), which
 then serve the trainer's weights bit-exact; the killed engine, restarted on its port with its base
-weights, is brought to the fleet's version by a collective ``catch_up``. In both send modes.
+weights, is brought to the fleet's version by a collective ``catch_up``: by broadcast in the gather mode, and
+through shared memory in the direct mode (every rank its own ring, no group formed for it). In both send modes.
 
 The model is a tiny Llama with SmolLM2's tokenizer, so that the ranks and engines start in seconds.
 """
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from fsdp_ranks import LONG, start_ranks
 from support import ENV, free_port
+from test_sharded_trainer import segments_held
 
 from wsync_grpc.testing import EngineProcess, cli_command, spawn_process, stop_all
 
@@ -50,9 +52,9 @@ def fleet(model_dir: Path, tmp_path: Path) -> Iterator[list[EngineProcess]]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["gather", "direct"])
+@pytest.mark.parametrize(("mode", "catch_up"), [("gather", "broadcast"), ("direct", "shared_memory")])
 def test_an_engine_killed_mid_sync_is_left_out_and_caught_up_after_its_restart(
-    mode: str, model_dir: Path, fleet: list[EngineProcess], tmp_path: Path
+    mode: str, catch_up: str, model_dir: Path, fleet: list[EngineProcess], tmp_path: Path
 ) -> None:
     targets = [e.target for e in fleet]
     go = tmp_path / "catch-up"
@@ -60,7 +62,7 @@ def test_an_engine_killed_mid_sync_is_left_out_and_caught_up_after_its_restart(
         targets,
         *("--model", str(model_dir), "--steps", "2", "--modes", mode, "--min-engines", "2"),
         *("--bucket-bytes", str(512 << 10), "--progress", "--bucket-delay", "0.1", "--check", "checksums"),
-        *("--catch-up-after", str(go)),
+        *("--catch-up-after", str(go), "--catch-up-transport", catch_up),
     )
     first, second = (f"step-{s}-{mode}" for s in (1, 2))
     for r in ranks:
@@ -80,7 +82,11 @@ def test_an_engine_killed_mid_sync_is_left_out_and_caught_up_after_its_restart(
     for r in ranks:
         caught = r.wait_for("caught_up")
         assert caught["engines"] == [fleet[2].target], caught
+        # Through shared memory no group was formed for it; by broadcast, one for it alone.
+        assert (caught["init_seconds"] > 0) == (catch_up == "broadcast"), caught
     checked = [e for e in ranks[0].events if e["event"] == "checked" and e["version"] == second][-1]
     assert checked["failures"] == [], checked  # all three, the restarted one included, bit-exact
     codes = [r.wait(LONG) for r in ranks]
     assert codes == [0, 0], [r.stderr for r in ranks]
+    if catch_up == "shared_memory":
+        assert segments_held(fleet[2].pid) == 0  # the restarted engine's worker unmapped both ranks' rings

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from fsdp_ranks import start_ranks
+from test_shared_memory import dev_shm
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -135,8 +137,10 @@ def test_ranks_that_disagree_fail_on_every_rank_within_seconds(engine: EnginePro
     assert _stub(engine.target).GetStatus(pb.GetStatusRequest(), timeout=10).weight_version == before
 
 
+@functools.cache
 def expected_checksums(step: int) -> dict[str, str]:
-    """The SHA-256 of every tensor the ranks send after ``step`` perturbations (computed here, unsharded)."""
+    """The SHA-256 of every tensor the ranks send after ``step`` perturbations (computed here, unsharded; once per
+    module run: the model loads in seconds)."""
     from wsync_grpc.core.checksums import tensor_sha256
     from wsync_grpc.engines.models import load_causal_lm
     from wsync_grpc.tools.fsdp_rank import perturb
@@ -147,14 +151,28 @@ def expected_checksums(step: int) -> dict[str, str]:
     return {n: tensor_sha256(p.detach()) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize(("mode", "victim"), [("gather", 1), ("gather", 0), ("direct", 1), ("direct", 0)])
+@pytest.mark.parametrize(
+    ("mode", "victim", "transport"),
+    # The direct mode's follower killed mid-send runs through shared memory (every rank its own ring; the engine's
+    # worker reads both): the same promises, and nothing left in /dev/shm or mapped in the engine.
+    [
+        ("gather", 1, "broadcast"),
+        ("gather", 0, "broadcast"),
+        ("direct", 0, "broadcast"),
+        ("direct", 1, "shared_memory"),
+    ],
+)
 def test_a_rank_killed_mid_transfer_fails_the_others_and_the_engine_keeps_its_weights(
-    engine: EngineProcess, mode: str, victim: int
+    engine: EngineProcess, mode: str, victim: int, transport: str
 ) -> None:
     stub = _stub(engine.target)
+    shm_before = dev_shm()
     # Small buckets: a sync is ~130 buckets, and the kill lands after a random one of the first 40 of sync 2
     # (in the direct mode rank 0 sends every other bucket, and reports those).
-    ranks = start_ranks([engine.target], "--steps=4", "--bucket-bytes=4000000", "--progress", f"--modes={mode}")
+    ranks = start_ranks(
+        [engine.target],
+        *("--steps=4", "--bucket-bytes=4000000", "--progress", f"--modes={mode}", f"--transport={transport}"),
+    )
     ranks[0].wait_for("synced", version=f"step-1-{mode}")
     after = random.randint(1, 20) * 2 - 1 if mode == "direct" else random.randint(2, 40)
     ranks[0].wait_for("bucket", version=f"step-2-{mode}", sent=after)
@@ -178,8 +196,16 @@ def test_a_rank_killed_mid_transfer_fails_the_others_and_the_engine_keeps_its_we
     assert served.weight_version == f"step-1-{mode}"
     got, want = {c.name: c.sha256 for c in served.checksums}, expected_checksums(step=1)
     assert {n: got.get(n) for n in want} == want
+    if transport == "shared_memory":  # the engine's worker unmapped both rings; the dead rank's memfd went with it
+        assert status.HasField("group") is False
+        while segments_held(engine.process.pid) and time.monotonic() < killed_at + 5:  # within the liveness bound
+            time.sleep(0.05)
+        assert segments_held(engine.process.pid) == 0
+        assert dev_shm() == shm_before
     # The trainer re-forms (new processes) and the next sync succeeds.
-    again = start_ranks([engine.target], "--steps=1", "--version-suffix=-again", f"--modes={mode}")
+    again = start_ranks(
+        [engine.target], "--steps=1", "--version-suffix=-again", f"--modes={mode}", f"--transport={transport}"
+    )
     assert [r.wait() for r in again] == [0, 0], [r.stderr for r in again]
     assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).weight_version == f"step-1-{mode}-again"
 

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from support import ENV, status, tensor_server
+from support import ENV, ROOT, assert_serve, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc import transports
@@ -42,8 +42,8 @@ from wsync_grpc.core.update import Payload, ReceivePlan
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.reference import ReferenceEngine
 from wsync_grpc.engines.tensor import TensorEngine
-from wsync_grpc.testing import in_process_server
-from wsync_grpc.trainer import SyncError, SyncProgress, TrainerClient
+from wsync_grpc.testing import in_process_server, spawn_engine, stop_all, wait_all
+from wsync_grpc.trainer import FleetPolicy, SyncError, SyncProgress, TrainerClient
 from wsync_grpc.trainer.options import ApplyMode as ApplyModeName
 from wsync_grpc.transports import shared_memory
 from wsync_grpc.transports.shared_memory.protocol import boot_id
@@ -598,6 +598,72 @@ def test_a_trainer_sigkilled_mid_update_leaves_the_engine_its_weights_and_nothin
     assert dev_shm() == shm_before
 
 
+def segments_held(pid: int) -> int:
+    """The mappings and descriptors of shared-memory segments process ``pid`` holds."""
+    held = sum(SEGMENT in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SEGMENT)
+    return held
+
+
+@pytest.mark.parametrize("policy", ["fail", "exclude"])
+def test_an_engine_process_sigkilled_mid_sync_fails_it_or_is_left_out_per_the_fleet_policy(
+    tmp_path: Path, policy: str
+) -> None:
+    """Two ``wsync serve`` engine processes (the tiny synthetic model in float32) take v1 through shared memory;
+    during v2's, one of them is SIGKILLed once bucket 1 was copied out everywhere (as the broadcast fleet tests kill
+    one mid-broadcast). The trainer's ring loses that reader at once: under ``fail`` the sync fails naming it,
+    published nowhere, and the survivor serves v1 whole; under ``exclude`` (``min_fraction=0.5``) the update runs
+    again on the survivor alone, which serves v2 bit-exact. Either way the trainer returns within seconds, the
+    survivor holds no mapping or descriptor of a segment, no handover socket is left, and ``/dev/shm`` is as it
+    was."""
+    shm_before = dev_shm()
+    args = ["--synthetic", "tiny", "--dtype", "float32", "--grace", "1"]
+    engines = [
+        spawn_engine(args, port_file=tmp_path / f"e{i}.port", log=tmp_path / f"e{i}.log", env=ENV, cwd=ROOT, wait=False)
+        for i in range(2)
+    ]
+    try:
+        wait_all(engines)
+        survivor, victim = engines
+        v1, v2 = (synthetic.build("tiny", seed=s, dtype=torch.float32) for s in (1, 2))
+        killed: list[float] = []
+
+        def kill_after_bucket_1(p: SyncProgress) -> None:
+            if p.buckets_sent == 2 and not killed:
+                victim.kill()
+                killed.append(time.monotonic())
+
+        fleet = FleetPolicy.exclude(min_fraction=0.5) if policy == "exclude" else FleetPolicy()
+        targets = [e.target for e in engines]
+        with TrainerClient(targets, rpc_timeout_s=30, group_timeout_s=60, policy=fleet, **SMALL) as client:
+            client.sync(v1.items(), "v1", transport="shared_memory")
+            assert_serve(targets, "v1", v1)
+            if policy == "fail":
+                with pytest.raises(SyncError) as e:
+                    client.sync(v2.items(), "v2", transport="shared_memory", progress=kill_after_bucket_1)
+                ended = time.monotonic()
+                assert victim.target in e.value.failures and e.value.published == "none", e.value
+                assert not e.value.results and e.value.stage in ("broadcast", "verify"), e.value
+                assert_serve([survivor.target], "v1", v1)
+            else:
+                r = client.sync(v2.items(), "v2", transport="shared_memory", progress=kill_after_bucket_1)
+                ended = time.monotonic()
+                assert list(r.excluded) == [victim.target] and r.attempts == 2, r
+                assert list(r.engines) == [survivor.target] and client.group is None
+                assert r.engines[survivor.target].buckets_verified == r.bucket_count
+                assert_serve([survivor.target], "v2", v2)
+            assert killed and ended - killed[0] < 10, "the trainer took too long to notice the dead engine"
+            with TrainerClient([survivor.target], rpc_timeout_s=30) as reader:
+                (st,) = reader.status().values()
+            assert (st.dirty, st.paused, st.update) == (False, False, None), st
+            assert segments_held(survivor.pid) == 0 and not listening_sockets() and "r--s" not in mappings()
+    finally:
+        stop_all(engines, grace_s=2)
+    assert dev_shm() == shm_before
+
+
 HOLDER = """
 import sys
 from wsync_grpc.transports.shared_memory.protocol import boot_id
@@ -721,7 +787,7 @@ def test_shared_and_unshared_tensors_mixed_in_one_sync_bit_exact() -> None:
     """The embedding (a bucket alone) and one layer's tensors in shared memory, the rest not, one bucket holding
     both kinds: the buckets whose tensors are all shared are read from their storages (views of one flat storage,
     at offsets of its own), the others packed into the ring; bit-exact, digests verified. With the path turned off,
-    the same tensors all go through the ring."""
+    the same tensors all go through the ring (the client's ``shared_memory_zero_copy``, assigned)."""
     aliases = synthetic.aliases("tiny")
     base = synthetic.build("tiny", seed=7)
     shared_part = {n: t for n, t in base.items() if "embed" in n or ".layers.1." in n}
@@ -739,13 +805,55 @@ def test_shared_and_unshared_tensors_mixed_in_one_sync_bit_exact() -> None:
         for n, t in new.items():
             assert torch.equal(engine.tensors[n], t), n
 
-        sm_sender(client).storages = False
+        client.shared_memory_zero_copy = False
         newer = {n: t.clone() + 1 for n, t in base.items()}
         r2 = client.sync(newer.items(), "v2", transport="shared_memory")
         assert sm_sender(client).last_send.storage_buckets == 0
         got = served(client)[srv.address]
         assert got == sums(newer, got, aliases) and r2.engines[srv.address].buckets_verified == r2.bucket_count
     del flat
+
+
+def test_with_zero_copy_off_a_model_in_shared_memory_is_packed_into_the_ring(
+    make_tiny_llama: Any, smollm2_tokenizer: Any
+) -> None:
+    """``TrainerClient(shared_memory_zero_copy=False)``: a ``share_memory()``'d module (a tiny Llama, every parameter
+    in shared memory, synced in its own dtype) has every bucket packed into the ring, none read from its storages,
+    into a reference engine behind a real server, bit-exact, digests verified; the engine got no descriptor of a
+    storage. Assigned back on, the next sync of the same module reads every bucket from its storages."""
+    trained = make_tiny_llama(seed=3)
+    trained.share_memory()
+    fds_before = torch_shm_fds()
+    assert fds_before >= len(list(trained.parameters()))
+    with (
+        ReferenceEngine(make_tiny_llama(seed=0), smollm2_tokenizer, name="tiny") as engine,
+        in_process_server(engine) as (srv, stub),
+        TrainerClient([srv.address], shared_memory_zero_copy=False, **SMALL) as client,
+    ):
+        assert client.shared_memory_zero_copy is False
+        r = client.sync(trained.named_parameters(), "v1", transport="shared_memory")
+        counts = sm_sender(client).last_send
+        assert sm_sender(client).storages is False
+        assert (counts.storage_buckets, counts.storage_bytes) == (0, 0)
+        assert (counts.packed_buckets, counts.packed_bytes) == (r.bucket_count, r.wire_bytes)
+        assert r.bucket_count > 3 and r.pack_seconds > 0
+        assert r.engines[srv.address].buckets_verified == r.bucket_count
+        want = {n: tensor_sha256(t) for n, t in trained.state_dict().items()}
+        got = served(client)[srv.address]
+        assert got == {n: want[n] for n in got} and status(stub).weight_version == "v1"
+        assert torch_shm_fds() == fds_before and storage_mappings().get("r--s", 0) == 0
+
+        client.shared_memory_zero_copy = True  # from the next sync on
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.add_(1)  # in place: the storages stay shared
+        r2 = client.sync(trained.named_parameters(), "v2", transport="shared_memory")
+        counts = sm_sender(client).last_send
+        assert (counts.packed_buckets, counts.storage_buckets) == (0, r2.bucket_count) and r2.pack_seconds == 0
+        want = {n: tensor_sha256(t) for n, t in trained.state_dict().items()}
+        got = served(client)[srv.address]
+        assert got == {n: want[n] for n in got} and r2.engines[srv.address].buckets_verified == r2.bucket_count
+        assert torch_shm_fds() == fds_before
 
 
 def test_a_storage_truncated_under_the_engines_read_fails_cleanly_with_the_old_weights_kept(

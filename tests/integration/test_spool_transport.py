@@ -80,16 +80,18 @@ def test_the_registry_line_is_all_it_takes(monkeypatch: pytest.MonkeyPatch) -> N
     assert not shipped, shipped
 
 
-def test_unregistered_the_request_is_refused_and_nothing_changes() -> None:
-    """The same request without the registry line: UNIMPLEMENTED, no byte written, the engine untouched."""
+def test_unregistered_the_request_is_refused_and_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same request without a registry line for its transport (the slot it borrows emptied: CUDA IPC's own part
+    serves it otherwise): UNIMPLEMENTED, no byte written, the engine untouched."""
+    monkeypatch.delitem(transports.TRANSPORTS, Transport.CUDA_IPC)
     new = synthetic.build("tiny", seed=7)
     with tensor_server("tiny", seed=0) as (srv, _engine, stub), TrainerClient([srv.address], **SMALL) as client:  # type: ignore[arg-type]
         before = served(client)
-        with pytest.raises(Unimplemented) as e:  # the trainer half: the placeholder part has no sender
+        with pytest.raises(Unimplemented) as e:  # the trainer half: no part serves the transport
             client.run_update(NamedTensors(new.items()), request("v1"))
         assert e.value.reason == "TRANSPORT_UNIMPLEMENTED", e.value
         header = pb.PrepareHeader(weight_version="v1", transport=pb.TRANSPORT_CUDA_IPC, bucket_count=1)
-        with pytest.raises(grpc.RpcError) as rpc:  # the engine half: the placeholder refuses the header
+        with pytest.raises(grpc.RpcError) as rpc:  # the engine half: no part serves the header's transport
             stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=30)
         assert rpc.value.code() == grpc.StatusCode.UNIMPLEMENTED, rpc.value
         assert served(client) == before and status(stub).weight_version == ""

@@ -52,11 +52,13 @@ BAD_BY_TYPE: dict[Callable[[str], object], list[str]] = {
     options.log_level: ["bogus"],
     options.target: ["nope", "host:99999", ":50051", "host:"],
     options.non_empty: ["", "  "],
+    options.device: ["gpu", "cuda:x", "cpu:0"],
 }
 """Bad values of each value type (``{dir}``, ``{file}``: a directory and a file that exist)."""
 
 CHECKED: dict[tuple[str, str], list[str]] = {
     ("serve", "--engine"): ["nosuch"],
+    ("serve", "--device"): ["cuda:7"],  # checked before the model loads: this host has no such device
     ("serve", "--synthetic"): ["nosuch"],
     ("serve", "--size"): ["nosuch"],
     ("serve", "--allow-master"): ["notacidr"],

@@ -8,7 +8,6 @@ import threading
 import pytest
 import torch
 
-from wsync_grpc.core.errors import Unimplemented
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.planning import TensorMeta, plan_metadata
 from wsync_grpc.core.topology import SendTopology
@@ -19,6 +18,7 @@ from wsync_grpc.transports import transport_for
 from wsync_grpc.transports.broadcast.sender import BroadcastSender as TransportBroadcastSender
 from wsync_grpc.transports.broadcast.sender import PackBuffers
 from wsync_grpc.transports.sending import ENGINE_READS, ONE_PROCESS, SendJob, SendSite
+from wsync_grpc.transports.shared_memory.sender import SharedMemorySender
 
 
 def test_named_tensors_send_tied_tensors_once_under_their_first_name() -> None:
@@ -74,8 +74,8 @@ def test_each_transport_part_builds_its_own_trainer_half() -> None:
     assert (ONE_PROCESS.trainer_ranks, ONE_PROCESS.rank) == (1, 0)
     assert isinstance(transport_for(Transport.BROADCAST).sender(site), TransportBroadcastSender)
     assert transport_for(Transport.DISK).sender(site) is ENGINE_READS
-    with pytest.raises(Unimplemented, match="TRANSPORT_CUDA_IPC"):
-        transport_for(Transport.CUDA_IPC).sender(site)
+    cuda_ipc = transport_for(Transport.CUDA_IPC).sender(site)  # the colocated ring's sender, over GPU memory
+    assert isinstance(cuda_ipc, SharedMemorySender) and cuda_ipc.segment is None  # nothing allocated until a send
 
 
 def test_one_process_cannot_send_a_topology_of_several_ranks() -> None:

@@ -106,7 +106,7 @@ def test_a_second_header_is_refused() -> None:
 
 @pytest.mark.parametrize("transport", [Transport.CUDA_IPC, Transport.DISK])
 def test_transports_not_offered_are_unimplemented(transport: Transport) -> None:
-    """Without the registry a validator takes broadcasts only; with it, CUDA IPC is refused by its own module."""
+    """Without the registry a validator takes broadcasts only (the registry's parts check the others)."""
     with pytest.raises(Unimplemented) as e:
         UpdateValidator(SPECS, ALIASES).header_message(header(transport=transport))
     assert e.value.reason == "TRANSPORT_UNIMPLEMENTED"
@@ -124,10 +124,10 @@ def test_the_registry_has_a_module_for_every_transport_of_the_contract() -> None
             (Transport.CUDA_IPC, False, False),
             (Transport.SHARED_MEMORY, False, False),
         }
-    with pytest.raises(Unimplemented) as e:
+    with pytest.raises(InvalidArgument) as ia:  # CUDA IPC is the colocated ring's: it needs the ring's handle
         transport_for(Transport.CUDA_IPC).check_header(header(transport=Transport.CUDA_IPC))
-    assert (e.value.reason, e.value.metadata) == ("TRANSPORT_UNIMPLEMENTED", {"transport": "TRANSPORT_CUDA_IPC"})
-    with pytest.raises(Unimplemented):
+    assert ia.value.reason == "SHARED_MEMORY_HANDLE" and "TRANSPORT_CUDA_IPC" in ia.value.message
+    with pytest.raises(InvalidArgument):
         UpdateValidator(SPECS, ALIASES, transports=transport_for).header_message(header(transport=Transport.CUDA_IPC))
     disk = UpdateValidator(SPECS, ALIASES, transports=transport_for).header_message(
         header(transport=Transport.DISK, checkpoint_path="ckpt", bucket_count=0, total_bytes=0)

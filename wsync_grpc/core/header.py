@@ -12,11 +12,34 @@ from wsync_grpc.core.errors import InvalidArgument, Unimplemented
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.core.lora import LoraSpec, check_name, check_spec
 
+CUDA_IPC_HANDLE_BYTES = 64
+"""Length of a ``cudaIpcMemHandle_t``, in bytes (``CUDA_IPC_HANDLE_SIZE`` in CUDA's ``driver_types.h``)."""
+
+
+@dataclass(frozen=True)
+class CudaIpcMemory:
+    """A ring held in GPU memory (``wsync.v1.CudaIpcMemory``, ``TRANSPORT_CUDA_IPC``): one ``cudaMalloc`` allocation
+    of the trainer's, exported with ``cudaIpcGetMemHandle``; structured fields, never a pickled handle.
+
+    Attributes:
+        device_uuid: the UUID of the GPU holding it, as ``str(torch.cuda.get_device_properties(i).uuid)`` gives it
+            (the engine finds the device by identity, whatever ``CUDA_VISIBLE_DEVICES`` numbers it).
+        memory_handle: the ``cudaIpcMemHandle_t``'s :data:`CUDA_IPC_HANDLE_BYTES` bytes.
+        offset_bytes: where the ring starts in the allocation, in bytes (0 for a wsync trainer's own allocation).
+        size_bytes: the allocation's size from ``offset_bytes`` on, in bytes (at least the ring's slots).
+    """
+
+    device_uuid: str
+    memory_handle: bytes
+    offset_bytes: int
+    size_bytes: int
+
 
 @dataclass(frozen=True)
 class SharedMemoryHandle:
-    """Where a colocated trainer hands over the shared-memory segment of a ``TRANSPORT_SHARED_MEMORY`` update
-    (``wsync.v1.SharedMemoryHandle``): structured fields, never a pickled handle.
+    """Where a colocated trainer hands over the ring of a ``TRANSPORT_SHARED_MEMORY`` update (a memfd) or a
+    ``TRANSPORT_CUDA_IPC`` one (a CUDA allocation, :attr:`cuda_ipc`) (``wsync.v1.SharedMemoryHandle``): structured
+    fields, never a pickled handle.
 
     Attributes:
         socket_name: the trainer's Unix socket in the abstract namespace (Linux), without the leading NUL.
@@ -27,6 +50,8 @@ class SharedMemoryHandle:
         storages: the trainer may send a bucket whose tensors already live in its shared memory as reads of
             those storages instead of through a slot (:mod:`wsync_grpc.transports.shared_memory.storages`);
             ``False``: every bucket comes through a slot.
+        cuda_ipc: the ring's memory when it is a CUDA allocation (``TRANSPORT_CUDA_IPC``,
+            :mod:`wsync_grpc.transports.cuda_ipc`); ``None``: a memfd handed over on the socket.
     """
 
     socket_name: str
@@ -35,6 +60,7 @@ class SharedMemoryHandle:
     slot_bytes: int
     slots: int
     storages: bool = False
+    cuda_ipc: CudaIpcMemory | None = None
 
     @property
     def segment_bytes(self) -> int:

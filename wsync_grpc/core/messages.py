@@ -36,7 +36,7 @@ from wsync_grpc.core.errors import (
     Unavailable,
     WsyncError,
 )
-from wsync_grpc.core.header import SharedMemoryHandle
+from wsync_grpc.core.header import CudaIpcMemory, SharedMemoryHandle
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Piece, TensorSlot, Transport
 from wsync_grpc.core.update import Payload, ReceivePlan, SourceFile
 
@@ -173,7 +173,7 @@ def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
         buckets=tuple(bucket_from_msg(b) for b in m["buckets"]),
         closed=bool(m["closed"]),
         update_id=str(m["update_id"]),
-        shared_memory=SharedMemoryHandle(**m["shared_memory"]) if m["shared_memory"] is not None else None,
+        shared_memory=handle_from_msg(m["shared_memory"]) if m["shared_memory"] is not None else None,
         files={
             str(name): SourceFile(str(root), str(path), int(device), int(inode))
             for name, (root, path, device, inode) in m["files"].items()
@@ -181,8 +181,19 @@ def plan_from_msg(m: Mapping[str, Any]) -> ReceivePlan:
         timeout_s=float(m["timeout_s"]),
         digests_follow=bool(m.get("digests_follow", False)),
         keep_base=bool(m.get("keep_base", False)),
-        shared_memory_ranks=tuple(SharedMemoryHandle(**h) for h in m.get("shared_memory_ranks", ())),
+        shared_memory_ranks=tuple(handle_from_msg(h) for h in m.get("shared_memory_ranks", ())),
     )
+
+
+def handle_from_msg(m: Mapping[str, Any]) -> SharedMemoryHandle:
+    """A ring's handle as :func:`plan_to_msg` wrote it (``dataclasses.asdict``: its ``cuda_ipc`` a dict or ``None``).
+
+    Raises:
+        KeyError, TypeError: not such a message.
+    """
+    fields = dict(m)
+    cuda_ipc = fields.pop("cuda_ipc", None)
+    return SharedMemoryHandle(**fields, cuda_ipc=CudaIpcMemory(**cuda_ipc) if cuda_ipc is not None else None)
 
 
 def buckets_from_msg(ms: Sequence[Mapping[str, Any]]) -> list[Bucket]:

@@ -283,10 +283,11 @@ class UpdateValidator:
             self._from_source = rules.engine_builds_buckets
         elif h.transport is not Transport.BROADCAST:
             raise transport_unimplemented(h.transport)
-        if h.shared_memory_rings and h.transport is not Transport.SHARED_MEMORY:
+        if h.shared_memory_rings and h.transport not in (Transport.SHARED_MEMORY, Transport.CUDA_IPC):
             raise InvalidArgument(
                 "UNEXPECTED_SHARED_MEMORY",
-                "header.shared_memory and header.shared_memory_ranks are for transport TRANSPORT_SHARED_MEMORY only",
+                "header.shared_memory and header.shared_memory_ranks are for transports TRANSPORT_SHARED_MEMORY and "
+                "TRANSPORT_CUDA_IPC only",
             )
         if h.shared_memory_ranks:  # no group: the trainer's sending ranks are the rings the header names
             self._trainer_ranks = len(h.shared_memory_ranks)

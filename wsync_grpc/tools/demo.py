@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         default="broadcast",
         choices=SENT_TRANSPORTS,
         help="how the weights travel: over the weight-sync group (broadcast), or through shared memory "
-        "(shared_memory: the engines run on this host, as the demo's do)",
+        "(shared_memory: the engines run on this host, as the demo's do); cuda_ipc needs the policy's tensors "
+        "on a GPU (the demo's are on the CPU: refused before any call)",
     )
     p.add_argument(
         "--wire-dtype",

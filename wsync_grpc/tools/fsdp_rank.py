@@ -196,8 +196,10 @@ def run(args: argparse.Namespace) -> int:
                 loss = _train_step(model, optimizer, batch)
             else:
                 perturb(model, seed=step)
-            for mode in args.modes.split(","):
-                version = f"step-{step}-{mode}{args.version_suffix}"
+            for entry in args.modes.split(","):
+                mode, _, own_transport = entry.partition(":")  # "direct:shared_memory": this sync's own transport
+                transport = own_transport or args.transport
+                version = f"step-{step}-{mode}{'-' + own_transport if own_transport else ''}{args.version_suffix}"
                 emit(event="sync_start", rank=c.rank, version=version, mode=mode, step=step)
                 t0 = time.monotonic()
                 try:
@@ -209,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
                         dtype=wire,
                         progress=_progress(version, args.bucket_delay) if args.progress else None,
                         delta=args.delta,
-                        transport=args.transport,
+                        transport=transport,  # type: ignore[arg-type]
                     )
                 except (ClientError, ValueError) as e:  # RanksDisagree is a ValueError
                     lost = e.lost if isinstance(e, TrainerRankLost) else []
@@ -246,9 +248,15 @@ def run(args: argparse.Namespace) -> int:
                     ok = ok and not failures
         if args.catch_up_after is not None:
             _wait_for_file(args.catch_up_after)
-            mode = args.modes.split(",")[0]
-            caught = c.catch_up(model.named_parameters(), mode=mode, transport=args.transport)  # type: ignore[arg-type]
-            emit(event="caught_up", rank=c.rank, engines=sorted(caught.engines) if caught else [])
+            mode = args.modes.split(",")[0].partition(":")[0]
+            transport = args.catch_up_transport or args.transport
+            caught = c.catch_up(model.named_parameters(), mode=mode, transport=transport)  # type: ignore[arg-type]
+            emit(
+                event="caught_up",
+                rank=c.rank,
+                engines=sorted(caught.engines) if caught else [],
+                init_seconds=caught.init_seconds if caught else 0.0,
+            )
             if args.check != "none" and caught is not None:
                 failures = _check(c, model, caught.weight_version, wire, None)
                 ok = ok and not failures
@@ -266,7 +274,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-master-address", default="127.0.0.1", help="where engines reach trainer rank 0")
     p.add_argument("--targets", required=True, help="engines' control addresses, comma-separated")
     p.add_argument("--steps", type=int, default=1, help="steps, each followed by one sync per mode")
-    p.add_argument("--modes", default="gather", help="send modes to sync in after each step, comma-separated")
+    p.add_argument(
+        "--modes",
+        default="gather",
+        help="send modes to sync in after each step, comma-separated; MODE:TRANSPORT syncs in MODE by TRANSPORT "
+        "(else --transport's), its version suffixed with -TRANSPORT",
+    )
     p.add_argument("--train", action="store_true", help="a real AdamW step per step (default: a seeded perturbation)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--apply-mode", default="staged", choices=["staged", "streaming"])
@@ -274,7 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--transport",
         default="broadcast",
         choices=["broadcast", "shared_memory"],
-        help="how the bytes travel (shared_memory: engines on this host, gather mode)",
+        help="how the bytes travel (shared_memory: engines on this host, either mode)",
     )
     add_setting_options(p, *CLIENT_OPTIONS, defaults=RANK_DEFAULTS)
     p.add_argument(
@@ -307,6 +320,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="after the steps, wait for this file, then catch the engines behind up (collectively)",
+    )
+    p.add_argument(
+        "--catch-up-transport",
+        default=None,
+        choices=["broadcast", "shared_memory"],
+        help="how the catch-up's bytes travel (default: --transport's)",
     )
     return p.parse_args(argv)
 

@@ -108,6 +108,35 @@ def count(text: str) -> int:
     return _integer_from(text, 0)
 
 
+def device(text: str) -> str:
+    """A device to serve a model on: ``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``, as PyTorch spells
+    them (whether this host has it is checked before the model loads: :func:`check_device`).
+
+    Raises:
+        argparse.ArgumentTypeError: another spelling.
+    """
+    kind, _, index = text.partition(":")
+    if (kind == "cpu" and not _) or (kind == "cuda" and (not _ or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu, cuda or cuda:N")
+
+
+def check_device(text: str, option: str = "--device") -> None:
+    """That this host has the device ``text`` (:func:`device`'s value); imports PyTorch.
+
+    Raises:
+        UsageError: a CUDA device where PyTorch sees none, or an index beyond those it sees.
+    """
+    if not text.startswith("cuda"):
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(text.partition(":")[2] or 0)
+    if index >= n:
+        raise UsageError(f"{option} {text}: this host has {n} CUDA device(s) PyTorch can use")
+
+
 def file_path(text: str) -> Path:
     """A file that must exist on this host (checked by :func:`check_paths`, after parsing).
 

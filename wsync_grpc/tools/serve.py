@@ -300,6 +300,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     src.add_argument("--synthetic", metavar="PRESET", help="short for --engine synthetic --size PRESET")
     s.add_argument("--dtype", choices=SERVED_DTYPES, default="float32", help="served dtype (reference, synthetic)")
+    s.add_argument(
+        "--device",
+        type=options.device,
+        default="cpu",
+        help="device the model is served on: cpu (default), cuda or cuda:N (reference, synthetic)",
+    )
     s.add_argument("--token", help="require 'authorization: Bearer TOKEN' (or set WSYNC_TOKEN); an operator's")
     s.add_argument(
         "--token-file",

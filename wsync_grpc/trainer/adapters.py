@@ -43,7 +43,8 @@ def adapter_update(
             whose active LoRA adapter's tensors the trainer sends by ``transport``.
         transport: how a live adapter's tensors travel, the caller's
             :data:`~wsync_grpc.trainer.options.TransportName`: ``"broadcast"`` (over the weight-sync group) or
-            ``"shared_memory"`` (engines on this host). A directory's files are read by the engines
+            ``"shared_memory"`` (engines on this host) or ``"cuda_ipc"`` (tensors on a GPU, engines on that GPU). A
+            directory's files are read by the engines
             (``TRANSPORT_DISK``): it takes the default only.
         bucket_bytes: bucket capacity of a live adapter's tensors, in bytes.
         update_id, on_phase: as :meth:`TrainerClient.sync <wsync_grpc.trainer.client.TrainerClient.sync>`'s.

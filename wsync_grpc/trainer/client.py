@@ -143,6 +143,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
         alignment: int = Settings.alignment,
         ramp_bytes: int = Settings.ramp_bytes,
         solo_bytes: int = Settings.solo_bytes,
+        shared_memory_zero_copy: bool = Settings.shared_memory_zero_copy,
         digests: bool | None = None,
         delta: bool = Settings.delta,
         delta_anchor_every: int = Settings.delta_anchor_every,
@@ -314,9 +315,11 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
             transport: how the bytes travel: ``"broadcast"`` (default: over the weight-sync group, formed by
                 :meth:`init`) or ``"shared_memory"`` (engines on this host: each bucket packed into a
                 shared-memory segment the engines' workers map read-only; no group, flattened layout only:
-                :mod:`wsync_grpc.transports.shared_memory`). Or a mixed fleet, target -> one of those (targets
-                not named: ``"broadcast"``): both in one fleet commit, staged and flattened
-                (:mod:`wsync_grpc.trainer.mixed`). Never chosen by the client itself.
+                :mod:`wsync_grpc.transports.shared_memory`) or ``"cuda_ipc"`` (tensors on a GPU, engines on that
+                GPU: the same ring in GPU memory, :mod:`wsync_grpc.transports.cuda_ipc`; not yet verified on a GPU).
+                Or a mixed fleet, target -> ``"broadcast"`` or ``"shared_memory"`` (targets not named:
+                ``"broadcast"``): both in one fleet commit, staged and flattened (:mod:`wsync_grpc.trainer.mixed`).
+                Never chosen by the client itself.
             delta: send only the elements whose value in the wire dtype changed since this client's last sync,
                 when every engine serves what it sent (whole otherwise; ``(name, tensor)`` pairs, flattened
                 layout: :mod:`wsync_grpc.trainer.delta`; :attr:`SyncResult.delta` says what was sent). ``None``:
@@ -476,7 +479,8 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
             version: its version, reported with every answer it produces.
             update_id, on_phase, policy: as for :meth:`sync`.
             transport: a live adapter's, as for :meth:`sync` (``"broadcast"`` forms the weight-sync group,
-                ``"shared_memory"`` none); a directory takes the default only. Never chosen by the client.
+                ``"shared_memory"`` and ``"cuda_ipc"`` none); a directory takes the default only. Never chosen by
+                the client.
 
         Raises:
             ValueError: an empty version, a bad ``transport`` (``"shared_memory"`` with a directory), or an

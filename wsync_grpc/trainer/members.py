@@ -175,7 +175,8 @@ class MemberCalls(ClientParts):
                 <wsync_grpc.trainer.sharded.ShardedTrainerClient.catch_up>`; shared memory carries its
                 ``gather`` topology, not ``direct``).
             transport: how ``named_tensors`` travel, as for :meth:`sync`: ``"broadcast"`` (default) or
-                ``"shared_memory"`` (members behind on this host: :mod:`wsync_grpc.transports.shared_memory`).
+                ``"shared_memory"`` (members behind on this host: :mod:`wsync_grpc.transports.shared_memory`) or
+                ``"cuda_ipc"`` (tensors on a GPU, members behind on that GPU: :mod:`wsync_grpc.transports.cuda_ipc`).
                 Unused when the members read the fleet's checkpoint. Never chosen by the client itself.
 
         Returns:

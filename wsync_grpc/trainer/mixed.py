@@ -108,7 +108,8 @@ class TransportMix:
         the same transport is a plain sync by it.
 
         Raises:
-            ValueError: an unknown transport name, or a mapping naming a target that is no member.
+            ValueError: an unknown transport name, a mapping naming a target that is no member, or one mixing
+                ``"cuda_ipc"`` with another transport.
         """
         if isinstance(choice, str):
             return cls(transport_of(choice))
@@ -119,12 +120,15 @@ class TransportMix:
                 f"(its engines: {', '.join(members)})"
             )
         chosen = {t: transport_of(name) for t, name in choice.items()}
-        local = frozenset(t for t in members if chosen.get(t) is Transport.SHARED_MEMORY)
-        if not local:
-            return cls(Transport.BROADCAST)
-        if len(local) == len(members):
-            return cls(Transport.SHARED_MEMORY)
-        return cls(None, local)
+        kinds = {chosen.get(t, Transport.BROADCAST) for t in members}
+        if len(kinds) == 1:
+            return cls(kinds.pop())
+        if Transport.CUDA_IPC in kinds:
+            raise ValueError(
+                "a mixed fleet mixes 'shared_memory' and 'broadcast' only: engines taking 'cuda_ipc' sync alone "
+                "(transport='cuda_ipc' for every engine of the client)"
+            )
+        return cls(None, frozenset(t for t in members if chosen.get(t) is Transport.SHARED_MEMORY))
 
     def request(self, request: BroadcastRequest) -> BroadcastRequest:
         """``request`` (built as a broadcast) as the kind this mix sends: one transport's, or a :class:`MixedRequest`.

@@ -50,11 +50,12 @@ PauseModeName = Literal["abort", "wait", "keep"]
 BackendName = Literal["gloo", "nccl", ""]
 """Collective backend; ``""`` lets each side choose by device (NCCL on CUDA, gloo on CPU)."""
 
-TransportName = Literal["broadcast", "shared_memory"]
+TransportName = Literal["broadcast", "shared_memory", "cuda_ipc"]
 """How the bytes of an update the trainer sends travel (``wsync.v1.Transport``): over the weight-sync group,
-or through a shared-memory segment on the engines' host (colocated engines)."""
+through a shared-memory segment on the engines' host (colocated engines, tensors on CPU), or through a ring in
+the trainer's GPU memory that engines on that GPU open by CUDA IPC (tensors on a GPU)."""
 
-SENT_TRANSPORTS: tuple[str, ...] = ("broadcast", "shared_memory")
+SENT_TRANSPORTS: tuple[str, ...] = ("broadcast", "shared_memory", "cuda_ipc")
 """The :data:`TransportName` values, in the order the docs list them."""
 
 

@@ -23,6 +23,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
+from wsync_grpc.core.header import DELTA_TRANSPORTS
 from wsync_grpc.core.layout import ApplyMode, Layout, Transport
 from wsync_grpc.trainer.deadline import CancelSignal, check_timeout
 from wsync_grpc.trainer.delta import DeltaPayload, DeltaSync, DeltaTracker, SyncPlan, fallen_back
@@ -146,14 +147,16 @@ class ClientParts:
         ``source`` is then its :class:`~wsync_grpc.trainer.sharded.source.DirectSource`).
 
         Raises:
-            ValueError: ``source`` is not ``(name, tensor)`` pairs (and nothing is encoded), or the layout is not
-                flattened.
+            ValueError: ``source`` is not ``(name, tensor)`` pairs (and nothing is encoded), the layout is not
+                flattened, or the transport carries no delta (``cuda_ipc``).
             SyncError, RuntimeError, ClientError: as :meth:`TrainerClient.sync
                 <wsync_grpc.trainer.client.TrainerClient.sync>`.
         """
         named = source if isinstance(source, WholeTensors) else None
         if (named is None and encoded is None) or request.layout is not Layout.FLATTENED:
             raise ValueError("deltas are sent from (name, tensor) pairs in the flattened layout")
+        if request.transport not in DELTA_TRANSPORTS:  # e.g. CUDA IPC: refused here, before any call
+            raise ValueError(f"deltas travel by broadcast or shared memory, not by {request.transport.value!r}")
         self._deltas.anchor_every = self._settings.delta_anchor_every
         plan = SyncPlan.DELTA  # a sharded trainer's ranks encode before this: always a delta where they can
         if named is not None and encoded is None and self._settings.delta_fallback:

@@ -216,9 +216,19 @@ class SharedMemoryRequest(BroadcastRequest):
     transport: ClassVar[Transport] = Transport.SHARED_MEMORY
 
 
+@dataclass(frozen=True, kw_only=True)
+class CudaIpcRequest(BroadcastRequest):
+    """An update whose bytes the trainer packs into a ring in its GPU memory that the engines on that GPU open by
+    CUDA IPC (``TRANSPORT_CUDA_IPC``: :mod:`wsync_grpc.transports.cuda_ipc`); otherwise as :class:`BroadcastRequest`
+    (the layout flattened)."""
+
+    transport: ClassVar[Transport] = Transport.CUDA_IPC
+
+
 SENT_KINDS: Mapping[Transport, type[BroadcastRequest]] = {
     Transport.BROADCAST: BroadcastRequest,
     Transport.SHARED_MEMORY: SharedMemoryRequest,
+    Transport.CUDA_IPC: CudaIpcRequest,
 }
 """The request kind of each transport whose bytes the trainer sends."""
 

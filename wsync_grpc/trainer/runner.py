@@ -55,7 +55,7 @@ from wsync_grpc.trainer.results import TRAINER, Commit, EngineFailure, SyncProgr
 from wsync_grpc.trainer.settings import ClientSettings
 from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.transports import TransportPart, transport_for
-from wsync_grpc.transports.sending import SendJob, SendSite, TransportSender
+from wsync_grpc.transports.sending import ChecksSend, SendJob, SendSite, TransportSender, ZeroCopySender
 
 T = TypeVar("T")
 
@@ -190,6 +190,8 @@ class UpdateRunner:
                 raise ValueError(f"the engines read a {name} update's bytes themselves: it takes no weight source")
             raise ValueError(f"the trainer sends a {name} update's bytes: it needs a weight source")
         sender = self._senders.of(part)  # a transport without a trainer half here is refused before anything starts
+        if isinstance(sender, ZeroCopySender):  # the setting as it is now (assigning it applies from the next update)
+            sender.storages = self._settings.shared_memory_zero_copy
         return self._calls.run(request, lambda: self._run(part, sender, request, source, before_commit))
 
     # ------------------------------------------------------------------ the steps
@@ -204,6 +206,10 @@ class UpdateRunner:
     ) -> SyncResult:
         calls = self._calls
         planned = self._plan(request, source) if source is not None else None
+        if planned is not None and source is not None and isinstance(sender, ChecksSend):  # refused before any call
+            sends0 = planned[0]
+            tensors0 = sends0.delta.bucket_tensors if sends0.delta is not None else source.bucket_tensors
+            sender.check_send(planned[1], tensors0, sends0.topology)
         init_s, group = calls.ensure_group(request) if part.needs_group else calls.hold_engines()
         if source is None or planned is None:
             # A header-only Prepare: every engine replies once it validated its own plan (stage "prepare").

@@ -142,6 +142,15 @@ class Settings:
     Such a tensor is broadcast from the tensor itself (no packing) and, with streaming apply on an engine that
     allows it, received straight into the served tensor (no unpacking)."""
 
+    shared_memory_zero_copy: bool = field(default=True, metadata=setting())
+    """Shared-memory syncs of a trainer of one process: a bucket whose tensors already live in this process's shared
+    memory (``Module.share_memory()``; CPU, contiguous, in the wire dtype) is not packed into the ring, and the
+    engine workers read it from those storages (:mod:`~wsync_grpc.transports.shared_memory.storages`; one copy in
+    all). ``False``: every bucket is packed into the ring, and no update offers the path (for engines of a wsync
+    without it, which refuse an update that does). Sets
+    :attr:`SharedMemorySender.storages <wsync_grpc.transports.shared_memory.sender.SharedMemorySender.storages>`
+    before every update."""
+
     digests: bool = field(default=True, metadata=setting(given=None))
     """Send each bucket's digest (XXH3-128 of its bytes on the wire), which every engine worker checks.
 

@@ -22,7 +22,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -203,6 +203,33 @@ class TransportSender(Protocol):
 
     def release(self) -> None:
         """Drop what the sender keeps between updates (its staging buffers); an abandoned send may still read them."""
+        ...
+
+
+@runtime_checkable
+class ZeroCopySender(TransportSender, Protocol):
+    """A :class:`TransportSender` that may read the trainer's tensors where they already live instead of packing
+    them (the shared-memory sender: tensors in the trainer's shared memory, read by the engines from their
+    storages). The trainer sets :attr:`storages` from its ``shared_memory_zero_copy`` setting before every update.
+    """
+
+    storages: bool
+    """Whether the next updates offer the zero-copy path; ``False``: every bucket is packed."""
+
+
+@runtime_checkable
+class ChecksSend(TransportSender, Protocol):
+    """A :class:`TransportSender` that can tell, before any call, whether it can carry a send (the update runner
+    asks it right after planning, before it holds or prepares any engine)."""
+
+    def check_send(
+        self, buckets: Sequence[Bucket], tensors: Callable[[Bucket], Mapping[str, torch.Tensor]], topology: SendTopology
+    ) -> None:
+        """Whether ``buckets`` (their ``tensors``, sent from ``topology``'s ranks) can go by this sender.
+
+        Raises:
+            ValueError: they cannot (e.g. CPU tensors through a ring in GPU memory), with what to do instead.
+        """
         ...
 
 

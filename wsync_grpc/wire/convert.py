@@ -25,7 +25,7 @@ from wsync_grpc.core.digests import DIGEST_SIZES, Digest, DigestAlgorithm
 from wsync_grpc.core.dtypes import dtype_name
 from wsync_grpc.core.engine import PauseMode
 from wsync_grpc.core.errors import InvalidArgument
-from wsync_grpc.core.header import SharedMemoryHandle, UpdateHeader
+from wsync_grpc.core.header import CudaIpcMemory, SharedMemoryHandle, UpdateHeader
 from wsync_grpc.core.layout import ApplyMode, Bucket, Layout, Transport
 from wsync_grpc.core.lifecycle import State
 from wsync_grpc.core.lora import LoraSpec
@@ -186,7 +186,11 @@ def header_to_proto(h: UpdateHeader, owner: str = "") -> pb.PrepareHeader:
 
 def shared_memory_from_proto(m: pb.SharedMemoryHandle) -> SharedMemoryHandle:
     """The domain :class:`~wsync_grpc.core.header.SharedMemoryHandle` of its message (not validated yet)."""
-    return SharedMemoryHandle(m.socket_name, bytes(m.token), m.boot_id, m.slot_bytes, m.slots, m.storages)
+    cuda_ipc = None
+    if m.HasField("cuda_ipc"):
+        c = m.cuda_ipc
+        cuda_ipc = CudaIpcMemory(c.device_uuid, bytes(c.memory_handle), c.offset_bytes, c.size_bytes)
+    return SharedMemoryHandle(m.socket_name, bytes(m.token), m.boot_id, m.slot_bytes, m.slots, m.storages, cuda_ipc)
 
 
 def shared_memory_to_proto(h: SharedMemoryHandle) -> pb.SharedMemoryHandle:
@@ -198,6 +202,16 @@ def shared_memory_to_proto(h: SharedMemoryHandle) -> pb.SharedMemoryHandle:
         slot_bytes=h.slot_bytes,
         slots=h.slots,
         storages=h.storages,
+        cuda_ipc=(
+            pb.CudaIpcMemory(
+                device_uuid=h.cuda_ipc.device_uuid,
+                memory_handle=h.cuda_ipc.memory_handle,
+                offset_bytes=h.cuda_ipc.offset_bytes,
+                size_bytes=h.cuda_ipc.size_bytes,
+            )
+            if h.cuda_ipc is not None
+            else None
+        ),
     )
 
 

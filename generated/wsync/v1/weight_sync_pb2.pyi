@@ -103,8 +103,13 @@ class _TransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transport.V
     src_rank.
     """
     TRANSPORT_CUDA_IPC: _Transport.ValueType  # 2
-    """TRANSPORT_CUDA_IPC: reserved for colocated trainers passing CUDA IPC
-    handles; engines answer UNIMPLEMENTED for now.
+    """TRANSPORT_CUDA_IPC: a trainer on the engine's host whose buckets live on
+    a GPU: the same ring and socket protocol as TRANSPORT_SHARED_MEMORY
+    (PrepareHeader.shared_memory), backed by one CUDA allocation on the
+    trainer's GPU that each engine worker opens by its CUDA IPC handle
+    (SharedMemoryHandle.cuda_ipc, structured, never pickled) and copies each
+    bucket out of on its own device; no process group (no Init). Flattened
+    layout only. Built but not yet verified on a GPU.
     """
     TRANSPORT_DISK: _Transport.ValueType  # 3
     """TRANSPORT_DISK: the engine reads a safetensors checkpoint from a disk it
@@ -130,8 +135,13 @@ weight-sync group (NCCL or gloo), from rank 0 or from the bucket's
 src_rank.
 """
 TRANSPORT_CUDA_IPC: Transport.ValueType  # 2
-"""TRANSPORT_CUDA_IPC: reserved for colocated trainers passing CUDA IPC
-handles; engines answer UNIMPLEMENTED for now.
+"""TRANSPORT_CUDA_IPC: a trainer on the engine's host whose buckets live on
+a GPU: the same ring and socket protocol as TRANSPORT_SHARED_MEMORY
+(PrepareHeader.shared_memory), backed by one CUDA allocation on the
+trainer's GPU that each engine worker opens by its CUDA IPC handle
+(SharedMemoryHandle.cuda_ipc, structured, never pickled) and copies each
+bucket out of on its own device; no process group (no Init). Flattened
+layout only. Built but not yet verified on a GPU.
 """
 TRANSPORT_DISK: Transport.ValueType  # 3
 """TRANSPORT_DISK: the engine reads a safetensors checkpoint from a disk it
@@ -809,9 +819,7 @@ class PrepareHeader(_message.Message):
     the engine (e.g. "step-42").
     """
     transport: Global___Transport.ValueType
-    """transport is how the bytes travel. Unspecified means broadcast; CUDA IPC
-    fails with UNIMPLEMENTED.
-    """
+    """transport is how the bytes travel. Unspecified means broadcast."""
     layout: Global___BucketLayout.ValueType
     """layout is how each bucket's tensors travel. Unspecified means flattened."""
     apply_mode: Global___ApplyMode.ValueType
@@ -902,16 +910,19 @@ class PrepareHeader(_message.Message):
 
     @_builtins.property
     def shared_memory(self) -> Global___SharedMemoryHandle:
-        """shared_memory is, for transport TRANSPORT_SHARED_MEMORY only, where the
-        trainer hands over the segment the buckets travel through (required
-        there: INVALID_ARGUMENT SHARED_MEMORY_HANDLE when unset; must be unset
-        for every other transport; unset when shared_memory_ranks names one
-        ring per trainer rank). Unset means none.
+        """shared_memory is, for transports TRANSPORT_SHARED_MEMORY and
+        TRANSPORT_CUDA_IPC only, where the trainer hands over the ring the
+        buckets travel through (required there: INVALID_ARGUMENT
+        SHARED_MEMORY_HANDLE when unset; must be unset for every other
+        transport; unset when shared_memory_ranks names one ring per trainer
+        rank). For TRANSPORT_CUDA_IPC its cuda_ipc is required. Unset means
+        none.
         """
 
     @_builtins.property
     def shared_memory_ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___SharedMemoryHandle]:
-        """shared_memory_ranks is, for transport TRANSPORT_SHARED_MEMORY from a
+        """shared_memory_ranks is, for transport TRANSPORT_SHARED_MEMORY (or
+        TRANSPORT_CUDA_IPC, each entry with its cuda_ipc) from a
         sharded trainer whose ranks each send the buckets of their own shards
         (the direct mode), one handle per trainer rank: entry r is the ring of
         trainer rank r, and each bucket comes through the ring of its src_rank
@@ -998,6 +1009,7 @@ class SharedMemoryHandle(_message.Message):
     SLOT_BYTES_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
     STORAGES_FIELD_NUMBER: _builtins.int
+    CUDA_IPC_FIELD_NUMBER: _builtins.int
     socket_name: _builtins.str
     """socket_name is the trainer's Unix socket in the abstract namespace
     (Linux; without the leading NUL byte), e.g. "wsync-shm-<random>".
@@ -1026,6 +1038,17 @@ class SharedMemoryHandle(_message.Message):
     through a slot. false (the default): every bucket comes through a slot,
     and the grant's magic is "WSYNCSHM".
     """
+    @_builtins.property
+    def cuda_ipc(self) -> Global___CudaIpcMemory:
+        """cuda_ipc is, for transport TRANSPORT_CUDA_IPC only, the ring's memory: a
+        CUDA allocation on the trainer's GPU instead of a memfd (required there:
+        INVALID_ARGUMENT CUDA_IPC_HANDLE when unset; must be unset for
+        TRANSPORT_SHARED_MEMORY: INVALID_ARGUMENT SHARED_MEMORY_HANDLE). The
+        socket protocol is the same, except that the grant's magic is
+        "WSYNCCUD", no descriptor comes with it, and storages must be false.
+        Unset means the ring is a memfd.
+        """
+
     def __init__(
         self,
         *,
@@ -1035,14 +1058,84 @@ class SharedMemoryHandle(_message.Message):
         slot_bytes: _builtins.int = ...,
         slots: _builtins.int = ...,
         storages: _builtins.bool = ...,
+        cuda_ipc: Global___CudaIpcMemory | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "slot_bytes", b"slot_bytes", "slots", b"slots", "socket_name", b"socket_name", "storages", b"storages", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "cuda_ipc", b"cuda_ipc", "slot_bytes", b"slot_bytes", "slots", b"slots", "socket_name", b"socket_name", "storages", b"storages", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SharedMemoryHandle: _TypeAlias = SharedMemoryHandle  # noqa: Y015
+
+@_typing.final
+class CudaIpcMemory(_message.Message):
+    """CudaIpcMemory describes a ring held in GPU memory (TRANSPORT_CUDA_IPC): one
+    cudaMalloc allocation of the trainer's, exported with cudaIpcGetMemHandle.
+    Each engine worker checks it before a byte is read (the device is visible
+    in its process and is one of the engine's: INVALID_ARGUMENT
+    CUDA_IPC_DEVICE otherwise; the handle's size and extent:
+    CUDA_IPC_HANDLE), opens it with cudaIpcOpenMemHandle
+    (cudaIpcMemLazyEnablePeerAccess) once the trainer granted it on the
+    socket, copies each bucket out of its slot (slot k at offset_bytes + k *
+    slot_bytes) on its own device, and closes it with cudaIpcCloseMemHandle
+    when its receive ends, however it ends: no mapping outlives the update.
+
+    Ordering, the equivalent of an IPC event: the trainer synchronizes the
+    CUDA stream that packed a slot before it sends that bucket's message on
+    the socket, and the engine worker synchronizes its copy out of the slot
+    before it sends the bucket's acknowledgement, so neither reads a slot the
+    other is still writing.
+
+    The handle is a capability: whoever holds these bytes and can open the
+    same GPU may map the allocation (read and write; CUDA has no read-only
+    IPC mapping) while the trainer keeps it. It travels only in the Prepare
+    header, i.e. on the control plane's authenticated channel, and holds
+    only the ring the trainer packs the update's own buckets into.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    MEMORY_HANDLE_FIELD_NUMBER: _builtins.int
+    OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    device_uuid: _builtins.str
+    """device_uuid is the UUID of the trainer's GPU holding the allocation, as
+    torch.cuda.get_device_properties(i).uuid prints it (e.g.
+    "5f2b2a0e-...", a leading "GPU-" as nvidia-smi prints it is accepted):
+    the engine finds the device by identity, whatever CUDA_VISIBLE_DEVICES
+    numbers it. Required; empty is refused (CUDA_IPC_DEVICE).
+    """
+    memory_handle: _builtins.bytes
+    """memory_handle is the cudaIpcMemHandle_t of the allocation, its 64 bytes
+    as cudaIpcGetMemHandle wrote them. Required: any other length is
+    refused (CUDA_IPC_HANDLE).
+    """
+    offset_bytes: _builtins.int
+    """offset_bytes is where the ring starts in the allocation, in bytes. 0
+    (the default) means at its start, as a wsync trainer allocates it.
+    """
+    size_bytes: _builtins.int
+    """size_bytes is the allocation's size from offset_bytes on, in bytes: at
+    least slots * slot_bytes of the SharedMemoryHandle (CUDA_IPC_HANDLE
+    otherwise). 0 is refused.
+    """
+    def __init__(
+        self,
+        *,
+        device_uuid: _builtins.str = ...,
+        memory_handle: _builtins.bytes = ...,
+        offset_bytes: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "memory_handle", b"memory_handle", "offset_bytes", b"offset_bytes", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaIpcMemory: _TypeAlias = CudaIpcMemory  # noqa: Y015
 
 @_typing.final
 class AdapterSpec(_message.Message):

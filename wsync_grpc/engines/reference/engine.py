@@ -80,13 +80,16 @@ class ReferenceEngine:
         log.info("reference engine %s serving %s on %s", self._name, self.parameter_summary(), self._device)
 
     @classmethod
-    def from_pretrained(cls, model: str | None, dtype: torch.dtype = torch.float32) -> ReferenceEngine:
+    def from_pretrained(
+        cls, model: str | None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> ReferenceEngine:
         """Load ``model`` with :func:`wsync_grpc.engines.models.load_causal_lm` and serve it.
 
         Args:
             model: ``None`` or ``"smollm2"`` for the embedded
                 SmolLM2-135M-Instruct, else a local Hugging Face directory.
             dtype: the dtype to serve the parameters in.
+            device: the device to serve them on (the engine's one worker).
 
         Raises:
             FileNotFoundError: no such model (see ``load_causal_lm``).
@@ -96,7 +99,7 @@ class ReferenceEngine:
         from wsync_grpc.engines.models import load_causal_lm
 
         lm, tokenizer, name = load_causal_lm(model, dtype)
-        return cls(lm, tokenizer, name=name)
+        return cls(lm.to(device), tokenizer, name=name)
 
     # -- Engine: weights ---------------------------------------------------------
 

@@ -13,12 +13,14 @@ import grpc
 from wsync.v1 import generation_pb2
 
 from wsync_grpc.core.dtypes import parse_dtype
+from wsync_grpc.tools import options as cli_options
 from wsync_grpc.tools.common import UsageError
 from wsync_grpc.tools.engines.registry import BuiltEngine, EngineFactory
 
 
 class ReferencePlugin(EngineFactory):
-    """The reference engine: ``--model DIR`` (default: the embedded SmolLM2-135M-Instruct), ``--dtype``."""
+    """The reference engine: ``--model DIR`` (default: the embedded SmolLM2-135M-Instruct), ``--dtype``,
+    ``--device``."""
 
     name = "reference"
     help = "wsync's own engine: SmolLM2-135M-Instruct, or the Hugging Face causal LM of --model DIR (default)"
@@ -27,14 +29,15 @@ class ReferencePlugin(EngineFactory):
         """Load the model and its tokenizer (seconds to minutes, by size).
 
         Raises:
-            UsageError: no such directory, not a causal LM, weights missing or unused, or the
-                ``engine`` extra is not installed.
+            UsageError: no such directory, not a causal LM, weights missing or unused, no such ``--device`` on this
+                host, or the ``engine`` extra is not installed.
         """
         try:
             from wsync_grpc.engines.generation_service import add_generation_service
             from wsync_grpc.engines.reference import ReferenceEngine
 
-            ref = ReferenceEngine.from_pretrained(args.model, dtype=parse_dtype(args.dtype))
+            cli_options.check_device(args.device)
+            ref = ReferenceEngine.from_pretrained(args.model, dtype=parse_dtype(args.dtype), device=args.device)
         except ImportError as e:
             raise UsageError(
                 f"--engine reference needs the 'engine' extra (pip install 'wsync-grpc[engine]'): {e}"

@@ -60,7 +60,14 @@ class SyntheticPlugin(EngineFactory):
             )
 
     def build(self, args: argparse.Namespace) -> BuiltEngine:
-        """Build the preset's tensors (seconds for the GB presets)."""
+        """Build the preset's tensors (seconds for the GB presets), on ``--device``.
+
+        Raises:
+            UsageError: no such ``--device`` on this host.
+        """
+        cli_options.check_device(args.device)
         tensors = synthetic.build(args.size, dtype=parse_dtype(args.dtype), seed=args.seed)
+        if args.device != "cpu":
+            tensors = {n: t.to(args.device) for n, t in tensors.items()}
         engine = TensorEngine(tensors, aliases=synthetic.aliases(args.size), name=f"synthetic-{args.size}")
         return BuiltEngine(engine)

@@ -121,13 +121,13 @@ class SharedMemoryTransport:
         Raises:
             InvalidArgument: SHARED_MEMORY_HANDLE (none, both ``shared_memory`` and ``shared_memory_ranks``, more
                 than :data:`MAX_RINGS` rings, or a handle with slots below 2, a slot of 0 bytes, a token not of 32
-                bytes, a socket name empty, too long or holding a NUL), SHARED_MEMORY_HOST (another host's or
-                boot's, or this host's boot id cannot be read), SHARED_MEMORY_LAYOUT (individual),
-                SHARED_MEMORY_INCREMENTAL.
+                bytes, a socket name empty, too long or holding a NUL; the ring's memory: :meth:`check_memory`),
+                SHARED_MEMORY_HOST (another host's or boot's, or this host's boot id cannot be read),
+                SHARED_MEMORY_LAYOUT (individual), SHARED_MEMORY_INCREMENTAL.
         """
         if h.shared_memory is None and not h.shared_memory_ranks:
             raise InvalidArgument(
-                "SHARED_MEMORY_HANDLE", "header.shared_memory is required for transport TRANSPORT_SHARED_MEMORY"
+                "SHARED_MEMORY_HANDLE", f"header.shared_memory is required for transport TRANSPORT_{self.kind.name}"
             )
         if h.shared_memory is not None and h.shared_memory_ranks:
             raise InvalidArgument(
@@ -143,6 +143,7 @@ class SharedMemoryTransport:
         for r, m in enumerate(h.shared_memory_rings):
             field = f"header.shared_memory_ranks[{r}]" if h.shared_memory_ranks else "header.shared_memory"
             _check_handle(m, field, here)
+            self.check_memory(m, field)
         if h.layout is not Layout.FLATTENED:
             raise InvalidArgument(
                 "SHARED_MEMORY_LAYOUT", "a shared-memory update carries flattened buckets only, one per ring slot"
@@ -154,6 +155,18 @@ class SharedMemoryTransport:
                 "and the trainer sends to the workers connected by then",
             )
         return h
+
+    def check_memory(self, m: SharedMemoryHandle, field: str) -> None:
+        """What backs the ring ``m`` (at ``field``): a memfd, handed over on the socket (``cuda_ipc`` unset).
+
+        Raises:
+            InvalidArgument: SHARED_MEMORY_HANDLE, ``cuda_ipc`` set (GPU memory is ``TRANSPORT_CUDA_IPC``'s).
+        """
+        if m.cuda_ipc is not None:
+            raise InvalidArgument(
+                "SHARED_MEMORY_HANDLE",
+                f"{field}.cuda_ipc is for transport TRANSPORT_CUDA_IPC: a shared-memory ring is a memfd",
+            )
 
     def check_update(self) -> None:
         """Refuse further buckets (:meth:`check_header` refused incremental updates; digests may still follow).

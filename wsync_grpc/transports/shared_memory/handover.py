@@ -16,14 +16,19 @@ import os
 import secrets
 import socket
 import threading
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from wsync_grpc.core.errors import Cancelled, GroupTimeout
-from wsync_grpc.core.header import SharedMemoryHandle
+from wsync_grpc.core.header import CudaIpcMemory, SharedMemoryHandle
+from wsync_grpc.core.layout import Bucket
+from wsync_grpc.core.topology import SendTopology
+from wsync_grpc.transports.shared_memory.backing import HOST, RingMemory
 from wsync_grpc.transports.shared_memory.protocol import (
     GRANT,
     MAGIC,
+    MAGIC_CUDA,
     MAGIC_STORAGES,
     POLL_S,
     SOCKET_PREFIX,
@@ -56,8 +61,9 @@ class Segment:
     """One shared-memory segment: a memfd of ``slots * slot_bytes`` bytes, sealed against resizing, mapped
     read-write in this process (pages populated at once).
 
-    The engines get :attr:`read_only_fd`, a read-only descriptor of the same memory: they can map it
-    read-only, never write it. Seals ``F_SEAL_SHRINK`` and ``F_SEAL_GROW``: its size is fixed for life, so
+    The ring's memory on the host (a :class:`~wsync_grpc.transports.shared_memory.backing.RingMemory`). The
+    engines get :attr:`read_only_fd`, a read-only descriptor of the same memory: they can map it read-only, never
+    write it. Seals ``F_SEAL_SHRINK`` and ``F_SEAL_GROW``: its size is fixed for life, so
     that no mapping of it can lose pages under a reader (a ``SIGBUS``).
 
     Args:
@@ -92,10 +98,22 @@ class Segment:
         self._bytes: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8)
         # The tensor holds the mapping: it is unmapped once the tensor and its last view are gone.
 
+    place = HOST
+    """A memfd lives on the host."""
+    cuda_ipc: CudaIpcMemory | None = None
+    """Nothing of GPU memory: the grant carries the descriptor."""
+
     @property
     def nbytes(self) -> int:
         """The segment's size, in bytes."""
         return self.slot_bytes * self.slots
+
+    def grant_fds(self) -> list[int]:
+        """The read-only descriptor, sent with each grant."""
+        return [self.read_only_fd]
+
+    def packed(self, slot: int) -> None:
+        """Nothing: the CPU wrote the slot's bytes into the shared pages before the packing returned."""
 
     def slot(self, slot: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` bytes of slot ``slot``, as a writable ``uint8`` tensor over the segment.
@@ -119,15 +137,17 @@ class Segment:
 
 
 class Handover:
-    """One update's handover of a :class:`Segment`: a listening abstract Unix socket and a token.
+    """One update's handover of a ring (a :class:`Segment`, or GPU memory: any
+    :class:`~wsync_grpc.transports.shared_memory.backing.RingMemory`): a listening abstract Unix socket and a token.
 
     Each connection is served on a short thread of its own: the peer must be this process's user
     (``SO_PEERCRED``) and send the token (compared in constant time) within :data:`HANDSHAKE_TIMEOUT_S`;
-    it then gets :data:`~wsync_grpc.transports.shared_memory.protocol.GRANT` and the segment's read-only
-    descriptor, and becomes a reader. Refused connections are closed and logged.
+    it then gets :data:`~wsync_grpc.transports.shared_memory.protocol.GRANT` with the ring's descriptors (a
+    segment's read-only one; none for GPU memory, which the handle names), and becomes a reader.
+    Refused connections are closed and logged.
 
     Args:
-        segment: the segment handed over (it outlives the handover).
+        segment: the ring's memory handed over (it outlives the handover).
         update_id: the update it serves.
         storages: buckets may also go as reads of the trainer's storages (the handle says so and the grant's
             magic is :data:`~wsync_grpc.transports.shared_memory.protocol.MAGIC_STORAGES`).
@@ -136,7 +156,7 @@ class Handover:
         OSError: no socket could be bound (:data:`BIND_TRIES` names taken, or no Unix sockets).
     """
 
-    def __init__(self, segment: Segment, update_id: str, *, storages: bool = False) -> None:
+    def __init__(self, segment: RingMemory, update_id: str, *, storages: bool = False) -> None:
         self.segment = segment
         self.update_id = update_id
         self.storages = storages
@@ -168,7 +188,13 @@ class Handover:
     def handle(self, host: str) -> SharedMemoryHandle:
         """The header's handle of this handover (``host``: this host's boot id)."""
         return SharedMemoryHandle(
-            self.name, self.token, host, self.segment.slot_bytes, self.segment.slots, storages=self.storages
+            self.name,
+            self.token,
+            host,
+            self.segment.slot_bytes,
+            self.segment.slots,
+            storages=self.storages,
+            cuda_ipc=self.segment.cuda_ipc,
         )
 
     def _accept(self) -> None:
@@ -199,10 +225,13 @@ class Handover:
                 if self._closed:
                     self._refuse(conn, pid, "the send had begun (or the handover was closed)")
                     return
-                magic = MAGIC_STORAGES if self.storages else MAGIC
-                socket.send_fds(
-                    conn, [GRANT.pack(magic, self.segment.slots, self.segment.slot_bytes)], [self.segment.read_only_fd]
-                )
+                magic = MAGIC_CUDA if self.segment.cuda_ipc is not None else MAGIC_STORAGES if self.storages else MAGIC
+                grant = GRANT.pack(magic, self.segment.slots, self.segment.slot_bytes)
+                fds = self.segment.grant_fds()
+                if fds:
+                    socket.send_fds(conn, [grant], fds)
+                else:  # GPU memory: the handle names it, nothing is attached
+                    conn.sendall(grant)
                 self._readers.append(conn)
             log.debug("shared-memory handover of update %s: worker pid %d connected", self.update_id, pid)
         except (Closed, GroupTimeout, Cancelled, OSError) as e:
@@ -229,3 +258,33 @@ class Handover:
         """Stop accepting and close every connection (an update that never sent, or the client closing)."""
         for conn in self._stop():
             conn.close()
+
+
+class MemfdKind:
+    """The memfd ring (:class:`Segment`): always on the host. A
+    send's CUDA tensors are copied to it as they are packed (device to host)."""
+
+    storages = True
+    """The zero-copy path may be offered."""
+
+    def place_of(
+        self,
+        buckets: Sequence[Bucket],
+        tensors: Callable[[Bucket], Mapping[str, torch.Tensor]],
+        topology: SendTopology,
+        device: torch.device,
+    ) -> str:
+        """:data:`HOST`, whatever the tensors."""
+        return HOST
+
+    def allocate(self, slot_bytes: int, slots: int, place: str) -> RingMemory:
+        """A fresh :class:`Segment`.
+
+        Raises:
+            OSError: see :class:`Segment`.
+        """
+        return Segment(slot_bytes, slots)
+
+
+MEMFD = MemfdKind()
+"""The one :class:`MemfdKind`."""

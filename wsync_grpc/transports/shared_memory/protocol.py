@@ -5,7 +5,8 @@ On each connection, in order:
 
 1. engine worker -> trainer: the update's token (:data:`TOKEN_BYTES` bytes, ``SharedMemoryHandle.token``);
 2. trainer -> engine worker: :data:`GRANT` (magic, slots, slot size in bytes) with the segment's file
-   descriptor attached (``SCM_RIGHTS``, :func:`socket.send_fds`); a refused connection is closed instead;
+   descriptor attached (``SCM_RIGHTS``, :func:`socket.send_fds`); a refused connection is closed instead. A ring in
+   GPU memory (``TRANSPORT_CUDA_IPC``): magic :data:`MAGIC_CUDA` and nothing attached (the handle names the memory);
 3. per bucket, in index order: trainer -> engine worker :data:`BUCKET` (bucket index, slot, size in bytes,
    once the bucket is packed in that slot); engine worker -> trainer :data:`ACK` (the bucket index, once it
    copied the slot out: the trainer may pack another bucket there). With the handle's ``storages`` (grant magic
@@ -41,6 +42,10 @@ MAGIC_STORAGES = b"WSYNCSH2"
 """The first bytes of :data:`GRANT` when the handle says ``storages``: buckets may also come as reads of the
 trainer's own storages (:mod:`wsync_grpc.transports.shared_memory.storages`); an engine that does not know them
 refuses this grant before any byte is read."""
+
+MAGIC_CUDA = b"WSYNCCUD"
+"""The first bytes of :data:`GRANT` when the ring is GPU memory (``TRANSPORT_CUDA_IPC``): no descriptor comes with
+it; the engine worker opens the memory the handle's ``cuda_ipc`` names (:mod:`wsync_grpc.transports.cuda_ipc`)."""
 
 GRANT = struct.Struct("<8sIQ")
 """trainer -> engine worker, with the segment's descriptor: (:data:`MAGIC`, slots, slot size in bytes)."""

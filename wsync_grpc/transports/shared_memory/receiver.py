@@ -57,7 +57,6 @@ import os
 import socket
 import stat
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -80,11 +79,13 @@ from wsync_grpc.core.layout import Bucket, TensorSlot
 from wsync_grpc.core.packing import tensor_views
 from wsync_grpc.core.pieces import PieceAssembler
 from wsync_grpc.core.update import ReceivePlan
+from wsync_grpc.transports.shared_memory.backing import MappedSegment, RingView
 from wsync_grpc.transports.shared_memory.protocol import (
     ACK,
     BUCKET,
     GRANT,
     MAGIC,
+    MAGIC_CUDA,
     MAGIC_STORAGES,
     POLL_S,
     Closed,
@@ -155,8 +156,8 @@ class SharedMemoryReceiver(ReceiverThread):
 
     @property
     def mapped(self) -> bool:
-        """Whether a trainer's segment is mapped in this process now."""
-        return any(r.map is not None for r in self._rings)
+        """Whether a trainer's ring is mapped (or opened, in GPU memory) in this process now."""
+        return any(r.view is not None for r in self._rings)
 
     # ------------------------------------------------------------------ the thread
 
@@ -206,11 +207,19 @@ class SharedMemoryReceiver(ReceiverThread):
     # ------------------------------------------------------------------ the handover
 
     def _open(self) -> None:
-        """Open every ring of the update (see :meth:`_open_ring`), in rank order.
+        """Open every ring of the update (see :meth:`_open_ring`), in rank order; rings in GPU memory
+        (``TRANSPORT_CUDA_IPC``) once each one's device was found to be this worker's, before anything is connected.
 
         Raises:
+            InvalidArgument: CUDA_IPC_DEVICE (:func:`wsync_grpc.transports.cuda_ipc.memory.locate`).
             as :meth:`_open_ring`.
         """
+        for ring in self._rings:
+            m = ring.handle.cuda_ipc
+            if m is not None:
+                from wsync_grpc.transports.cuda_ipc.memory import locate  # the CUDA backing, imported when named
+
+                ring.cuda_index = locate(m, self.device)
         for ring in self._rings:
             self._open_ring(ring)
 
@@ -218,7 +227,7 @@ class SharedMemoryReceiver(ReceiverThread):
         """Connect, check the trainer, send the token, map the segment it hands over (see the module).
 
         Raises:
-            Unavailable: SHARED_MEMORY_CONNECT, SHARED_MEMORY_HANDOVER.
+            Unavailable: SHARED_MEMORY_CONNECT, SHARED_MEMORY_HANDOVER, CUDA_IPC_OPEN.
             PermissionDenied: SHARED_MEMORY_PEER.
             InvalidArgument: SHARED_MEMORY_SEALS, SHARED_MEMORY_SIZE.
             DataLoss: SHARED_MEMORY_PROTOCOL.
@@ -248,13 +257,16 @@ class SharedMemoryReceiver(ReceiverThread):
         except OSError as e:
             raise self._trainer_lost(f"sending the token failed: {e}") from e
         fd = self._grant(ring)
+        if fd is None:  # GPU memory, named by the handle: opened by its CUDA IPC handle on the device located
+            from wsync_grpc.transports.cuda_ipc.memory import CudaIpcView
+
+            assert h.cuda_ipc is not None and ring.cuda_index is not None
+            ring.view = CudaIpcView(h.cuda_ipc, ring.cuda_index)
+            return
         try:
-            ring.map = self._map_segment(h, fd)
+            ring.view = MappedSegment(self._map_segment(h, fd))
         finally:
             os.close(fd)  # the mapping holds the memory (and mmap's own duplicate of fd, closed as it unmaps)
-        with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only: it is only read
-            warnings.simplefilter("ignore", UserWarning)
-            ring.bytes = torch.frombuffer(ring.map, dtype=torch.uint8)
         if h.storages:  # buckets may also come as reads of the trainer's own storages
             ring.storages = StorageReader(sock, self.cancel, self._timeout_s, self.worker)
 
@@ -264,8 +276,9 @@ class SharedMemoryReceiver(ReceiverThread):
             f"the trainer's shared-memory socket closed ({why}): the trainer gave the update up, or died",
         )
 
-    def _grant(self, ring: _Ring) -> int:
-        """The segment's descriptor, once the trainer granted it (the caller closes it).
+    def _grant(self, ring: _Ring) -> int | None:
+        """The segment's descriptor, once the trainer granted it (the caller closes it); ``None`` for a ring in GPU
+        memory (``cuda_ipc``: its grant comes with no descriptor).
 
         Raises:
             Unavailable: SHARED_MEMORY_HANDOVER, the trainer closed the socket instead.
@@ -285,11 +298,13 @@ class SharedMemoryReceiver(ReceiverThread):
                 "the update up)",
             )
         bad = ""
-        if flags & socket.MSG_CTRUNC or len(fds) != 1 or len(msg) != GRANT.size:
+        cuda = h.cuda_ipc is not None
+        if flags & socket.MSG_CTRUNC or len(fds) != (0 if cuda else 1) or len(msg) != GRANT.size:
             bad = f"{len(msg)} bytes and {len(fds)} descriptor(s) (flags {flags:#x})"
         else:
             magic, slots, slot_bytes = GRANT.unpack(msg)
-            if magic != (MAGIC_STORAGES if h.storages else MAGIC) or slots != h.slots or slot_bytes != h.slot_bytes:
+            expected = MAGIC_CUDA if cuda else MAGIC_STORAGES if h.storages else MAGIC
+            if magic != expected or slots != h.slots or slot_bytes != h.slot_bytes:
                 bad = f"a grant of {slots} x {slot_bytes} bytes (magic {magic!r})"
         if bad:
             for fd in fds:
@@ -299,7 +314,7 @@ class SharedMemoryReceiver(ReceiverThread):
                 f"the trainer's socket sent {bad}, not a grant of the segment the header names "
                 f"({h.slots} slots of {h.slot_bytes} bytes)",
             )
-        return int(fds[0])
+        return int(fds[0]) if fds else None
 
     def _map_segment(self, h: SharedMemoryHandle, fd: int) -> mmap.mmap:
         """Check the segment ``fd`` and map the handle ``h``'s bytes of it read-only.
@@ -331,9 +346,15 @@ class SharedMemoryReceiver(ReceiverThread):
             raise Unavailable("SHARED_MEMORY_HANDOVER", f"mapping the segment failed: {e}") from e
 
     def _close(self) -> None:
-        """Unmap every segment and close every socket (idempotent; from the receiver's thread)."""
+        """Unmap every ring and close every socket (idempotent; from the receiver's thread). A ring in GPU memory
+        that CUDA fails to close is logged (the receive's own outcome stands)."""
         for ring in self._rings:
-            if ring.close():
+            try:
+                viewed = ring.close()
+            except Exception:
+                log.exception("shared-memory receiver of worker %d: closing the trainer's ring failed", self.worker)
+                continue
+            if viewed:
                 log.warning("shared-memory receiver of worker %d: the segment is still viewed", self.worker)
 
     # ------------------------------------------------------------------ the buckets
@@ -532,8 +553,10 @@ class _Ring:
         rank: the trainer rank whose buckets come through it (``Bucket.src``).
         handle: its handle (``PrepareHeader.shared_memory``, or ``shared_memory_ranks[rank]``).
         sock: the connection to its trainer's socket, once connected.
-        map: its segment, mapped read-only, once handed over.
-        bytes: the mapping as bytes (read-only: only ever copied from).
+        view: its memory, once handed over: a memfd mapped read-only
+            (:class:`~wsync_grpc.transports.shared_memory.backing.MappedSegment`) or GPU memory opened by its IPC
+            handle (:class:`~wsync_grpc.transports.cuda_ipc.memory.CudaIpcView`); only ever copied from.
+        cuda_index: the device holding a ring in GPU memory, in this process, once located; ``None`` otherwise.
         storages: reads of the trainer's own storages (``handle.storages``); ``None``: none.
     """
 
@@ -541,32 +564,30 @@ class _Ring:
         self.rank = rank
         self.handle = handle
         self.sock: socket.socket | None = None
-        self.map: mmap.mmap | None = None
-        self.bytes: torch.Tensor | None = None
+        self.view: RingView | None = None
+        self.cuda_index: int | None = None
         self.storages: StorageReader | None = None
 
     def copy(self, slot: int, flat: torch.Tensor) -> None:
-        """Copy the first ``flat.numel()`` bytes of slot ``slot`` into ``flat`` (torch's copy: several threads on
-        CPU, about twice one thread's ``memcpy``; to another device straight from the mapping)."""
-        assert self.bytes is not None
-        start = slot * self.handle.slot_bytes
-        flat.copy_(self.bytes[start : start + flat.numel()])
+        """Copy the first ``flat.numel()`` bytes of slot ``slot`` into ``flat``; once it returns they are there (a
+        GPU copy synchronized), so the slot may be acknowledged."""
+        assert self.view is not None
+        self.view.copy(slot * self.handle.slot_bytes, flat)
 
     def close(self) -> bool:
-        """Unmap the segment and close the socket (idempotent); whether the mapping is still viewed (it is then
-        unmapped when that view goes)."""
-        viewed = False
-        self.bytes = None  # its last view: the mapping can close
-        mapping, self.map = self.map, None
-        if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:
-                viewed = True
+        """Unmap the ring and close the socket (idempotent); whether the mapping is still viewed (it is then
+        unmapped when that view goes).
+
+        Raises:
+            CudaError: CUDA refused to close a ring in GPU memory (the socket is closed all the same).
+        """
+        view, self.view = self.view, None
         storages, self.storages = self.storages, None
-        if storages is not None:
-            storages.close()
         sock, self.sock = self.sock, None
-        if sock is not None:
-            sock.close()
-        return viewed
+        try:
+            return view.close() if view is not None else False
+        finally:
+            if storages is not None:
+                storages.close()
+            if sock is not None:
+                sock.close()

@@ -49,13 +49,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from wsync_grpc.core.digests import Digest, digest_of
 from wsync_grpc.core.errors import Cancelled, DataLoss, GroupTimeout, Unavailable
 from wsync_grpc.core.header import SharedMemoryHandle
-from wsync_grpc.core.layout import Layout
+from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.core.packing import pack_bucket
+from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.transports.sending import SendJob, SendSite, TrainerPeers
-from wsync_grpc.transports.shared_memory.handover import Handover, Segment, page_round
+from wsync_grpc.transports.shared_memory.backing import RingMemory, RingMemoryKind
+from wsync_grpc.transports.shared_memory.handover import MEMFD, Handover, page_round
 from wsync_grpc.transports.shared_memory.protocol import ACK, BUCKET, POLL_S, boot_id
 from wsync_grpc.transports.shared_memory.storages import (
     STORAGE_SLOT,
@@ -74,10 +78,11 @@ SLOTS = 2
 
 
 class Ring:
-    """One update's send through a :class:`Segment`'s slots to its readers (see the module).
+    """One update's send through a ring's slots to its readers (see the module).
 
     Args:
-        segment: the ring.
+        segment: the ring's memory (a memfd :class:`~wsync_grpc.transports.shared_memory.handover.Segment`, or GPU
+            memory: :mod:`wsync_grpc.transports.cuda_ipc.memory`).
         readers: one connected socket per engine worker (a timeout of at most ``POLL_S`` set).
         job: the update.
         timeout_s: the longest wait for an acknowledgement, in seconds.
@@ -87,7 +92,7 @@ class Ring:
 
     def __init__(
         self,
-        segment: Segment,
+        segment: RingMemory,
         readers: Sequence[socket.socket],
         job: SendJob,
         timeout_s: float,
@@ -142,16 +147,19 @@ class Ring:
                 continue
             t = time.monotonic()
             buf = segment.slot(slot, b.size_bytes)
-            pack_bucket(b, tensors, buf, zero_padding=True)  # padding zeroed: no stale bytes
-            pack_s += time.monotonic() - t
-            del tensors
-            self.counts.packed_buckets += 1
-            self.counts.packed_bytes += b.size_bytes
-            self._tell(BUCKET.pack(b.index, slot, b.size_bytes))
-            self.posted += 1
-            if job.on_digest is not None:  # hashed while the readers copy it (both only read the slot)
-                job.on_digest(b, digest_of([buf]))
-            del buf
+            try:
+                pack_bucket(b, tensors, buf, zero_padding=True)  # padding zeroed: no stale bytes
+                segment.packed(slot)  # in the ring (a GPU's stream synchronized) before the readers are told
+                pack_s += time.monotonic() - t
+                del tensors
+                self.counts.packed_buckets += 1
+                self.counts.packed_bytes += b.size_bytes
+                self._tell(BUCKET.pack(b.index, slot, b.size_bytes))
+                self.posted += 1
+                if job.on_digest is not None:  # hashed while the readers copy it (both only read the slot)
+                    job.on_digest(b, digest_of([buf]))
+            finally:
+                del buf  # not even a failed send's traceback keeps a view of the ring (its mapping) alive
             self._read(0.0)
         self._wait(len(self.buckets))
         return pack_s
@@ -311,15 +319,21 @@ class SharedMemorySender:
             packed (:mod:`~wsync_grpc.transports.shared_memory.storages`). Offered in an update's handle
             (``storages``, which an engine of a wsync without the path refuses) only when some bucket of a trainer
             of one process may go that way. ``False``: every bucket through the ring. Settable between updates
-            (:attr:`storages`).
+            (:attr:`storages`). Never offered where ``memory`` has no such path (GPU memory).
+        memory: what backs the ring (:mod:`~wsync_grpc.transports.shared_memory.backing`): a memfd (default,
+            ``TRANSPORT_SHARED_MEMORY``) or GPU memory (:data:`wsync_grpc.transports.cuda_ipc.memory.CUDA_RING`,
+            ``TRANSPORT_CUDA_IPC``).
     """
 
-    def __init__(self, site: SendSite, *, slots: int = SLOTS, storages: bool = True) -> None:
+    def __init__(
+        self, site: SendSite, *, slots: int = SLOTS, storages: bool = True, memory: RingMemoryKind = MEMFD
+    ) -> None:
         if slots < 2:
             raise ValueError(f"a ring needs at least 2 slots, not {slots}")
         self._site = site
         self._slots = slots
-        self._segment: Segment | None = None
+        self._memory = memory
+        self._segment: RingMemory | None = None
         self._handover: Handover | None = None
         self.storages = storages
         """Whether the next updates offer the zero-copy path (see the class)."""
@@ -328,9 +342,20 @@ class SharedMemorySender:
         (zero-copy); all 0 before the first send."""
 
     @property
-    def segment(self) -> Segment | None:
-        """The segment kept between updates; ``None`` before the first update and after :meth:`release`."""
+    def segment(self) -> RingMemory | None:
+        """The ring's memory kept between updates; ``None`` before the first update and after :meth:`release`."""
         return self._segment
+
+    def check_send(
+        self, buckets: Sequence[Bucket], tensors: Callable[[Bucket], Mapping[str, torch.Tensor]], topology: SendTopology
+    ) -> None:
+        """Whether the ring's memory can carry a send of ``buckets`` (e.g. CPU tensors over CUDA IPC cannot); called
+        by the update runner before any call (:class:`~wsync_grpc.transports.sending.ChecksSend`).
+
+        Raises:
+            ValueError: it cannot.
+        """
+        self._memory.place_of(buckets, tensors, topology, self._site.device)
 
     def _check(self, job: SendJob) -> None:
         if job.layout is not Layout.FLATTENED:
@@ -376,7 +401,10 @@ class SharedMemorySender:
         # Offered only where some bucket may go as storage reads (one process's own tensors, looked at cheaply): an
         # engine of a wsync without the path refuses a handle that offers it.
         offer = (
-            self.storages and job.topology.kind == "single" and any(may_read(b, job.tensors(b)) for b in job.buckets)
+            self.storages
+            and self._memory.storages
+            and job.topology.kind == "single"
+            and any(may_read(b, job.tensors(b)) for b in job.buckets)
         )
         return {"shared_memory": self._open(job, offer)}
 
@@ -386,17 +414,28 @@ class SharedMemorySender:
 
         Raises:
             Unavailable: SHARED_MEMORY_HOST.
+            ValueError: the ring's memory cannot carry ``job`` (:meth:`check_send`).
             OSError: the segment or the socket could not be made.
+            Exception: GPU memory could not be allocated (:class:`~wsync_grpc.transports.cuda_ipc.cudart.CudaError`).
         """
         self._end_handover()
         host = boot_id()
         if not host:
             raise Unavailable("SHARED_MEMORY_HOST", "this host's boot id cannot be read (/proc is needed)")
+        place = None  # a rank of a direct send with no bucket of its own: any ring will do
+        if job.buckets:
+            place = self._memory.place_of(job.buckets, job.tensors, job.topology, self._site.device)
         needed = page_round(max((b.size_bytes for b in job.buckets), default=1))
-        if self._segment is None or self._segment.slot_bytes < needed or self._segment.slots != self._slots:
+        seg = self._segment
+        if (
+            seg is None
+            or seg.slot_bytes < needed
+            or seg.slots != self._slots
+            or (place is not None and seg.place != place)
+        ):
             self._close_segment()  # the old one goes before the larger one is made
-            self._segment = Segment(needed, self._slots)
-        self._handover = Handover(self._segment, job.update_id, storages=offer)
+            self._segment = seg = self._memory.allocate(needed, self._slots, place or "cpu")
+        self._handover = Handover(seg, job.update_id, storages=offer)
         return self._handover.handle(host)
 
     def open_own(self, job: SendJob, rank: int) -> SharedMemoryHandle:
