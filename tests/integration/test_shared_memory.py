@@ -208,6 +208,32 @@ def test_two_tensor_engines_take_a_sync_through_shared_memory_bit_exact(apply_mo
     assert mappings() == {} and segment_fds() == 0  # the client's close dropped it
 
 
+def test_buckets_of_several_tensors_are_split_out_of_the_slot_into_what_the_engine_serves() -> None:
+    """Staged, on an engine that serves a buffer it is handed (the tensor engine): every tensor of every bucket,
+    several to a bucket included, is copied out of the slot into a buffer of its own and served from Complete on
+    (nothing copied at Complete: every served tensor's memory changes), digests checked over the bucket's bytes,
+    padding included; a second sync swaps again. Streaming without digests: each tensor is copied straight into the
+    served one (its memory stays). Bit-exact throughout."""
+    aliases = synthetic.aliases("tiny")
+    with tensor_server("tiny", seed=0) as (a, engine, _), TrainerClient([a.address], **SMALL) as client:
+        for i, seed in enumerate((7, 8)):
+            new = synthetic.build("tiny", seed=seed)
+            before = {n: t.data_ptr() for n, t in engine.tensors.items()}
+            r = client.sync(new.items(), f"v{i}", apply_mode="staged", transport="shared_memory")
+            assert r.engines[a.address].buckets_verified == r.bucket_count
+            assert r.bucket_count < len(new)  # several tensors to a bucket
+            assert all(engine.tensors[n].data_ptr() != before[n] for n in new), "a tensor was copied, not swapped"
+            got = served(client)
+            assert got == {a.address: sums(new, got[a.address], aliases)}
+        newest = synthetic.build("tiny", seed=9)
+        before = {n: t.data_ptr() for n, t in engine.tensors.items()}
+        client.digests = False
+        client.sync(newest.items(), "v2", apply_mode="streaming", transport="shared_memory")
+        assert {n: engine.tensors[n].data_ptr() for n in newest} == {n: before[n] for n in newest}
+        for n, t in newest.items():
+            assert torch.equal(engine.tensors[n], t), n
+
+
 def test_a_reference_engine_takes_staged_and_streaming_syncs(make_tiny_llama: Any, smollm2_tokenizer: Any) -> None:
     """The reference engine (a tiny Llama behind a real server) takes a staged then a streaming sync through shared
     memory bit-exact, and generates with the second."""

@@ -132,8 +132,8 @@ def write_model(directory: Path, seed: int) -> None:
     ).save_pretrained(directory)
 
 
-def start_engine(model: Path, port_file: Path, log: Path) -> subprocess.Popen[bytes]:
-    """``wsync serve --engine reference`` of ``model`` on ``cuda:0`` in bfloat16, on a free loopback port (written
+def start_engine(model: Path, port_file: Path, log: Path, device: str = "cuda:0") -> subprocess.Popen[bytes]:
+    """``wsync serve --engine reference`` of ``model`` on ``device`` in bfloat16, on a free loopback port (written
     to ``port_file``), its output to ``log``."""
     cmd = [
         sys.executable,
@@ -145,7 +145,7 @@ def start_engine(model: Path, port_file: Path, log: Path) -> subprocess.Popen[by
         "--model",
         str(model),
         "--device",
-        "cuda:0",
+        device,
         "--dtype",
         "bfloat16",
         "--port",
@@ -179,19 +179,29 @@ def copy_seconds(nbytes: int, device: Any) -> float:
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+
+    def sync() -> None:
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device)
+
     dst.copy_(src)
-    torch.cuda.synchronize(device)
+    sync()
     times = []
     for _ in range(COPY_REPEATS):
         t = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize(device)
+        sync()
         times.append(time.perf_counter() - t)
+    del src, dst
     return statistics.median(times)
 
 
-def run_check(out: Path | None, workdir: Path) -> dict[str, Any]:
-    """Steps 2 to 6 of the module (see there); the report.
+def run_check(
+    out: Path | None, workdir: Path, *, device_name: str = "cuda:0", transport: str = "cuda_ipc"
+) -> dict[str, Any]:
+    """Steps 2 to 6 of the module (see there); the report. ``device_name`` and ``transport`` are the check's
+    (``"cuda:0"``, ``"cuda_ipc"``); another pair (``"cpu"``, ``"shared_memory"``) runs the same steps on a host
+    without a GPU, to check the script itself.
 
     Raises:
         RuntimeError: a sync was not bit-exact, the engine failed, or a sync failed (its error chained).
@@ -204,11 +214,12 @@ def run_check(out: Path | None, workdir: Path) -> dict[str, Any]:
     model_dir = workdir / "model"
     write_model(model_dir, seed=0)
     port_file, log = workdir / "port", workdir / "engine.log"
-    engine = start_engine(model_dir, port_file, log)
-    device = torch.device("cuda", 0)
+    engine = start_engine(model_dir, port_file, log, device_name)
+    device = torch.device(device_name)
     try:
         transformers: Any = importlib.import_module("transformers")
-        trainer = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
+        # Loaded, then converted: the keyword that picks the dtype at load has changed across transformers' releases.
+        trainer = transformers.AutoModelForCausalLM.from_pretrained(model_dir).to(device=device, dtype=torch.bfloat16)
         port = wait_port(engine, port_file, log)
         target = f"127.0.0.1:{port}"
         rows: list[dict[str, Any]] = []
@@ -218,7 +229,12 @@ def run_check(out: Path | None, workdir: Path) -> dict[str, Any]:
                     for p in trainer.parameters():
                         p.add_(torch.randn_like(p), alpha=1e-3)  # a new version: every tensor changes
                 version = f"v{i + 1}"
-                result = client.sync(trainer.named_parameters(), version, apply_mode=mode, transport="cuda_ipc")
+                result = client.sync(
+                    trainer.named_parameters(),
+                    version,
+                    apply_mode=mode,
+                    transport=transport,  # type: ignore[arg-type]
+                )
                 served = client.checksums()[target].by_name
                 ours = trainer.state_dict()
                 wrong = sorted(n for n, digest in served.items() if digest != tensor_sha256(ours[n]))
@@ -232,7 +248,7 @@ def run_check(out: Path | None, workdir: Path) -> dict[str, Any]:
             engine.wait(30)
         except subprocess.TimeoutExpired:
             engine.kill()
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     for r in rows:
         r["gb_per_s"] = r["bytes"] / r["s"] / 1e9
         r["ratio_to_copy"] = copy_s / r["s"]
@@ -243,6 +259,7 @@ def run_check(out: Path | None, workdir: Path) -> dict[str, Any]:
         "device": name,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "transport": transport,
         "rows": [*rows, copy_row],
     }
     print(f"device: {name} (torch {torch.__version__}, CUDA {torch.version.cuda})")

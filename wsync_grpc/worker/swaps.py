@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from wsync_grpc.core.engine import StorageSwap, WeightTarget
+from wsync_grpc.core.engine import InPlaceReceive, StorageSwap, WeightTarget
 from wsync_grpc.core.layout import TensorSlot
 from wsync_grpc.worker.buffers import BufferPool
 
@@ -74,3 +74,30 @@ class SwapIn:
         """Forget every swap (the update was abandoned, or applied); the buffers that were held."""
         held, self.swaps, self.held = self.held, [], []
         return held
+
+
+def served_target(
+    in_place: InPlaceReceive | None, worker: int, device: torch.device, t: TensorSlot
+) -> torch.Tensor | None:
+    """The served tensor to receive ``t`` straight into (:class:`~wsync_grpc.core.engine.InPlaceReceive`), or
+    ``None``: copy as usual.
+
+    Only on an engine that offers it (``in_place``; receivers pass it for streaming apply only), for a tensor to load
+    whose served tensor is plain, contiguous, on ``device`` (the worker's) and of exactly the wire dtype and shape.
+    """
+    if in_place is None or not t.load or t.nbytes == 0 or t.piece is not None:
+        return None
+    target = in_place.receive_target(worker, t.canonical)
+    if (
+        target is None
+        or type(target) not in (torch.Tensor, torch.nn.Parameter)
+        or target.layout != torch.strided
+        or target.dtype != t.dtype
+        or tuple(target.shape) != t.shape
+        or target.device != device
+        or not target.is_contiguous()
+        or target.is_conj()
+        or target.is_neg()
+    ):
+        return None
+    return target.detach()

@@ -65,7 +65,7 @@ from wsync_grpc.group.waits import wait_all
 from wsync_grpc.worker.delta import expand, loaded, staged
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
-from wsync_grpc.worker.swaps import SwapIn
+from wsync_grpc.worker.swaps import SwapIn, served_target
 
 _T = TypeVar("_T")
 
@@ -231,28 +231,9 @@ class BroadcastReceiver(ReceiverThread):
                 continue
 
     def _served_target(self, t: TensorSlot) -> torch.Tensor | None:
-        """The served tensor to receive ``t`` straight into, or None (see :class:`InPlaceReceive`).
-
-        Only with streaming apply on an engine that offers it, for a tensor to
-        load whose served tensor is plain, contiguous, on this worker's device
-        and of exactly the wire dtype and shape.
-        """
-        if self._in_place is None or not t.load or t.nbytes == 0 or t.piece is not None:
-            return None
-        target = self._in_place.receive_target(self.worker, t.canonical)
-        if (
-            target is None
-            or type(target) not in (torch.Tensor, torch.nn.Parameter)
-            or target.layout != torch.strided
-            or target.dtype != t.dtype
-            or tuple(target.shape) != t.shape
-            or target.device != self.device
-            or not target.is_contiguous()
-            or target.is_conj()
-            or target.is_neg()
-        ):
-            return None
-        return target.detach()
+        """The served tensor to receive ``t`` straight into, or None (:func:`~wsync_grpc.worker.swaps.served_target`;
+        streaming apply only)."""
+        return served_target(self._in_place, self.worker, self.device, t)
 
     def _post(self, bucket: Bucket, start: int) -> _Posted:
         """Post the receives of ``bucket`` (flattened: all of it; individual: a chunk from tensor ``start``)."""

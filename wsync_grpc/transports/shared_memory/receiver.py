@@ -26,7 +26,11 @@ A bucket is used only once its digest is known and matched (DATA_LOSS BUCKET_DIG
 nothing of it used): it loads its tensors (streaming) or keeps them for Complete (staged); a staged
 bucket that is one tensor of the served dtype and shape, on an engine that offers
 :class:`~wsync_grpc.core.engine.StorageSwap`, is copied into an exact-size buffer the engine serves
-from Complete on, as the broadcast receiver does. The ring does not wait for digests: they come in
+from Complete on, as the broadcast receiver does. A bucket of several tensors is split as it is copied out of
+its slot when every one of its tensors can be (:meth:`SharedMemoryReceiver._split`): staged, each into an exact-size
+buffer the engine then serves (that engine's Complete copies nothing); streaming without digests, each straight into
+the served tensor (:class:`~wsync_grpc.core.engine.InPlaceReceive`: one copy in all). The ring does not wait for
+digests: they come in
 ``Update`` calls a moment after their buckets, so buckets copied out wait for theirs (staged: all of
 them, they are kept anyway; streaming: at most :data:`PENDING_STREAMING`, their buffers) while the
 next ones are copied. Once the last bucket is copied out, or the receive ends for any reason, the
@@ -64,6 +68,7 @@ from typing import TypeVar
 import torch
 
 from wsync_grpc.core.digests import BucketHasher, Digest, check_digest
+from wsync_grpc.core.engine import InPlaceReceive
 from wsync_grpc.core.errors import (
     Cancelled,
     DataLoss,
@@ -99,7 +104,7 @@ from wsync_grpc.transports.shared_memory.storages import STORAGE_SLOT, StorageRe
 from wsync_grpc.worker.delta import expand, loaded, staged
 from wsync_grpc.worker.feed import digest_missing, digest_timeout
 from wsync_grpc.worker.receiver import ReceiverThread, ReceiveSite
-from wsync_grpc.worker.swaps import SwapIn
+from wsync_grpc.worker.swaps import SwapIn, served_target
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +150,7 @@ class SharedMemoryReceiver(ReceiverThread):
         self._digests_follow = plan.digests_follow
         self._held: list[torch.Tensor] = []  # staged: the flat buffers behind self.staged
         self._pending: collections.deque[_Received] = collections.deque()  # copied out, not used yet
+        self._in_place = site.target if self.streaming and isinstance(site.target, InPlaceReceive) else None
         self.swap_in = SwapIn(site.target, self.device, self.streaming)
         """Staged apply on a :class:`~wsync_grpc.core.engine.StorageSwap` engine: lone tensors copied into buffers
         it serves as they are."""
@@ -386,6 +392,9 @@ class SharedMemoryReceiver(ReceiverThread):
                 f"({bucket.size_bytes} bytes) in one of {h.slots} slots was due",
                 bucket=str(bucket.index),
             )
+        if not from_storages and (split := self._split(bucket)) is not None:
+            self._split_out(i, bucket, ring, slot, split)
+            return
         swap = self.swap_in.swappable(bucket.lone)
         if swap:
             flat = self.pool.take_exact(bucket.size_bytes)
@@ -401,11 +410,7 @@ class SharedMemoryReceiver(ReceiverThread):
                 raise self._trainer_lost(str(e)) from e
         else:
             ring.copy(slot, flat)
-        try:
-            sock.sendall(ACK.pack(index))
-        except OSError as e:
-            raise self._trainer_lost(f"acknowledging bucket {index} failed: {e}") from e
-        self.last_arrival_at = time.monotonic()
+        self._acknowledge(ring, index)
         if self.feed.closed and i + 1 >= len(self.feed):
             self._close()  # the last bucket is out: no mapping outlives the transfer
         if bucket.has_delta:  # made whole (a copy of each served tensor it changes), then checked as whole
@@ -417,6 +422,79 @@ class SharedMemoryReceiver(ReceiverThread):
             hasher.update(flat)
             received.digest = hasher.digest()
         self._settle(PENDING_STREAMING if self.streaming else None)
+
+    def _split(self, bucket: Bucket) -> list[torch.Tensor] | None:
+        """Where each tensor of ``bucket`` goes when the bucket is split as it is copied out of its slot: staged, an
+        exact-size buffer per tensor that the engine serves at Complete (:meth:`SwapIn.swappable
+        <wsync_grpc.worker.swaps.SwapIn.swappable>` for every tensor); streaming without a digest to wait for, the
+        served tensors themselves (:func:`~wsync_grpc.worker.swaps.served_target` for every tensor), each as 1-D
+        ``uint8`` of the tensor's bytes. ``None``: copy the bucket whole into a buffer, as usual (a lone tensor, a
+        delta, pieces, any tensor that cannot be split out)."""
+        tensors = bucket.tensors
+        if len(tensors) < 2 or bucket.has_delta:
+            return None
+        if not self.streaming:
+            if not all(t.nbytes and self.swap_in.swappable(t) for t in tensors):
+                return None
+            return [self.pool.take_exact(t.nbytes) for t in tensors]
+        if bucket.digest is not None or self._digests_follow:
+            return None  # streaming with a digest: nothing is written before it is checked
+        served = [served_target(self._in_place, self.worker, self.device, t) for t in tensors]
+        if any(w is None for w in served):
+            return None
+        self.wrote_served = True  # before the first byte lands
+        return [w.view(-1).view(torch.uint8) for w in served if w is not None]
+
+    def _split_out(self, i: int, bucket: Bucket, ring: _Ring, slot: int, split: list[torch.Tensor]) -> None:
+        """Copy each tensor of bucket ``bucket`` (the ``i``-th) out of slot ``slot`` into ``split`` (:meth:`_split`),
+        hashing the bucket's bytes in order (the padding between tensors read from the slot too) when it is checked;
+        acknowledge it; then use what is ready (:meth:`_settle`).
+
+        Raises:
+            as :meth:`_bucket`.
+        """
+        received = _Received(bucket, None, False, parts=list(zip(bucket.tensors, split, strict=True)))
+        if not self.streaming:
+            self._pending.append(received)  # its buffers are released with the others from here on
+        hasher = BucketHasher() if bucket.digest is not None or self._digests_follow else None
+        at = 0
+        for t, buf in sorted(received.parts or [], key=lambda p: p[0].offset):
+            if hasher is not None and t.offset > at:
+                gap = torch.empty(t.offset - at, dtype=torch.uint8, device=self.device)
+                ring.copy(slot, gap, at)
+                hasher.update(gap)
+            ring.copy(slot, buf, t.offset)
+            if hasher is not None:
+                hasher.update(buf)
+            at = max(at, t.end)
+        if hasher is not None and bucket.size_bytes > at:
+            tail = torch.empty(bucket.size_bytes - at, dtype=torch.uint8, device=self.device)
+            ring.copy(slot, tail, at)
+            hasher.update(tail)
+        self._acknowledge(ring, bucket.index)
+        if self.feed.closed and i + 1 >= len(self.feed):
+            self._close()
+        if hasher is not None:
+            received.digest = hasher.digest()
+        if self.streaming:  # written in place: nothing is pending
+            self.tensors_applied += len(split)
+            self.bytes_done += bucket.size_bytes
+            self.buckets_done += 1
+            self.on_event(self)
+        self._settle(PENDING_STREAMING if self.streaming else None)
+
+    def _acknowledge(self, ring: _Ring, index: int) -> None:
+        """Tell ring ``ring``'s trainer that bucket ``index`` is out of its slot.
+
+        Raises:
+            Unavailable: SHARED_MEMORY_TRAINER_LOST.
+        """
+        assert ring.sock is not None
+        try:
+            ring.sock.sendall(ACK.pack(index))
+        except OSError as e:
+            raise self._trainer_lost(f"acknowledging bucket {index} failed: {e}") from e
+        self.last_arrival_at = time.monotonic()
 
     def _settle(self, keep: int | None) -> None:
         """Use the buckets received, in order, whose digest is known (or that have none to wait for); then, while
@@ -475,6 +553,11 @@ class SharedMemoryReceiver(ReceiverThread):
         """Load a checked bucket's tensors (streaming), or keep them for Complete (staged: as views of its buffer,
         or its one tensor to swap in)."""
         bucket, flat = received.bucket, received.flat
+        if received.parts is not None:  # staged, split out of its slot (streaming ones were written in place)
+            for t, buf in received.parts:
+                self.swap_in.add(t, buf)
+            return
+        assert flat is not None
         if received.swap:
             self.swap_in.add(bucket.tensors[0], flat)
             return
@@ -516,7 +599,7 @@ class SharedMemoryReceiver(ReceiverThread):
         Args:
             reuse: return them to the pool (nothing writes into them once the thread ended).
         """
-        held = self._held + self.swap_in.clear() + [r.flat for r in self._pending]
+        held = self._held + self.swap_in.clear() + [b for r in self._pending for b in r.buffers()]
         self._held, self.staged = [], []
         self._pending.clear()
         self._pieces.clear()
@@ -532,18 +615,27 @@ class _Received:
 
     Attributes:
         bucket: the bucket.
-        flat: its bytes (a buffer of the worker's pool).
+        flat: its bytes (a buffer of the worker's pool); ``None`` when split (``parts``).
         swap: its one tensor is served from ``flat`` at Complete.
         digest: the digest of ``flat`` (of ``whole``, for a delta bucket), when the bucket is checked; ``None``
             otherwise.
         whole: a delta bucket's tensors made whole (:func:`~wsync_grpc.worker.delta.expand`); ``None`` otherwise.
+        parts: a staged bucket split out of its slot (:meth:`SharedMemoryReceiver._split`): each tensor and the
+            exact-size buffer of the pool it was copied into, served from Complete on; ``None`` otherwise.
     """
 
     bucket: Bucket
-    flat: torch.Tensor
+    flat: torch.Tensor | None
     swap: bool
     digest: Digest | None = None
     whole: list[tuple[TensorSlot, torch.Tensor]] | None = None
+    parts: list[tuple[TensorSlot, torch.Tensor]] | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The pool's buffers it holds (to give back when it is not used)."""
+        if self.parts is not None:
+            return [buf for _, buf in self.parts]
+        return [self.flat] if self.flat is not None else []
 
 
 class _Ring:
@@ -568,11 +660,11 @@ class _Ring:
         self.cuda_index: int | None = None
         self.storages: StorageReader | None = None
 
-    def copy(self, slot: int, flat: torch.Tensor) -> None:
-        """Copy the first ``flat.numel()`` bytes of slot ``slot`` into ``flat``; once it returns they are there (a
-        GPU copy synchronized), so the slot may be acknowledged."""
+    def copy(self, slot: int, flat: torch.Tensor, at: int = 0) -> None:
+        """Copy ``flat.numel()`` bytes of slot ``slot``, from its byte ``at`` on, into ``flat``; once it returns
+        they are there (a GPU copy synchronized), so the slot may be acknowledged."""
         assert self.view is not None
-        self.view.copy(slot * self.handle.slot_bytes, flat)
+        self.view.copy(slot * self.handle.slot_bytes + at, flat)
 
     def close(self) -> bool:
         """Unmap the ring and close the socket (idempotent); whether the mapping is still viewed (it is then
