@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
-.PHONY: venv proto check-proto lint typecheck test test-fast check docs docs-gen demo demo-vllm demo-fsdp bench gpu-check soak clean
+.PHONY: venv proto check-proto lint typecheck test test-fast check docs docs-gen demo demo-vllm demo-fsdp bench gpu-check gpu-wheels soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -112,11 +112,30 @@ bench: $(STAMP)
 	$(PY) -m bench.run
 
 ## gpu-check: the CUDA IPC transport on one GPU, from a plain checkout (no venv: the machine's python3 with torch,
-## grpcio, protobuf, transformers...); writes GPU_CHECK_OUT. Under 4 minutes on one H100.
+## grpcio, protobuf, transformers...); writes GPU_CHECK_OUT. Under 4 minutes on one H100. wsync's other
+## dependencies (grpcio-status, grpcio-health-checking, grpcio-reflection, opentelemetry-api, python-json-logger,
+## google-re2; grpcio and protobuf at least the generated stubs' versions) must be there: where GPU_WHEELS holds
+## wheels (`make gpu-wheels`), they are installed first into GPU_SITE, for this run only.
 GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= gpu-check.json
+GPU_WHEELS ?= .whl
+GPU_SITE ?= /tmp/wsync-gpu-site
 gpu-check:
-	PYTHONPATH=.:generated $(GPU_PYTHON) -m wsync_grpc.tools.cuda_ipc_check --out $(GPU_CHECK_OUT)
+	if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	    --target $(GPU_SITE) $(GPU_WHEELS)/*.whl || exit 1; fi
+	PYTHONPATH=$(GPU_SITE):.:generated $(GPU_PYTHON) -m wsync_grpc.tools.cuda_ipc_check --out $(GPU_CHECK_OUT)
+
+## gpu-wheels: on a host that reaches the package registry, download into GPU_WHEELS (git ignores .whl/) the wheels
+## `make gpu-check` needs beyond torch and transformers, at the versions of this venv, for CPython
+## GPU_PY_VERSION on x86-64 Linux.
+GPU_PY_VERSION ?= 3.12
+GPU_WHEEL_NAMES := grpcio|protobuf|grpcio-status|googleapis-common-protos|grpcio-health-checking|grpcio-reflection|opentelemetry-api|python-json-logger|google-re2
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d $(GPU_WHEELS) \
+	  $$($(PY) -m pip freeze | grep -iE '^($(GPU_WHEEL_NAMES))==')
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache site $(TEST_REPORTS)

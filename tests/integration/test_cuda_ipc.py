@@ -7,7 +7,8 @@ loopback port refuses, before anything is connected or changed, a CUDA IPC updat
 engine's (a CPU engine: CUDA_IPC_DEVICE naming the UUID); a trainer whose tensors are on the CPU is refused before
 any call; the CUDA runtime is found among the loaded libraries; the GPU check script refuses cleanly without CUDA.
 
-With a GPU (marked ``cuda``, skipped without one, saying why): a reference engine in another process on cuda:0 and
+With a GPU (marked ``cuda``, skipped without one, saying why): the trainer's ring on cuda:0 holds what is packed
+and is freed (the CUDA runtime's calls through ctypes, one by one); a reference engine in another process on cuda:0 and
 a trainer on the same GPU sync staged and streaming bit-exact (the check script's own run); an engine in the
 trainer's process reads the trainer's ring through its own view (CUDA refuses to open a handle in the process that
 exported it), and nothing stays mapped or allocated once the client closes.
@@ -184,6 +185,48 @@ def test_the_gpu_check_refuses_cleanly_without_cuda(capsys: pytest.CaptureFixtur
 
 
 # ---------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.cuda
+@cuda
+def test_the_cuda_ring_holds_what_is_packed_and_is_freed() -> None:
+    """The trainer's ring on cuda:0 (cudaMalloc through ctypes, viewed by PyTorch, exported): its handle is 64 bytes
+    naming this GPU, a slot packed on the current stream reads back bit-exact through the ring's view and through
+    this process's own reader (CUDA refuses to open a handle in the process that exported it, which the runtime is
+    tried too, and what it says printed), and close frees it."""
+    from wsync_grpc.transports.cuda_ipc.cudart import CudaError, runtime
+    from wsync_grpc.transports.cuda_ipc.memory import CUDA_RING, CudaIpcView, device_uuid
+
+    dev = torch.device("cuda", 0)
+    ring = CUDA_RING.allocate(1 << 20, 2, "cuda:0")
+    try:
+        m = ring.cuda_ipc
+        assert m is not None and len(m.memory_handle) == 64 and m.size_bytes == 2 << 20 and m.offset_bytes == 0
+        assert m.device_uuid == device_uuid(0) and locate(m, dev) == 0
+        data = torch.randint(0, 256, (1000,), dtype=torch.uint8, device=dev)
+        buf = ring.slot(1, 1000)
+        assert buf.device == dev and buf.dtype == torch.uint8 and buf.is_contiguous()
+        buf.copy_(data)
+        ring.packed(1)
+        assert torch.equal(ring.slot(1, 1000), data)
+        out = torch.empty(1000, dtype=torch.uint8, device=dev)
+        view = CudaIpcView(m, 0)  # the trainer's own ring: read through its view, nothing opened
+        view.copy(1 << 20, out)
+        assert torch.equal(out, data)
+        assert view.close() is False
+        rt = runtime()
+        try:  # what CUDA says to opening a handle in its own process (the reason for the own view): printed
+            with rt.on_device(0):
+                rt.ipc_close(rt.ipc_open(m.memory_handle))
+            said = "opened it"
+        except CudaError as e:
+            said = str(e)
+        print(f"CUDA runtime {rt.path}; opening this process's own handle: {said}")
+    finally:
+        ring.close()
+    ring.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        ring.slot(0, 1)
 
 
 @pytest.mark.cuda

@@ -48,3 +48,18 @@ def test_a_round_without_both_halves_is_refused_where_it_is_declared() -> None:
 
             def follow(self, call: FollowedCall, arg: int, arg2: int) -> None:
                 pass
+
+
+def test_a_ranks_ring_handle_travels_as_the_contracts_message_cuda_ipc_included() -> None:
+    """The RINGS exchange carries each rank's handle as a serialized ``wsync.v1.SharedMemoryHandle``: every field
+    comes back, a GPU ring's ``cuda_ipc`` too; anything else is a ``ValueError``."""
+    from wsync_grpc.core.header import CudaIpcMemory, SharedMemoryHandle
+
+    memfd = SharedMemoryHandle("wsync-shm-abc", b"\x01" * 32, "boot", 1 << 20, 2, True)
+    gpu = SharedMemoryHandle(
+        "wsync-shm-def", b"\x02" * 32, "boot", 1 << 20, 2, False, CudaIpcMemory("GPU-uuid", b"\x03" * 64, 0, 2 << 20)
+    )
+    for h in (memfd, gpu):
+        assert rounds.decode_handle(rounds.encode_handle(h)) == h
+    with pytest.raises(ValueError, match="SharedMemoryHandle"):
+        rounds.decode_handle(b"\xff\xff not a message")

@@ -60,6 +60,13 @@ PACKAGES: tuple[tuple[str, str], ...] = (
 )
 """(module, what provides it) of everything the engine's server and the trainer's client import here."""
 
+INSTALL_HINT = (
+    "install wsync's dependencies (pip install -e . in the checkout), or, on a host that cannot reach a package "
+    "index, bring them as wheels: 'make gpu-wheels' on a host that can (it fills .whl/ with the versions of the "
+    "project's venv, for CPython 3.12 on x86-64 Linux), then 'make gpu-check' beside that .whl/ installs them first"
+)
+"""What the missing-packages line says to do."""
+
 WSYNC_MODULES = ("wsync_grpc.tools.cli", "wsync_grpc.trainer", "wsync_grpc.engines.reference")
 """The modules imported, after :data:`PACKAGES` were found, to catch anything else missing."""
 
@@ -96,6 +103,8 @@ def missing_packages() -> list[str]:
             importlib.import_module(module)
         except ModuleNotFoundError as e:
             missing.append(f"{e.name} (imported by {module})")
+        except Exception as e:  # found but unusable: e.g. grpcio or protobuf older than the generated stubs need
+            missing.append(f"a usable {module} ({type(e).__name__}: {e})")
     return missing
 
 
@@ -154,7 +163,21 @@ def start_engine(model: Path, port_file: Path, log: Path, device: str = "cuda:0"
         str(port_file),
     ]
     with open(log, "wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment, with the directories it imports wsync and its generated stubs from ahead on
+    ``PYTHONPATH`` (a checkout run by pytest, whose ``pythonpath`` setting reaches only its own process)."""
+    import wsync.v1
+
+    import wsync_grpc
+
+    roots = [str(Path(wsync_grpc.__file__).resolve().parents[1]), str(Path(wsync.v1.__file__).resolve().parents[2])]
+    env = os.environ.copy()
+    given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*roots, *given]))
+    return env
 
 
 def wait_port(proc: subprocess.Popen[bytes], port_file: Path, log: Path) -> int:
@@ -180,9 +203,11 @@ def copy_seconds(nbytes: int, device: Any) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
 
+    on = src.device
+
     def sync() -> None:
-        if src.is_cuda:
-            torch.cuda.synchronize(src.device)
+        if on.type == "cuda":
+            torch.cuda.synchronize(on)
 
     dst.copy_(src)
     sync()
@@ -242,6 +267,11 @@ def run_check(
                     raise RuntimeError(f"sync {version} ({mode}): {len(wrong)} tensor(s) differ, e.g. {wrong[:3]}")
                 rows.append({"sync": version, "mode": mode, "bytes": result.payload_bytes, "s": result.total_seconds})
         copy_s = copy_seconds(rows[0]["bytes"], device)
+    except BaseException:
+        if log.is_file():  # the engine's side of the failure (its log goes with the temporary directory)
+            tail = log.read_text(errors="replace")[-4000:]
+            print(f"cuda_ipc_check: the engine's log ends with:\n{tail}", file=sys.stderr)
+        raise
     finally:
         engine.terminate()
         try:
@@ -262,7 +292,13 @@ def run_check(
         "transport": transport,
         "rows": [*rows, copy_row],
     }
-    print(f"device: {name} (torch {torch.__version__}, CUDA {torch.version.cuda})")
+    if transport == "cuda_ipc":
+        from wsync_grpc.transports.cuda_ipc.cudart import runtime
+
+        report["cudart"] = runtime().path  # the CUDA runtime library the transport called
+    print(f"device: {name} (torch {torch.__version__}, CUDA {torch.version.cuda}, transport {transport})")
+    if "cudart" in report:
+        print(f"CUDA runtime called: {report['cudart']}")
     print(f"{'what':<10} {'mode':<10} {'bytes':>12} {'seconds':>9} {'GB/s':>8} {'ratio':>7}")
     for r in report["rows"]:
         print(
@@ -286,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     missing = missing_packages()
     if missing:
-        print(f"cuda_ipc_check: missing: {', '.join(missing)}", file=sys.stderr)
+        print(f"cuda_ipc_check: missing: {', '.join(missing)}; {INSTALL_HINT}", file=sys.stderr)
         return EXIT_PACKAGES
     import torch
 

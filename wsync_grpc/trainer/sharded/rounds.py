@@ -32,7 +32,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import json
 import logging
 import struct
 import threading
@@ -40,6 +39,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
+from google.protobuf.message import DecodeError
+from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.digests import Digest, DigestAlgorithm
 from wsync_grpc.core.header import SharedMemoryHandle
@@ -50,6 +51,7 @@ from wsync_grpc.trainer.sharded.outcome import decode_outcome, encode_error, enc
 from wsync_grpc.trainer.sharded.ranks import Command, TrainerRankFailed, TrainerRanks
 from wsync_grpc.trainer.source import WeightSource
 from wsync_grpc.transports.broadcast.sender import Broadcast, PackBuffers, SendJob, bucket_digest
+from wsync_grpc.wire.convert import shared_memory_from_proto, shared_memory_to_proto
 
 __all__ = [
     "AGAIN",
@@ -250,10 +252,9 @@ class DigestsRound(Round):
 
 
 def encode_handle(h: SharedMemoryHandle) -> bytes:
-    """A rank's ring handle as its share of the :data:`RINGS` exchange (JSON, the token in hex; never pickle)."""
-    d = dataclasses.asdict(h)
-    d["token"] = h.token.hex()
-    return json.dumps(d).encode()
+    """A rank's ring handle as its share of the :data:`RINGS` exchange: the contract's ``wsync.v1.SharedMemoryHandle``
+    message, serialized (its ``cuda_ipc`` included; never pickle)."""
+    return shared_memory_to_proto(h).SerializeToString()
 
 
 def decode_handle(payload: bytes) -> SharedMemoryHandle:
@@ -262,17 +263,11 @@ def decode_handle(payload: bytes) -> SharedMemoryHandle:
     Raises:
         ValueError: not such a share (the engines check the handle's fields again at Prepare).
     """
-    d = json.loads(payload)
-    if not isinstance(d, dict):
-        raise ValueError("a ring handle is a JSON object")
-    return SharedMemoryHandle(
-        socket_name=str(d["socket_name"]),
-        token=bytes.fromhex(str(d["token"])),
-        boot_id=str(d["boot_id"]),
-        slot_bytes=int(d["slot_bytes"]),
-        slots=int(d["slots"]),
-        storages=bool(d["storages"]),
-    )
+    try:
+        m = pb.SharedMemoryHandle.FromString(payload)
+    except DecodeError as e:
+        raise ValueError(f"a ring handle is a serialized wsync.v1.SharedMemoryHandle: {e}") from e
+    return shared_memory_from_proto(m)
 
 
 _RINGS_EXCHANGE = "exchanging the rings' handles"

@@ -4,7 +4,10 @@ PyTorch does not expose ``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle`` on me
 ``Storage._share_cuda_`` pickles the handle with its caching allocator's bookkeeping), so the transport calls the
 runtime itself: the ``libcudart`` PyTorch already loaded into this process, found by its path in
 ``/proc/self/maps`` once ``torch.cuda`` is initialized (the way vLLM's ``cuda_wrapper`` finds it), so that its
-calls share PyTorch's CUDA contexts; ``ctypes.util.find_library("cudart")`` otherwise.
+calls share PyTorch's CUDA contexts. Where PyTorch's runtime is not a file of its own (linked statically), another
+one: :data:`ENV_PATH` if set, the ``nvidia-cuda-runtime`` wheel's (``nvidia/cuda_runtime/lib``,
+``nvidia/cu13/lib``), then ``ctypes.util.find_library("cudart")``; any runtime works on the same device's primary
+context as PyTorch's does.
 
 Every call names the device it works on (:class:`CudaRuntime.on_device`): the runtime's current device is per
 thread, and a receiver runs on a thread of its own. Errors raise :class:`CudaError` with the runtime's own words
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +34,9 @@ LIBRARY = "libcudart"
 
 MAPS_PATH = "/proc/self/maps"
 """Where Linux lists the files mapped into this process (the shared libraries loaded among them)."""
+
+ENV_PATH = "WSYNC_CUDART_PATH"
+"""An environment variable naming the ``libcudart`` to load where PyTorch's is not a file of its own."""
 
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
 """``cudaIpcMemLazyEnablePeerAccess`` (CUDA's ``driver_types.h``): the one flag ``cudaIpcOpenMemHandle`` takes."""
@@ -46,16 +53,45 @@ class IpcMemHandle(ctypes.Structure):
 
 
 def loaded_library(maps: str, name: str = LIBRARY) -> str | None:
-    """The path of the first library mapped in ``maps`` (a ``/proc/<pid>/maps`` text) whose file name starts with
-    ``name``; ``None`` when none is."""
+    """The path of the first shared library mapped in ``maps`` (a ``/proc/<pid>/maps`` text) whose file name starts
+    with ``name`` (``libcudart.so.12``, ``libcudart-1a2b3c4d.so.12``; not a static archive); ``None`` when none is."""
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
         if len(fields) < 6:
             continue
         path = fields[5].strip()
-        if path.startswith("/") and Path(path).name.startswith(name):
+        if not path.startswith("/") or path.endswith(" (deleted)"):
+            continue
+        file = Path(path).name
+        if file.startswith(name) and ".so" in file:
             return path
     return None
+
+
+def wheel_libraries(name: str = LIBRARY) -> list[str]:
+    """The ``name`` libraries of the ``nvidia-cuda-runtime`` wheels installed beside PyTorch
+    (``nvidia/cuda_runtime/lib/libcudart.so.12``, CUDA 13's ``nvidia/cu13/lib/libcudart.so.13``), newest first."""
+    try:
+        import nvidia  # type: ignore[import-not-found,import-untyped,unused-ignore]  # a namespace package
+    except ImportError:
+        return []
+    found: list[str] = []
+    for root in getattr(nvidia, "__path__", []):
+        for pattern in (f"cuda_runtime/lib/{name}.so*", f"cu*/lib/{name}.so*"):
+            found += sorted((str(p) for p in Path(root).glob(pattern)), reverse=True)
+    return found
+
+
+def library_candidates() -> list[str]:
+    """Where this process's CUDA runtime may be, in the order :func:`runtime` tries them: the one loaded (see the
+    module), :data:`ENV_PATH`, the wheels' (:func:`wheel_libraries`), ``find_library("cudart")``."""
+    try:
+        maps = Path(MAPS_PATH).read_text()
+    except OSError:
+        maps = ""
+    candidates = [loaded_library(maps), os.environ.get(ENV_PATH) or None, *wheel_libraries()]
+    candidates.append(ctypes.util.find_library("cudart"))
+    return list(dict.fromkeys(c for c in candidates if c))
 
 
 class CudaRuntime:
@@ -106,13 +142,16 @@ class CudaRuntime:
 
     @contextlib.contextmanager
     def on_device(self, index: int) -> Iterator[None]:
-        """Run the block with ``index`` as this thread's current device, then restore the previous one."""
-        before = self.get_device()
-        self.set_device(index)
-        try:
+        """Run the block with ``index`` as this thread's current device, then give the thread its previous one back
+        the way PyTorch does (``torch.cuda.device``: without creating a context on a device that has none, as a
+        plain ``cudaSetDevice`` back to device 0 would in a fresh thread of a worker on another GPU). The block's
+        device is also set through this runtime (``cudaSetDevice``): the same call where it is PyTorch's runtime,
+        the one that counts where it is another."""
+        import torch
+
+        with torch.cuda.device(index):
+            self.set_device(index)
             yield
-        finally:
-            self.set_device(before)
 
     def malloc(self, nbytes: int) -> int:
         """A fresh allocation of ``nbytes`` bytes on the current device (``cudaMalloc``); its address."""
@@ -162,10 +201,12 @@ _runtime: CudaRuntime | None = None
 
 def runtime() -> CudaRuntime:
     """The process's CUDA runtime (loaded once): PyTorch's own ``libcudart``, found in :data:`MAPS_PATH` once
-    ``torch.cuda`` is initialized; ``find_library("cudart")`` where PyTorch's is not a separate file.
+    ``torch.cuda`` is initialized; where PyTorch's is not a separate file, the first of :func:`library_candidates`
+    that loads.
 
     Raises:
-        CudaError: no CUDA device is usable by PyTorch here, or no runtime library can be loaded.
+        CudaError: no CUDA device is usable by PyTorch here, or no runtime library can be loaded (the message names
+            every path tried, and :data:`ENV_PATH`).
     """
     global _runtime
     with _lock:
@@ -176,11 +217,17 @@ def runtime() -> CudaRuntime:
         if not torch.cuda.is_available():
             raise CudaError("CUDA is not available in this process (torch.cuda.is_available() is false)")
         torch.cuda.init()  # type: ignore[no-untyped-call]  # loads PyTorch's libcudart, if it has one of its own
-        path = loaded_library(Path(MAPS_PATH).read_text()) or ctypes.util.find_library("cudart")
-        if path is None:
-            raise CudaError(f"no {LIBRARY} is loaded in this process and none can be found")
-        try:
-            _runtime = CudaRuntime(path)
-        except (OSError, AttributeError) as e:
-            raise CudaError(f"cannot use the CUDA runtime {path}: {e}") from e
-        return _runtime
+        tried: list[str] = []
+        for path in library_candidates():
+            try:
+                _runtime = CudaRuntime(path)
+            except (OSError, AttributeError) as e:
+                tried.append(f"{path}: {e}")
+                continue
+            return _runtime
+        raise CudaError(
+            f"no CUDA runtime library ({LIBRARY}.so.*) is loaded in this process (PyTorch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}) and none could be loaded"
+            + (f" ({'; '.join(tried)})" if tried else " (none found beside PyTorch, nor by find_library)")
+            + f": set {ENV_PATH} to the path of the libcudart.so of PyTorch's CUDA version"
+        )

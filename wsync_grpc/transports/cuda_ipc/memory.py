@@ -89,14 +89,16 @@ class CudaRing:
             address = rt.malloc(nbytes)
             try:
                 handle = rt.ipc_get_handle(address)
+                uuid = device_uuid(index)
+                view = torch.as_tensor(_DeviceBytes(address, nbytes), device=self.device)
             except BaseException:
                 rt.free(address)
                 raise
         self._address: int | None = address
         self._index = index
-        self.cuda_ipc: CudaIpcMemory | None = CudaIpcMemory(device_uuid(index), handle, 0, nbytes)
+        self.cuda_ipc: CudaIpcMemory | None = CudaIpcMemory(uuid, handle, 0, nbytes)
         """What the update's handle says of this memory (``SharedMemoryHandle.cuda_ipc``)."""
-        self._bytes: torch.Tensor | None = torch.as_tensor(_DeviceBytes(address, nbytes), device=self.device)
+        self._bytes: torch.Tensor | None = view
         _OWN[handle] = self
 
     @property
@@ -127,8 +129,11 @@ class CudaRing:
         torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
-        """Free the allocation (``cudaFree``, once the device's work on it ended); idempotent. An engine that still
-        has it open keeps its mapping until it closes it (CUDA's rule for IPC memory)."""
+        """Free the allocation (``cudaFree``, once the device's work on it ended); idempotent. CUDA leaves undefined
+        what an engine that still has it open then reads (``cudaFree`` before the importer's
+        ``cudaIpcCloseMemHandle``): each engine worker closes its mapping when its receive ends, before it reports
+        done (Complete waits for that), so the sender frees it only after a send whose engines all ended; a send cut
+        short (cancel, timeout) can leave a worker mapped until its own receive ends."""
         address, self._address = self._address, None
         self._bytes = None
         if self.cuda_ipc is not None:
@@ -301,17 +306,26 @@ class CudaIpcView:
         self._address: int | None = None
         own = _OWN.get(m.memory_handle)
         if own is not None:  # the trainer's ring in this very process: its own view, nothing to open or close
-            whole = own.slot(0, own.slot_bytes).untyped_storage()  # the whole allocation, as the trainer views it
+            try:
+                whole = own.slot(0, own.slot_bytes).untyped_storage()  # the whole allocation, as the trainer views it
+            except ValueError as e:  # closed meanwhile
+                raise Unavailable("CUDA_IPC_OPEN", f"the trainer's CUDA ring in this process is gone: {e}") from e
             self._bytes: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=self.device).set_(whole)
             self._bytes = self._bytes[m.offset_bytes : m.offset_bytes + m.size_bytes]
             return
         try:
             rt = runtime()
             with rt.on_device(index):
-                self._address = rt.ipc_open(m.memory_handle)
+                address = rt.ipc_open(m.memory_handle)
         except (CudaError, ValueError) as e:
             raise Unavailable("CUDA_IPC_OPEN", f"opening the trainer's CUDA IPC handle failed: {e}") from e
-        self._bytes = torch.as_tensor(_DeviceBytes(self._address + m.offset_bytes, m.size_bytes), device=self.device)
+        try:
+            self._bytes = torch.as_tensor(_DeviceBytes(address + m.offset_bytes, m.size_bytes), device=self.device)
+        except BaseException:
+            with rt.on_device(index):
+                rt.ipc_close(address)
+            raise
+        self._address = address
 
     def copy(self, start: int, flat: torch.Tensor) -> None:
         """Copy ``flat.numel()`` bytes from ``start`` into ``flat`` (on the worker's device), and wait for the copy
