@@ -4,7 +4,10 @@ Per configuration (SmolLM2-135M's shapes in float32, 538 MB, and the synthetic `
 staged and streaming apply) one engine process (:mod:`bench.engine`: the
 :class:`~wsync_grpc.engines.tensor.TensorEngine` of ``wsync serve --synthetic``, plus the raw-broadcast
 routes) and the trainer (this process). After a warm-up (every way twice), each round runs back to
-back on the same processes, the ways after the ceiling in a rotated order:
+back on the same processes, the ways after the ceiling in a rotated order, each way's measured sync right after an
+unmeasured one of its own (a trainer syncs one way every step, and the engine's receive buffers are what that way
+leaves: a staged sync through shared memory copies each tensor into a buffer of its own that the engine then
+serves, a broadcast receives whole buckets; a sync right after another way's would pay to reshape them):
 
 - ``ceiling``: one raw gloo broadcast of the model's bytes over loopback into a reused, touched
   buffer (:meth:`bench.run.Session.raw`): the old "physical limit" of this host's network path;
@@ -262,6 +265,7 @@ def _config(h: Harness, model: str, dtype: str, reps: int) -> dict[str, Any]:
                     r: dict[str, Any] = {"ceiling": s.raw(), "ceiling_cpu": s.last_raw_cpu}
                     rotated = order[i % len(order) :] + order[: i % len(order)]
                     for way in rotated:
+                        ways[way](mode)  # unmeasured: the engine's buffers as this way leaves them (module doc)
                         r[way] = ways[way](mode)
                     r["one_copy"] = one.run()
                     rounds.append(r)
