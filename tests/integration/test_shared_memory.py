@@ -232,6 +232,21 @@ def test_buckets_of_several_tensors_are_split_out_of_the_slot_into_what_the_engi
         assert {n: engine.tensors[n].data_ptr() for n in newest} == {n: before[n] for n in newest}
         for n, t in newest.items():
             assert torch.equal(engine.tensors[n], t), n
+        # The zero-copy path alike: each tensor read from the trainer's storage into its own buffer (staged, its
+        # digest checked) or straight into the served tensor (streaming, no digests).
+        shared = {n: t.share_memory_() for n, t in synthetic.build("tiny", seed=10).items()}  # type: ignore[no-untyped-call]
+        for version, apply_mode, digests in (("v3", "staged", True), ("v4", "streaming", False)):
+            for t in shared.values():
+                t.add_(1)
+            client.digests = digests
+            before = {n: t.data_ptr() for n, t in engine.tensors.items()}
+            r = client.sync(shared.items(), version, apply_mode=apply_mode, transport="shared_memory")  # type: ignore[arg-type]
+            assert sm_sender(client).last_send.storage_buckets == r.bucket_count > 3
+            assert r.engines[a.address].buckets_verified == (r.bucket_count if digests else 0)
+            moved = {n for n in shared if engine.tensors[n].data_ptr() != before[n]}
+            assert moved == (set(shared) if apply_mode == "staged" else set()), moved
+            for n, t in shared.items():
+                assert torch.equal(engine.tensors[n], t), n
 
 
 def test_a_reference_engine_takes_staged_and_streaming_syncs(make_tiny_llama: Any, smollm2_tokenizer: Any) -> None:

@@ -392,8 +392,8 @@ class SharedMemoryReceiver(ReceiverThread):
                 f"({bucket.size_bytes} bytes) in one of {h.slots} slots was due",
                 bucket=str(bucket.index),
             )
-        if not from_storages and (split := self._split(bucket)) is not None:
-            self._split_out(i, bucket, ring, slot, split)
+        if (not from_storages or self.device.type == "cpu") and (split := self._split(bucket)) is not None:
+            self._split_out(i, bucket, ring, None if from_storages else slot, split)
             return
         swap = self.swap_in.swappable(bucket.lone)
         if swap:
@@ -445,10 +445,11 @@ class SharedMemoryReceiver(ReceiverThread):
         self.wrote_served = True  # before the first byte lands
         return [w.view(-1).view(torch.uint8) for w in served if w is not None]
 
-    def _split_out(self, i: int, bucket: Bucket, ring: _Ring, slot: int, split: list[torch.Tensor]) -> None:
+    def _split_out(self, i: int, bucket: Bucket, ring: _Ring, slot: int | None, split: list[torch.Tensor]) -> None:
         """Copy each tensor of bucket ``bucket`` (the ``i``-th) out of slot ``slot`` into ``split`` (:meth:`_split`),
-        hashing the bucket's bytes in order (the padding between tensors read from the slot too) when it is checked;
-        acknowledge it; then use what is ready (:meth:`_settle`).
+        hashing the bucket's bytes in order (the padding between tensors read from the slot too) when it is checked,
+        or (``slot`` ``None``: the zero-copy path) read each from the trainer's storages, the padding hashed as the
+        zeros it is; acknowledge it; then use what is ready (:meth:`_settle`).
 
         Raises:
             as :meth:`_bucket`.
@@ -457,20 +458,33 @@ class SharedMemoryReceiver(ReceiverThread):
         if not self.streaming:
             self._pending.append(received)  # its buffers are released with the others from here on
         hasher = BucketHasher() if bucket.digest is not None or self._digests_follow else None
+        if slot is None:
+            assert ring.storages is not None
+            try:
+                ring.storages.read_bucket(bucket, None, split)  # read (never mapped) from the trainer's storages
+            except Closed as e:
+                raise self._trainer_lost(str(e)) from e
         at = 0
         for t, buf in sorted(received.parts or [], key=lambda p: p[0].offset):
             if hasher is not None and t.offset > at:
-                gap = torch.empty(t.offset - at, dtype=torch.uint8, device=self.device)
-                ring.copy(slot, gap, at)
-                hasher.update(gap)
-            ring.copy(slot, buf, t.offset)
+                if slot is None:
+                    hasher.zeros(t.offset - at)
+                else:
+                    gap = torch.empty(t.offset - at, dtype=torch.uint8, device=self.device)
+                    ring.copy(slot, gap, at)
+                    hasher.update(gap)
+            if slot is not None:
+                ring.copy(slot, buf, t.offset)
             if hasher is not None:
                 hasher.update(buf)
             at = max(at, t.end)
         if hasher is not None and bucket.size_bytes > at:
-            tail = torch.empty(bucket.size_bytes - at, dtype=torch.uint8, device=self.device)
-            ring.copy(slot, tail, at)
-            hasher.update(tail)
+            if slot is None:
+                hasher.zeros(bucket.size_bytes - at)
+            else:
+                tail = torch.empty(bucket.size_bytes - at, dtype=torch.uint8, device=self.device)
+                ring.copy(slot, tail, at)
+                hasher.update(tail)
         self._acknowledge(ring, bucket.index)
         if self.feed.closed and i + 1 >= len(self.feed):
             self._close()

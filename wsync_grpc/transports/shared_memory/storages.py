@@ -325,9 +325,11 @@ class StorageReader:
     _pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
     _staging: torch.Tensor | None = field(default=None, init=False, repr=False)
 
-    def read_bucket(self, bucket: Bucket, flat: torch.Tensor) -> None:
+    def read_bucket(self, bucket: Bucket, flat: torch.Tensor | None, parts: Sequence[torch.Tensor] = ()) -> None:
         """Receive bucket ``bucket``'s groups and read its bytes into ``flat`` (its ``bucket.size_bytes`` bytes,
-        ``uint8``, contiguous; read in place on CPU, through a staging buffer on another device), padding zeroed.
+        ``uint8``, contiguous; read in place on CPU, through a staging buffer on another device), padding zeroed;
+        or, with ``flat`` ``None``, each tensor's bytes into its own of ``parts`` (one per tensor of the bucket, in
+        bucket order, each 1-D ``uint8`` of exactly its bytes, on CPU: a receiver splitting the bucket).
 
         Raises:
             Closed: the trainer closed its socket.
@@ -338,8 +340,16 @@ class StorageReader:
             Cancelled, GroupTimeout.
         """
         due = [(t.offset, t.nbytes) for t in bucket.tensors if t.nbytes]
-        dst = flat if flat.is_cpu else self._staging_for(flat.numel())
-        view = memoryview(dst.numpy())  # type: ignore[arg-type]
+        if flat is None:
+            if len(parts) != len(due) or any(not p.is_cpu for p in parts):
+                raise ValueError(f"bucket {bucket.index}: one CPU part per tensor of at least one byte is needed")
+            dst = None
+            view = memoryview(b"")
+            targets: list[memoryview | None] = [memoryview(p.numpy()) for p in parts]  # type: ignore[arg-type]
+        else:
+            dst = flat if flat.is_cpu else self._staging_for(flat.numel())
+            view = memoryview(dst.numpy())  # type: ignore[arg-type]
+            targets = [None] * len(due)
         done = 0
         end = 0
         last = False
@@ -363,20 +373,24 @@ class StorageReader:
                     fds[i] = -1  # closed by _read_only, whatever it answers
                     fds[i] = self._read_only(fd)
                 self._check(bucket, fds, reads)
+                into = targets[done - len(reads) : done]
                 for r in reads:
-                    if r.bucket_offset > end:
+                    if flat is not None and r.bucket_offset > end:
                         view[end : r.bucket_offset] = bytes(r.bucket_offset - end)
                     end = r.bucket_offset + r.nbytes
-                self._read(bucket, fds, reads, view)
+                self._read(bucket, fds, reads, view, into)
             finally:
                 for fd in fds:
                     if fd >= 0:
                         os.close(fd)
         if done != len(due):
             raise _protocol(bucket, f"the last group came after {done} of its {len(due)} tensors")
+        if flat is None:
+            return
         if end < flat.numel():
             view[end:] = bytes(flat.numel() - end)
         if dst is not flat:
+            assert dst is not None
             flat.copy_(dst[: flat.numel()])
 
     def _group(self, index: int) -> tuple[tuple[int, int, int], list[int]]:
@@ -440,29 +454,44 @@ class StorageReader:
             if st.st_size < need[i]:
                 raise _short(bucket, f"storage {i} holds {st.st_size} bytes; its reads need {need[i]}")
 
-    def _read(self, bucket: Bucket, fds: Sequence[int], reads: Sequence[StorageRead], view: memoryview) -> None:
-        """Every read, cut in pieces of :data:`CHUNK_BYTES`, on :data:`READ_THREADS` threads.
+    def _read(
+        self,
+        bucket: Bucket,
+        fds: Sequence[int],
+        reads: Sequence[StorageRead],
+        view: memoryview,
+        into: Sequence[memoryview | None] = (),
+    ) -> None:
+        """Every read, cut in pieces of :data:`CHUNK_BYTES`, on :data:`READ_THREADS` threads: into ``view`` at its
+        offset in the bucket, or into its own of ``into`` (same order as ``reads``; empty: every one into ``view``)
+        from its start.
 
         Raises:
             DataLoss: SHARED_MEMORY_STORAGE, a piece came short or failed.
         """
         pieces = [
-            (fds[r.storage], r.storage_offset + k, r.bucket_offset + k, min(CHUNK_BYTES, r.nbytes - k))
-            for r in reads
+            (
+                view if own is None else own,
+                fds[r.storage],
+                r.storage_offset + k,
+                (r.bucket_offset if own is None else 0) + k,
+                min(CHUNK_BYTES, r.nbytes - k),
+            )
+            for r, own in zip(reads, into or [None] * len(reads), strict=True)
             for k in range(0, r.nbytes, CHUNK_BYTES)
         ]
-        total = sum(p[3] for p in pieces)
+        total = sum(p[4] for p in pieces)
         if READ_THREADS < 2 or total < 2 * CHUNK_BYTES:
             for p in pieces:
-                _pread(bucket, view, *p)
+                _pread(bucket, *p)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"wsync-shm-read-{self.worker}")
         share = [pieces[i::READ_THREADS] for i in range(READ_THREADS)]
-        futures = [self._pool.submit(_pread_all, bucket, view, s) for s in share[1:]]
+        futures = [self._pool.submit(_pread_all, bucket, s) for s in share[1:]]
         errors: list[BaseException] = []
         try:
-            _pread_all(bucket, view, share[0])
+            _pread_all(bucket, share[0])
         except BaseException as e:
             errors.append(e)
         for f in futures:
@@ -524,9 +553,10 @@ def _pread(bucket: Bucket, view: memoryview, fd: int, offset: int, at: int, nbyt
         got += n
 
 
-def _pread_all(bucket: Bucket, view: memoryview, pieces: Sequence[tuple[int, int, int, int]]) -> None:
+def _pread_all(bucket: Bucket, pieces: Sequence[tuple[memoryview, int, int, int, int]]) -> None:
+    """:func:`_pread` of each ``(view, fd, offset, at, nbytes)``."""
     for p in pieces:
-        _pread(bucket, view, *p)
+        _pread(bucket, *p)
 
 
 @dataclass
