@@ -279,7 +279,9 @@ def section(c: dict[str, Any]) -> str:
         f"Shared memory reaches {low:.2f}-{high:.2f} x the ceiling (least: {where}). Where the trainer's time goes "
         f"(medians, digests off): {_trainer_profile(c)}. The trainer packs every bucket into a slot with one "
         "single-threaded `memmove` per tensor (`pack_bucket`), hashes the slot when digests are on, and the "
-        "engine copies the slot out (and, streaming, applies it: a third pass), all on this host's cores. "
+        "engine copies each tensor out of the slot into a buffer it then serves (staged: Complete swaps it in, "
+        "copying nothing) or straight into the served tensor (streaming without digests; with them, into a "
+        "buffer first and loaded once checked: a third pass), all on this host's cores. "
         f"With the trainer's tensors already in shared memory the sync reaches {sh_low:.2f}-{sh_high:.2f} x the "
         f"ceiling ({_zero_copy(c)}): nothing is packed, and each engine worker reads the storages with `pread` "
         "on two threads, a kernel copy (never a mapping: the storages are not sealed); one copy out of a shared "
@@ -364,8 +366,9 @@ def missed(c: dict[str, Any], failed: list[str]) -> str:
             "threads (a kernel copy, about 3.5 GB/s a thread here, where a copy out of a mapping runs at "
             f"{one:.1f} x the ceiling; the storages are not sealed, so a mapping could crash the engine). The sync "
             f"adds Prepare ({_med(way_seconds(r, 'shm_shared', 'prepare')):.3f} s) and Complete "
-            f"({_med(way_seconds(r, 'shm_shared', 'complete')):.3f} s), whose staged apply copies every byte once "
-            "more into the served tensors (streaming does it during the transfer): the second pass that is left."
+            f"({_med(way_seconds(r, 'shm_shared', 'complete')):.3f} s; a staged apply swaps in the buffers read "
+            "into, copying nothing) and the round trips between them, a fixed cost that weighs most on the "
+            "smaller model."
         )
     v = c.get("vllm")
     if v is not None and any("vLLM" in f for f in failed):
