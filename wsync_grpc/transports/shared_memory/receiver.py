@@ -26,8 +26,8 @@ A bucket is used only once its digest is known and matched (DATA_LOSS BUCKET_DIG
 nothing of it used): it loads its tensors (streaming) or keeps them for Complete (staged); a staged
 bucket that is one tensor of the served dtype and shape, on an engine that offers
 :class:`~wsync_grpc.core.engine.StorageSwap`, is copied into an exact-size buffer the engine serves
-from Complete on, as the broadcast receiver does. A bucket of several tensors is split as it is copied out of
-its slot when every one of its tensors can be (:meth:`SharedMemoryReceiver._split`): staged, each into an exact-size
+from Complete on, as the broadcast receiver does. A bucket is split as it is copied out of its slot when
+every one of its tensors can be (:meth:`SharedMemoryReceiver._split`): staged, each into an exact-size
 buffer the engine then serves (that engine's Complete copies nothing); streaming without digests, each straight into
 the served tensor (:class:`~wsync_grpc.core.engine.InPlaceReceive`: one copy in all). The ring does not wait for
 digests: they come in
@@ -428,11 +428,11 @@ class SharedMemoryReceiver(ReceiverThread):
         exact-size buffer per tensor that the engine serves at Complete (:meth:`SwapIn.swappable
         <wsync_grpc.worker.swaps.SwapIn.swappable>` for every tensor); streaming without a digest to wait for, the
         served tensors themselves (:func:`~wsync_grpc.worker.swaps.served_target` for every tensor), each as 1-D
-        ``uint8`` of the tensor's bytes. ``None``: copy the bucket whole into a buffer, as usual (a lone tensor, a
-        delta, pieces, any tensor that cannot be split out)."""
+        ``uint8`` of the tensor's bytes. ``None``: copy the bucket whole into a buffer, as usual (a delta, pieces,
+        any tensor that cannot be split out; staged, a lone tensor, which that buffer already is)."""
         tensors = bucket.tensors
-        if len(tensors) < 2 or bucket.has_delta:
-            return None
+        if not tensors or bucket.has_delta or (len(tensors) < 2 and not self.streaming):
+            return None  # staged, a lone tensor is swapped in whole (SwapIn.swappable): the same thing
         if not self.streaming:
             if not all(t.nbytes and self.swap_in.swappable(t) for t in tensors):
                 return None
