@@ -8,19 +8,16 @@ greedy answers itself (``--check``); the tests read every rank's JSON lines.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
-import os
 import random
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 from fsdp_ranks import start_ranks
-from test_shared_memory import dev_shm
+from test_shared_memory import dev_shm, segments_held
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -243,19 +240,6 @@ def test_status_and_checksums_are_read_through_the_ranks_trainer_client(engine: 
     after = stub.GetStatus(pb.GetStatusRequest(), timeout=10)  # read-only: no lease taken, nothing changed
     assert after.weight_version == before.weight_version
     assert (after.HasField("owner"), after.owner.generation) == (before.HasField("owner"), before.owner.generation)
-
-
-SEGMENT = "/memfd:wsync-shm"
-"""How a shared-memory segment shows in ``/proc/<pid>/maps`` and as a descriptor's target in ``/proc/<pid>/fd``."""
-
-
-def segments_held(pid: int) -> int:
-    """The mappings and descriptors of shared-memory segments process ``pid`` holds."""
-    held = sum(SEGMENT in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            held += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SEGMENT)
-    return held
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from wsync_grpc.core.header import CUDA_IPC_HANDLE_BYTES, CudaIpcMemory, SharedM
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.transports.cuda_ipc.cudart import CudaError, runtime
+from wsync_grpc.transports.shared_memory.backing import slot_view
 
 
 class _DeviceBytes:
@@ -116,12 +117,7 @@ class CudaRing:
         Raises:
             ValueError: the ring was closed, or ``nbytes`` exceeds a slot.
         """
-        if self._bytes is None:
-            raise ValueError("the CUDA ring was closed")
-        if not 0 <= slot < self.slots or nbytes > self.slot_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit slot {slot} of {self.slots} x {self.slot_bytes} bytes")
-        start = slot * self.slot_bytes
-        return self._bytes[start : start + nbytes]
+        return slot_view(self._bytes, slot, nbytes, self.slots, self.slot_bytes)
 
     def packed(self, slot: int) -> None:
         """The slot's bytes were packed: wait for the stream that packed them (this device's current stream), so

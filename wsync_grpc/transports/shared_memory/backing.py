@@ -145,3 +145,18 @@ class MappedSegment:
             except BufferError:
                 return True
         return False
+
+
+def slot_view(ring: torch.Tensor | None, slot: int, nbytes: int, slots: int, slot_bytes: int) -> torch.Tensor:
+    """The first ``nbytes`` bytes of slot ``slot`` of ``ring`` (a ring's bytes as one 1-D ``uint8`` tensor, host or
+    GPU: ``slots`` slots of ``slot_bytes`` bytes; ``None`` once closed), as a writable view.
+
+    Raises:
+        ValueError: the ring was closed, or ``nbytes`` exceeds a slot.
+    """
+    if ring is None:
+        raise ValueError("the ring was closed")
+    if not 0 <= slot < slots or nbytes > slot_bytes:
+        raise ValueError(f"{nbytes} bytes do not fit slot {slot} of {slots} x {slot_bytes} bytes")
+    start = slot * slot_bytes
+    return ring[start : start + nbytes]

@@ -24,7 +24,7 @@ from wsync_grpc.core.errors import Cancelled, GroupTimeout
 from wsync_grpc.core.header import CudaIpcMemory, SharedMemoryHandle
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.core.topology import SendTopology
-from wsync_grpc.transports.shared_memory.backing import HOST, RingMemory
+from wsync_grpc.transports.shared_memory.backing import HOST, RingMemory, slot_view
 from wsync_grpc.transports.shared_memory.protocol import (
     GRANT,
     MAGIC,
@@ -121,12 +121,7 @@ class Segment:
         Raises:
             ValueError: the segment was closed, or ``nbytes`` exceeds a slot.
         """
-        if self._bytes is None:
-            raise ValueError("the segment was closed")
-        if not 0 <= slot < self.slots or nbytes > self.slot_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit slot {slot} of {self.slots} x {self.slot_bytes} bytes")
-        start = slot * self.slot_bytes
-        return self._bytes[start : start + nbytes]
+        return slot_view(self._bytes, slot, nbytes, self.slots, self.slot_bytes)
 
     def close(self) -> None:
         """Close the read-only descriptor and drop the mapping (unmapped once no view of it is left)."""

@@ -466,25 +466,15 @@ class SharedMemoryReceiver(ReceiverThread):
                 raise self._trainer_lost(str(e)) from e
         at = 0
         for t, buf in sorted(received.parts or [], key=lambda p: p[0].offset):
-            if hasher is not None and t.offset > at:
-                if slot is None:
-                    hasher.zeros(t.offset - at)
-                else:
-                    gap = torch.empty(t.offset - at, dtype=torch.uint8, device=self.device)
-                    ring.copy(slot, gap, at)
-                    hasher.update(gap)
+            if hasher is not None:
+                self._hash_padding(hasher, ring, slot, at, t.offset)
             if slot is not None:
                 ring.copy(slot, buf, t.offset)
             if hasher is not None:
                 hasher.update(buf)
             at = max(at, t.end)
-        if hasher is not None and bucket.size_bytes > at:
-            if slot is None:
-                hasher.zeros(bucket.size_bytes - at)
-            else:
-                tail = torch.empty(bucket.size_bytes - at, dtype=torch.uint8, device=self.device)
-                ring.copy(slot, tail, at)
-                hasher.update(tail)
+        if hasher is not None:
+            self._hash_padding(hasher, ring, slot, at, bucket.size_bytes)
         self._acknowledge(ring, bucket.index)
         if self.feed.closed and i + 1 >= len(self.feed):
             self._close()
@@ -496,6 +486,18 @@ class SharedMemoryReceiver(ReceiverThread):
             self.buckets_done += 1
             self.on_event(self)
         self._settle(PENDING_STREAMING if self.streaming else None)
+
+    def _hash_padding(self, hasher: BucketHasher, ring: _Ring, slot: int | None, start: int, end: int) -> None:
+        """Hash a bucket's bytes ``start`` to ``end`` (padding between its tensors; none when ``end <= start``): read
+        from slot ``slot``, or the zeros they are when the bucket came from the trainer's storages (``None``)."""
+        if end <= start:
+            return
+        if slot is None:
+            hasher.zeros(end - start)
+            return
+        gap = torch.empty(end - start, dtype=torch.uint8, device=self.device)
+        ring.copy(slot, gap, start)
+        hasher.update(gap)
 
     def _acknowledge(self, ring: _Ring, index: int) -> None:
         """Tell ring ``ring``'s trainer that bucket ``index`` is out of its slot.
