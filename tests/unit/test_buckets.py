@@ -411,3 +411,28 @@ def test_bucket_specs_are_batched_in_order_under_the_bound(counts: list[int], ma
         assert len(batch) == 1 or sum(s.ByteSize() + 6 for s in batch) <= max_bytes
         got += batch
     assert got == specs
+
+
+def test_a_pack_sharing_its_large_copies_with_a_helper_thread_writes_the_same_bytes() -> None:
+    """``pack_bucket(..., helper=)`` copies the second half of each large tensor on the helper thread (the
+    shared-memory ring's): the bucket's bytes, padding zeroed included, are those of a pack on one thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wsync_grpc.core.packing import SPLIT_BYTES
+
+    g = torch.Generator().manual_seed(3)
+    named = [
+        ("big", torch.randn(SPLIT_BYTES // 4 + 7, generator=g)),  # odd size: the halves split mid-element
+        ("small", torch.randn(5, generator=g)),
+        ("big2", torch.randint(-(2**15), 2**15, (SPLIT_BYTES // 2 + 3,), generator=g, dtype=torch.int16)),
+    ]
+    (bucket,) = plan_buckets(named, bucket_bytes=4 * SPLIT_BYTES, alignment=64)
+    tensors = dict(named)
+    alone = pack_bucket(bucket, tensors, torch.full((bucket.size_bytes,), 7, dtype=torch.uint8), zero_padding=True)
+    with ThreadPoolExecutor(1) as helper:
+        shared = pack_bucket(
+            bucket, tensors, torch.full((bucket.size_bytes,), 9, dtype=torch.uint8), zero_padding=True, helper=helper
+        )
+    assert torch.equal(alone, shared)
+    for t, (_, src) in zip(bucket.tensors, named, strict=True):
+        assert torch.equal(shared[t.offset : t.end].view(src.dtype), src), t.name

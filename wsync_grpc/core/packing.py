@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor
 
 import torch
 
@@ -49,12 +50,31 @@ def _memmove_source(src: torch.Tensor) -> bool:
     )
 
 
+SPLIT_BYTES = 4 << 20
+"""The smallest copy :func:`pack_bucket` shares with its ``helper``, in bytes."""
+
+
+def _memmove(dst: int, src: int, nbytes: int, helper: Executor | None) -> None:
+    """``memmove`` of ``nbytes`` bytes from address ``src`` to ``dst``, its second half on ``helper`` when it is
+    given and the copy is at least :data:`SPLIT_BYTES`."""
+    if helper is None or nbytes < SPLIT_BYTES:
+        ctypes.memmove(dst, src, nbytes)
+        return
+    half = nbytes // 2
+    second = helper.submit(ctypes.memmove, dst + half, src + half, nbytes - half)
+    try:
+        ctypes.memmove(dst, src, half)
+    finally:
+        second.result()
+
+
 def pack_bucket(
     bucket: Bucket,
     tensors_by_name: Mapping[str, torch.Tensor],
     out: torch.Tensor,
     *,
     zero_padding: bool = False,
+    helper: Executor | None = None,
 ) -> torch.Tensor:
     """Copy each of ``bucket``'s tensors into its byte range of ``out``; return ``out``.
 
@@ -78,6 +98,10 @@ def pack_bucket(
         out: a 1-D ``torch.uint8`` tensor of exactly ``bucket.size_bytes``
             elements, contiguous, on the device the broadcast runs on.
         zero_padding: also zero the padding bytes.
+        helper: where to copy the second half of each ``memmove`` of at least :data:`SPLIT_BYTES` (a thread of
+            the caller's; ``ctypes`` releases the GIL), while this thread copies the first: for a caller with a
+            core to spare, such as the shared-memory ring, whose engines copy out of another slot meanwhile.
+            ``None``: every copy on this thread (a broadcast's collective needs the other cores).
 
     Returns:
         ``out``.
@@ -120,7 +144,7 @@ def pack_bucket(
             if t.nbytes:
                 src = src.detach()
                 if base and src.dtype == t.dtype and _memmove_source(src):
-                    ctypes.memmove(base + t.offset, src.data_ptr(), t.nbytes)
+                    _memmove(base + t.offset, src.data_ptr(), t.nbytes, helper)
                 else:
                     _typed_slice(out, t).copy_(src)
             prev_end = max(prev_end, t.end)  # an empty entry may sit before the end

@@ -47,6 +47,7 @@ import selectors
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -88,6 +89,8 @@ class Ring:
         timeout_s: the longest wait for an acknowledgement, in seconds.
         storages: the look-up of the trainer's shared-memory storages, for buckets the engines read from them
             (:mod:`~wsync_grpc.transports.shared_memory.storages`); ``None``: every bucket is packed into a slot.
+        helper: a thread that copies half of each large tensor as a bucket is packed (``pack_bucket``'s); ``None``:
+            packing on this thread alone.
     """
 
     def __init__(
@@ -97,12 +100,14 @@ class Ring:
         job: SendJob,
         timeout_s: float,
         storages: StorageFds | None = None,
+        helper: Executor | None = None,
     ) -> None:
         self.segment = segment
         self.readers = list(readers)
         self.job = job
         self.timeout_s = timeout_s
         self.storages = storages
+        self._helper = helper
         self.counts = SendCounts()
         """What the send did with its buckets (packed, or read from the trainer's storages)."""
         self.buckets = list(job.buckets)
@@ -148,7 +153,7 @@ class Ring:
             t = time.monotonic()
             buf = segment.slot(slot, b.size_bytes)
             try:
-                pack_bucket(b, tensors, buf, zero_padding=True)  # padding zeroed: no stale bytes
+                pack_bucket(b, tensors, buf, zero_padding=True, helper=self._helper)  # padding zeroed: no stale bytes
                 segment.packed(slot)  # in the ring (a GPU's stream synchronized) before the readers are told
                 pack_s += time.monotonic() - t
                 del tensors
@@ -335,6 +340,7 @@ class SharedMemorySender:
         self._memory = memory
         self._segment: RingMemory | None = None
         self._handover: Handover | None = None
+        self._helper: ThreadPoolExecutor | None = None
         self.storages = storages
         """Whether the next updates offer the zero-copy path (see the class)."""
         self.last_send = SendCounts()
@@ -505,7 +511,14 @@ class SharedMemorySender:
             if not job.buckets:  # a rank of a direct send with no bucket of its own: nothing to wait for
                 self.last_send = SendCounts()
                 return 0.0
-            ring = Ring(self._segment, readers, job, self._site.timeout_s, StorageFds() if handover.storages else None)
+            ring = Ring(
+                self._segment,
+                readers,
+                job,
+                self._site.timeout_s,
+                StorageFds() if handover.storages else None,
+                self._pack_helper(),
+            )
             self.last_send = ring.counts
             return ring.run()
         finally:
@@ -522,8 +535,18 @@ class SharedMemorySender:
         if segment is not None:
             segment.close()
 
+    def _pack_helper(self) -> Executor:
+        """The thread that packs half of each large tensor beside the sending one (``pack_bucket``'s ``helper``):
+        the engines' copies out of the other slot take about as long, so two threads keep the ring full."""
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="wsync-shm-pack")
+        return self._helper
+
     def release(self) -> None:
         """Close an open handover and drop the segment (the client closing, or an update abandoned: a send cut
-        short may leave readers behind; the next update makes a fresh segment)."""
+        short may leave readers behind; the next update makes a fresh segment); end the packing thread."""
         self._end_handover()
         self._close_segment()
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=False)
