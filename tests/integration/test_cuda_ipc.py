@@ -25,6 +25,7 @@ import grpc
 import pytest
 import torch
 from support import status, tensor_server
+from test_shared_memory import ring_fields
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc import transports
@@ -42,7 +43,6 @@ from wsync_grpc.trainer import TrainerClient
 from wsync_grpc.transports import cuda_ipc
 from wsync_grpc.transports.cuda_ipc.cudart import loaded_library
 from wsync_grpc.transports.cuda_ipc.memory import locate
-from wsync_grpc.transports.shared_memory.protocol import boot_id
 from wsync_grpc.wire.convert import header_from_proto, header_to_proto
 from wsync_grpc.wire.status import error_info
 
@@ -62,14 +62,7 @@ def memory(**fields: Any) -> pb.CudaIpcMemory:
 
 def raw_prepare(stub: Any, transport: int, cuda: pb.CudaIpcMemory | None, **ring: Any) -> grpc.RpcError:
     """A Prepare of one bucket naming a ring of this host (its socket need not exist); its error."""
-    fields: dict[str, Any] = {
-        "socket_name": "wsync-shm-0123456789abcdef",
-        "token": bytes(32),
-        "boot_id": boot_id(),
-        "slot_bytes": 1 << 20,
-        "slots": 2,
-        **ring,
-    }
+    fields = ring_fields(**ring)
     if cuda is not None:
         fields["cuda_ipc"] = cuda
     header = pb.PrepareHeader(

@@ -276,17 +276,22 @@ def test_a_reference_engine_takes_staged_and_streaming_syncs(make_tiny_llama: An
         assert "r--s" not in mappings()
 
 
-def raw_prepare(stub: Any, **handle: Any) -> grpc.RpcError:
-    """A Prepare of one bucket over shared memory with a handle of this host but ``handle``'s fields; its error."""
-    fields: dict[str, Any] = {
+def ring_fields(**fields: Any) -> dict[str, Any]:
+    """The fields of a well-formed ring handle of this host (its socket need not exist), ``fields`` on top."""
+    base: dict[str, Any] = {
         "socket_name": "wsync-shm-0123456789abcdef",
         "token": bytes(32),
         "boot_id": boot_id(),
         "slot_bytes": 1 << 20,
         "slots": 2,
     }
+    return {**base, **fields}
+
+
+def raw_prepare(stub: Any, **handle: Any) -> grpc.RpcError:
+    """A Prepare of one bucket over shared memory with a handle of this host but ``handle``'s fields; its error."""
     layout = handle.pop("layout", pb.BUCKET_LAYOUT_FLATTENED)
-    fields.update(handle)
+    fields = ring_fields(**handle)
     header = pb.PrepareHeader(
         weight_version="v1",
         transport=pb.TRANSPORT_SHARED_MEMORY,

@@ -417,7 +417,7 @@ class SharedMemoryReceiver(ReceiverThread):
             hasher = BucketHasher()
             received.whole = expand(flat, bucket, self.target, lambda t: self.swap_in.buffer_for(t, self.pool), hasher)
             received.digest = hasher.digest()
-        elif bucket.digest is not None or self._digests_follow:
+        elif self._checked(bucket):
             hasher = BucketHasher()
             hasher.update(flat)
             received.digest = hasher.digest()
@@ -437,7 +437,7 @@ class SharedMemoryReceiver(ReceiverThread):
             if not all(t.nbytes and self.swap_in.swappable(t) for t in tensors):
                 return None
             return [self.pool.take_exact(t.nbytes) for t in tensors]
-        if bucket.digest is not None or self._digests_follow:
+        if self._checked(bucket):
             return None  # streaming with a digest: nothing is written before it is checked
         served = [served_target(self._in_place, self.worker, self.device, t) for t in tensors]
         if any(w is None for w in served):
@@ -454,10 +454,10 @@ class SharedMemoryReceiver(ReceiverThread):
         Raises:
             as :meth:`_bucket`.
         """
-        received = _Received(bucket, None, False, parts=list(zip(bucket.tensors, split, strict=True)))
-        if not self.streaming:
-            self._pending.append(received)  # its buffers are released with the others from here on
-        hasher = BucketHasher() if bucket.digest is not None or self._digests_follow else None
+        parts = list(zip(bucket.tensors, split, strict=True))
+        received = _Received(bucket, None, False, parts=parts, in_place=self.streaming)
+        self._pending.append(received)  # a staged one's buffers are released with the others from here on
+        hasher = BucketHasher() if self._checked(bucket) else None
         if slot is None:
             assert ring.storages is not None
             try:
@@ -465,7 +465,7 @@ class SharedMemoryReceiver(ReceiverThread):
             except Closed as e:
                 raise self._trainer_lost(str(e)) from e
         at = 0
-        for t, buf in sorted(received.parts or [], key=lambda p: p[0].offset):
+        for t, buf in sorted(parts, key=lambda p: p[0].offset):
             if hasher is not None:
                 self._hash_padding(hasher, ring, slot, at, t.offset)
             if slot is not None:
@@ -480,12 +480,11 @@ class SharedMemoryReceiver(ReceiverThread):
             self._close()
         if hasher is not None:
             received.digest = hasher.digest()
-        if self.streaming:  # written in place: nothing is pending
-            self.tensors_applied += len(split)
-            self.bytes_done += bucket.size_bytes
-            self.buckets_done += 1
-            self.on_event(self)
         self._settle(PENDING_STREAMING if self.streaming else None)
+
+    def _checked(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` is checked against a digest (its spec's, or one declared after it)."""
+        return bucket.digest is not None or self._digests_follow
 
     def _hash_padding(self, hasher: BucketHasher, ring: _Ring, slot: int | None, start: int, end: int) -> None:
         """Hash a bucket's bytes ``start`` to ``end`` (padding between its tensors; none when ``end <= start``): read
@@ -569,7 +568,10 @@ class SharedMemoryReceiver(ReceiverThread):
         """Load a checked bucket's tensors (streaming), or keep them for Complete (staged: as views of its buffer,
         or its one tensor to swap in)."""
         bucket, flat = received.bucket, received.flat
-        if received.parts is not None:  # staged, split out of its slot (streaming ones were written in place)
+        if received.parts is not None:  # split out of its slot
+            if received.in_place:  # streaming: written into the served tensors as it was copied out
+                self.tensors_applied += len(received.parts)
+                return
             for t, buf in received.parts:
                 self.swap_in.add(t, buf)
             return
@@ -636,8 +638,10 @@ class _Received:
         digest: the digest of ``flat`` (of ``whole``, for a delta bucket), when the bucket is checked; ``None``
             otherwise.
         whole: a delta bucket's tensors made whole (:func:`~wsync_grpc.worker.delta.expand`); ``None`` otherwise.
-        parts: a staged bucket split out of its slot (:meth:`SharedMemoryReceiver._split`): each tensor and the
-            exact-size buffer of the pool it was copied into, served from Complete on; ``None`` otherwise.
+        parts: a bucket split out of its slot (:meth:`SharedMemoryReceiver._split`): each tensor and where it was
+            copied: an exact-size buffer of the pool, served from Complete on, or (``in_place``) the served tensor
+            itself; ``None`` otherwise.
+        in_place: ``parts`` are the served tensors (streaming), no buffers of the pool.
     """
 
     bucket: Bucket
@@ -646,11 +650,12 @@ class _Received:
     digest: Digest | None = None
     whole: list[tuple[TensorSlot, torch.Tensor]] | None = None
     parts: list[tuple[TensorSlot, torch.Tensor]] | None = None
+    in_place: bool = False
 
     def buffers(self) -> list[torch.Tensor]:
         """The pool's buffers it holds (to give back when it is not used)."""
         if self.parts is not None:
-            return [buf for _, buf in self.parts]
+            return [] if self.in_place else [buf for _, buf in self.parts]
         return [self.flat] if self.flat is not None else []
 
 
