@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from support import ENV, free_port
@@ -30,7 +33,12 @@ class Rank:
             f"--targets={','.join(targets)}",
             *args,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        self.rank = rank
+        # stderr goes to a file (read at any time, never a full pipe that blocks the rank)
+        with tempfile.NamedTemporaryFile(prefix=f"wsync-rank{rank}-", suffix=".log", delete=False) as f:
+            self._stderr_path = Path(f.name)
+        with self._stderr_path.open("w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
         self.events: list[dict[str, Any]] = []
         self.stderr = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -48,10 +56,18 @@ class Rank:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
-            assert self.proc.stderr is not None
-            self.stderr = self.proc.stderr.read()[-4000:]
+                self.proc.wait(10)
+            self.stderr = self.stderr_tail()
+            self._stderr_path.unlink(missing_ok=True)
         self._reader.join(10)
         return rc
+
+    def stderr_tail(self, chars: int = 4000) -> str:
+        """The last ``chars`` characters the rank wrote to stderr so far (what :meth:`wait` kept, after it)."""
+        try:
+            return self._stderr_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return self.stderr
 
     def first(self, event: str, **match: Any) -> dict[str, Any] | None:
         for e in self.events:
@@ -78,3 +94,16 @@ class Rank:
 def start_ranks(targets: Sequence[str], *args: str, per_rank: Sequence[Sequence[str]] = ((), ())) -> list[Rank]:
     port = free_port()
     return [Rank(r, len(per_rank), port, targets, [*args, *extra]) for r, extra in enumerate(per_rank)]
+
+
+@contextlib.contextmanager
+def explained(ranks: Sequence[Rank]) -> Iterator[None]:
+    """Add every rank's events and the end of its stderr to an assertion that fails inside the block."""
+    try:
+        yield
+    except AssertionError as e:
+        lines = [str(e)]
+        for r in ranks:
+            lines.append(f"--- rank {r.rank}: events {r.events}")
+            lines.append(f"--- rank {r.rank}: stderr (end) {r.stderr_tail()}")
+        raise AssertionError("\n".join(lines)) from e

@@ -9,7 +9,10 @@ within its own deadline.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping
 
@@ -20,7 +23,7 @@ from wsync.v1 import weight_sync_pb2 as pb
 from wsync_grpc.core.layout import Bucket
 from wsync_grpc.engines import synthetic
 from wsync_grpc.testing import EngineProcess, child_env, spawn_engine, stop_all
-from wsync_grpc.trainer import TRAINER, SyncError, TrainerClient
+from wsync_grpc.trainer import TRAINER, EngineCallError, SyncError, SyncProgress, TrainerClient
 from wsync_grpc.trainer.deadline import CancelSignal
 from wsync_grpc.trainer.source import NamedTensors
 
@@ -107,6 +110,48 @@ def test_a_second_clients_first_sync_succeeds_within_its_deadline(engine: Engine
     assert (one.weight_version, two.weight_version) == ("first-client", "second-client")
     assert two.total_seconds < 60.0
     assert served(engine)[0].weight_version == "second-client"
+
+
+def test_cancel_ends_a_verify_that_an_engine_does_not_answer_at_once(engine: EngineProcess) -> None:
+    """``cancel()`` from another thread while the verifying Complete waits on an engine that answers nothing
+    (stopped right after its last bucket): the sync raises by the abandon's Cancel (its RPC timeout), not by the
+    Complete's deadline (the group timeout plus the RPC timeout); the engine, continued, serves what it had."""
+    before, after = synthetic.build("tiny", seed=4), synthetic.build("tiny", seed=5)
+    rpc_s, group_s = 3.0, 60.0
+    stopped, stopped_at = threading.Event(), [0.0]
+
+    def stop_at_last_bucket(p: SyncProgress) -> None:
+        if p.buckets_sent == p.bucket_count and not stopped.is_set():
+            engine.process.send_signal(signal.SIGSTOP)
+            stopped_at[0] = time.monotonic()
+            stopped.set()
+
+    # No digests: the verifying Complete is the first call after the last bucket (not the digests' declaration).
+    options = {**SMALL, "rpc_timeout_s": rpc_s, "group_timeout_s": group_s, "digests": False}
+    with TrainerClient([engine.target], **options) as c:  # type: ignore[arg-type]
+        c.sync(before.items(), "before-stop")
+
+        def cancel_once_stopped() -> None:
+            if stopped.wait(120):
+                time.sleep(1.0)  # the verifying Complete is waiting
+                with contextlib.suppress(EngineCallError):  # the stopped engine does not answer Cancel either
+                    c.cancel("the test cancels")
+
+        canceller = threading.Thread(target=cancel_once_stopped, daemon=True)
+        canceller.start()
+        try:
+            with pytest.raises(SyncError) as raised:
+                c.sync(after.items(), "never", progress=stop_at_last_bucket)
+            took = time.monotonic() - stopped_at[0]
+        finally:
+            engine.process.send_signal(signal.SIGCONT)
+            canceller.join(30)
+        err = raised.value
+        assert err.stage == "verify" and err.failures[TRAINER].reason == "CANCELLED", err
+        assert stopped.is_set() and took < 1.0 + 2 * rpc_s + 5.0 < group_s, took
+    status, sums = served(engine)
+    assert status.weight_version == "before-stop" and not status.dirty  # staged: published nowhere
+    assert sums == {n: sha256(t) for n, t in before.items() if n in sums}
 
 
 def test_the_signal_keeps_a_passed_deadline_through_a_clear_and_bounds_calls_by_the_time_left() -> None:

@@ -77,6 +77,17 @@ class Timeouts:
         """Deadline of an RPC that waits on the group (Init, Complete), in seconds."""
         return self.waiting(self.group_s)
 
+    @property
+    def round_s(self) -> float:
+        """How long a sharded trainer's rank waits for the others in one round of its control group, in seconds.
+
+        The longest trainer rank 0 may spend on the engines between two rounds of one sync: a verifying and an
+        applying Complete (each :attr:`group_rpc_s`), then a Cancel and a Leave (each :attr:`rpc_s`). A rank
+        that waits out rank 0's legitimate waits never fails a sync that would have succeeded; a rank that dies
+        fails the others at once (its connections close), and only a rank that hangs is waited for this long.
+        """
+        return 2 * self.group_rpc_s + 2 * self.rpc_s
+
     def pause_rpc_s(self, drain_s: float | None) -> float:
         """Deadline of a Pause whose drain is bounded by ``drain_s`` seconds (``None``: the engine's default)."""
         return self.waiting(self.pause_s if drain_s is None else drain_s)

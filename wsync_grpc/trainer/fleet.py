@@ -19,6 +19,7 @@ same loop. Each engine also keeps a synchronous channel and stub
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,6 +42,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Largest reply the client accepts, in bytes (checksums of 100k tensors exceed gRPC's 4 MiB default)."""
 
 R = TypeVar("R")
+
+STOP_POLL_S = 0.05
+"""How often :meth:`Fleet.gather` looks at its ``stop`` event, in seconds."""
 
 
 @dataclass
@@ -240,7 +244,12 @@ class Fleet:
     # ------------------------------------------------------------------ gather / fan out
 
     def gather(
-        self, rpc: str, start: Callable[[RemoteEngine], Awaitable[R]], engines: Sequence[RemoteEngine] | None = None
+        self,
+        rpc: str,
+        start: Callable[[RemoteEngine], Awaitable[R]],
+        engines: Sequence[RemoteEngine] | None = None,
+        *,
+        stop: threading.Event | None = None,
     ) -> tuple[dict[str, R], dict[str, EngineFailure]]:
         """Start one call per engine (concurrently), then collect every reply or failure.
 
@@ -253,6 +262,9 @@ class Fleet:
             start: starts the call on one engine, on the loop's thread: e.g.
                 ``lambda e: fleet.aio(e).GetStatus(request, timeout=..., metadata=...)``.
             engines: the engines to call; ``None`` = every engine taking part (:attr:`engines`).
+            stop: once set (polled every :data:`STOP_POLL_S` seconds), the calls still running are cancelled
+                and fail with ``CANCELLED`` (e.g. the sync's cancel signal, set when an engine it holds is
+                lost: the others' answers would not change its fate); ``None``: every call runs to its end.
 
         Returns:
             target -> reply for the engines that answered, target -> failure for the others.
@@ -266,13 +278,24 @@ class Fleet:
             return await start(e)
 
         async def every() -> list[R | BaseException]:
-            return await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+            calls = [asyncio.ensure_future(one(e)) for e in engines]
+            if stop is not None:
+                running = set(calls)
+                while running and not stop.is_set():
+                    _done, running = await asyncio.wait(running, timeout=STOP_POLL_S)
+                for call in running:
+                    call.cancel()
+            return await asyncio.gather(*calls, return_exceptions=True)
 
         outcomes = self.streams.run(every()) if engines else []
         results: dict[str, R] = {}
         failures: dict[str, EngineFailure] = {}
         for e, out in zip(engines, outcomes, strict=True):
-            if isinstance(out, BaseException):
+            if isinstance(out, asyncio.CancelledError):
+                failures[e.target] = EngineFailure(
+                    e.target, rpc, grpc.StatusCode.CANCELLED, "", "not waited for: the call's sync was cancelled"
+                )
+            elif isinstance(out, BaseException):
                 failures[e.target] = EngineFailure.from_exception(e.target, rpc, out)
             else:
                 results[e.target] = out

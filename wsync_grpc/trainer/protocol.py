@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import grpc
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc.core.header import UpdateHeader
@@ -319,8 +320,12 @@ class UpdateProtocol:
             SyncError: some engine failed (stage ``"verify"``); the update was cancelled everywhere.
         """
         _, failures = self._complete_everywhere(request, verify_only=True)
-        if not failures and self._cancel_event.is_set():
-            failures[TRAINER] = self._cancel_event.failure("verify")
+        if self._cancel_event.is_set():
+            lost = self._holds.failures if self._holds is not None else {}
+            if not lost:  # not an engine lost (whose failure abandon names): the deadline, or cancel()
+                failures[TRAINER] = self._cancel_event.failure("verify")
+            failures = {t: f for t, f in failures.items() if f.code != grpc.StatusCode.CANCELLED or t == TRAINER}
+            failures.update(lost)
         if failures:
             raise self.abandon(request, "verify", failures, broadcast_started=True)
 
@@ -349,7 +354,10 @@ class UpdateProtocol:
 
         A verifying Complete (and a streaming update's only one) ends by the sync's deadline
         (:meth:`CancelSignal.bound <wsync_grpc.trainer.deadline.CancelSignal.bound>`); the applying Complete
-        of a staged update that every engine verified is the commit and gets its whole timeouts.
+        of a staged update that every engine verified is the commit and gets its whole timeouts. The verifying
+        ones are not waited for once the sync's cancel signal is set (an engine held was lost, the deadline
+        passed, or ``cancel()``): the update is abandoned then whatever they answer, and an engine whose
+        receive waits for bytes that will never come would hold it up to the group timeout.
         """
         commit = not verify_only and request.apply_mode is ApplyMode.STAGED
         engine_s, call_s = self._settings.group_timeout_s, self._settings.timeouts.group_rpc_s
@@ -364,7 +372,9 @@ class UpdateProtocol:
         )
         metadata = self._trace.metadata(self._fleet.metadata)
         return self._fleet.gather(
-            "Complete", lambda e: self._fleet.aio(e).Complete(req, timeout=call_s, metadata=metadata)
+            "Complete",
+            lambda e: self._fleet.aio(e).Complete(req, timeout=call_s, metadata=metadata),
+            stop=self._cancel_event if verify_only else None,
         )
 
     # ------------------------------------------------------------------ the failure protocol

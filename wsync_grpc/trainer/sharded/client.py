@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from wsync_grpc.core.layout import Bucket, Transport
-from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
+from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S, Timeouts
 from wsync_grpc.core.topology import SendTopology
 from wsync_grpc.trainer.client import TrainerClient
 from wsync_grpc.trainer.delta import DeltaPayload
@@ -107,7 +107,13 @@ class ShardedTrainerClient:
     def __init__(
         self, targets: Sequence[str], *, trainer_group: dist.ProcessGroup | None = None, **client_options: Any
     ) -> None:
-        self._ranks = TrainerRanks(trainer_group, float(client_options.get("group_timeout_s", DEFAULT_GROUP_TIMEOUT_S)))
+        timeouts = Timeouts(
+            rpc_s=float(client_options.get("rpc_timeout_s", DEFAULT_RPC_TIMEOUT_S)),
+            group_s=float(client_options.get("group_timeout_s", DEFAULT_GROUP_TIMEOUT_S)),
+        )
+        # A round outlasts rank 0's waits on the engines between two rounds (a follower that timed out first
+        # would break the control group under a sync that was going to succeed, or run again).
+        self._ranks = TrainerRanks(trainer_group, timeouts.round_s)
         if client_options.get("master_address") == AUTO_MASTER_ADDRESS and self._ranks.size > 1:
             raise ValueError(
                 "master_address='auto' is this rank's own route: every trainer rank needs rank 0's address "

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wsync_grpc.core.timeouts import DEFAULT_GROUP_TIMEOUT_S
+from wsync_grpc.core.timeouts import Timeouts
 from wsync_grpc.trainer.results import ClientError
 
 __all__ = ["Command", "RanksDisagree", "TrainerRankFailed", "TrainerRankLost", "TrainerRanks"]
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 _WIDTH = 4
 """Ints per rank in a round: command, argument, argument, status."""
+
+_DEFAULT_ROUND_S = Timeouts().round_s
+"""A round's bound under the default timeouts, in seconds."""
 
 _RELEASE_TAG = 4242
 """Tag of rank 0's point-to-point word to each follower at the end of its direct sends."""
@@ -138,13 +141,16 @@ class TrainerRanks:
         group: the trainer's process group (the ranks that train the model); ``None`` = the default
             group (``torch.distributed.group.WORLD``). ``torch.distributed`` must be initialized.
         timeout_s: how long a round waits for the slowest rank, in seconds (the control group's
-            timeout); a rank that never makes the call fails the others after it.
+            timeout); a rank that never makes the call fails the others after it. It must outlast what rank 0
+            may wait for between two rounds (:attr:`Timeouts.round_s <wsync_grpc.core.timeouts.Timeouts.round_s>`,
+            the default from the default timeouts; :class:`~wsync_grpc.trainer.sharded.client.ShardedTrainerClient`
+            passes its own).
 
     Raises:
         ValueError: ``torch.distributed`` is not initialized, or this process is not in ``group``.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = _DEFAULT_ROUND_S) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("a sharded trainer needs torch.distributed initialized (init_process_group) on every rank")
         group = group if group is not None else dist.group.WORLD
