@@ -46,21 +46,26 @@ def _stub(target: str) -> weight_sync_pb2_grpc.WeightSyncServiceStub:
     return weight_sync_pb2_grpc.WeightSyncServiceStub(owner_channel(target))
 
 
-@pytest.mark.parametrize("mode", ["gather", "direct"])
-def test_each_mode_is_bit_exact_and_answers_change_with_the_trainer(engine: EngineProcess, mode: str) -> None:
-    ranks = start_ranks([engine.target], "--steps=2", f"--modes={mode}", "--check=all")
+def test_both_modes_are_bit_exact_and_answers_change_with_the_trainer(engine: EngineProcess) -> None:
+    """One run of ranks syncs every step in the gather mode, then in the direct mode: both bit-exact, the same
+    answers from the same step's weights, other answers after the next step."""
+    modes = ("gather", "direct")
+    ranks = start_ranks([engine.target], "--steps=2", f"--modes={','.join(modes)}", "--check=all")
     codes = [r.wait() for r in ranks]
     assert codes == [0, 0], [r.stderr for r in ranks]
+    versions = [f"step-{step}-{mode}" for step in (1, 2) for mode in modes]
     for r in ranks:  # every rank returns rank 0's result
         synced = [e for e in r.events if e["event"] == "synced"]
-        assert [e["version"] for e in synced] == [f"step-1-{mode}", f"step-2-{mode}"]
+        assert [e["version"] for e in synced] == versions
         # Every bucket's digest (hashed by the rank that sent it) matched on the engine.
         assert all(e["verified"] == e["buckets"] > 1 for e in synced), synced
     checks = [e for e in ranks[0].events if e["event"] == "checked"]
-    assert [c["failures"] for c in checks] == [[], []]  # every checksum bit-exact, the answers the trainer's
-    assert checks[0]["answer"] != checks[1]["answer"]
+    assert [c["version"] for c in checks] == versions
+    assert [c["failures"] for c in checks] == [[]] * 4  # every checksum bit-exact, the answers the trainer's
+    answers = [c["answer"] for c in checks]
+    assert answers[0] == answers[1] != answers[2] == answers[3], answers
     status = _stub(engine.target).GetStatus(pb.GetStatusRequest(), timeout=10)
-    assert status.weight_version == f"step-2-{mode}"
+    assert status.weight_version == "step-2-direct"
 
 
 def test_shards_that_do_not_tile_a_tensor_are_refused_before_anything_moves(engine: EngineProcess) -> None:
@@ -245,7 +250,7 @@ def test_status_and_checksums_are_read_through_the_ranks_trainer_client(engine: 
 @pytest.mark.parametrize(
     ("mode", "steps", "transport"),
     # The gather mode's diff is the same whatever carries it: its delta runs through shared memory, whose gathered
-    # sends the broadcast's gather case (test_each_mode_is_bit_exact_...) does not cover; the direct mode runs both
+    # sends the broadcast gather case (test_both_modes_are_bit_exact_...) does not cover; the direct mode runs both
     # by broadcast and through shared memory (every rank its own ring); one run of ranks each.
     [("direct", 3, "broadcast"), ("gather", 2, "shared_memory"), ("direct", 2, "shared_memory")],
 )
