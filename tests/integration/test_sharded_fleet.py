@@ -32,10 +32,10 @@ pytestmark = pytest.mark.serial
 BUCKET_DELAY_S = 0.5
 """Rank 0 sleeps this long after each bucket (seconds), so that the kill lands before its next bucket."""
 
-GROUP_TIMEOUT_S, RPC_TIMEOUT_S = 5.0, 15.0
+GROUP_TIMEOUT_S, RPC_TIMEOUT_S = 8.0, 20.0
 """The ranks' timeouts (seconds) in the stalled case: a collective's shorter than the stall, a Cancel's longer."""
 
-STALL_S = 8.0
+STALL_S = 11.0
 """How long the stalled engine is stopped, in seconds: past the group timeout, within the Cancel's."""
 
 
