@@ -54,16 +54,20 @@ class Rank:
         try:
             rc = self.proc.wait(timeout)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(10)
-            self.stderr = self.stderr_tail()
-            self._stderr_path.unlink(missing_ok=True)
-        self._reader.join(10)
+            self.stop()
         return rc
 
+    def stop(self) -> None:
+        """Kill the rank if it still runs and reap it; keep the end of its stderr in :attr:`stderr` (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.stderr = self.stderr_tail()
+        self._stderr_path.unlink(missing_ok=True)
+        self._reader.join(10)
+
     def stderr_tail(self, chars: int = 4000) -> str:
-        """The last ``chars`` characters the rank wrote to stderr so far (what :meth:`wait` kept, after it)."""
+        """The last ``chars`` characters the rank wrote to stderr so far (what :meth:`stop` kept, once it ran)."""
         try:
             return self._stderr_path.read_text(errors="replace")[-chars:]
         except OSError:
@@ -98,12 +102,18 @@ def start_ranks(targets: Sequence[str], *args: str, per_rank: Sequence[Sequence[
 
 @contextlib.contextmanager
 def explained(ranks: Sequence[Rank]) -> Iterator[None]:
-    """Add every rank's events and the end of its stderr to an assertion that fails inside the block."""
+    """Add every rank's events and the end of its stderr to an assertion that fails inside the block; on the way
+    out, however the block ends, stop every rank still running (:meth:`Rank.stop`: no rank outlives its test)."""
     try:
         yield
     except AssertionError as e:
+        for r in ranks:
+            r.stop()
         lines = [str(e)]
         for r in ranks:
             lines.append(f"--- rank {r.rank}: events {r.events}")
-            lines.append(f"--- rank {r.rank}: stderr (end) {r.stderr_tail()}")
+            lines.append(f"--- rank {r.rank}: stderr (end) {r.stderr}")
         raise AssertionError("\n".join(lines)) from e
+    finally:
+        for r in ranks:
+            r.stop()

@@ -320,11 +320,11 @@ class UpdateProtocol:
             SyncError: some engine failed (stage ``"verify"``); the update was cancelled everywhere.
         """
         _, failures = self._complete_everywhere(request, verify_only=True)
-        if self._cancel_event.is_set():
+        if self._cancel_event.is_set():  # the calls not waited for say nothing: why the sync was cancelled does
+            failures = {t: f for t, f in failures.items() if f.code != grpc.StatusCode.CANCELLED}
             lost = self._holds.failures if self._holds is not None else {}
-            if not lost:  # not an engine lost (whose failure abandon names): the deadline, or cancel()
+            if not lost:  # no engine lost: the deadline, or cancel()
                 failures[TRAINER] = self._cancel_event.failure("verify")
-            failures = {t: f for t, f in failures.items() if f.code != grpc.StatusCode.CANCELLED or t == TRAINER}
             failures.update(lost)
         if failures:
             raise self.abandon(request, "verify", failures, broadcast_started=True)
