@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 PY_DIRS := $(wildcard wsync_grpc tests bench examples)
 
-.PHONY: venv proto check-proto lint typecheck test test-fast check docs docs-gen demo demo-vllm demo-fsdp bench gpu-check gpu-wheels soak clean
+.PHONY: venv proto check-proto lint typecheck test test-fast check docs docs-gen demo demo-vllm demo-fsdp bench gpu-check gpu-bench gpu-wheels soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -120,11 +120,20 @@ GPU_PYTHON ?= python3
 GPU_CHECK_OUT ?= gpu-check.json
 GPU_WHEELS ?= .whl
 GPU_SITE ?= /tmp/wsync-gpu-site
-gpu-check:
-	if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
+GPU_INSTALL = if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then \
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 	    --target $(GPU_SITE) $(GPU_WHEELS)/*.whl || exit 1; fi
+gpu-check:
+	$(GPU_INSTALL)
 	PYTHONPATH=$(GPU_SITE):.:generated $(GPU_PYTHON) -m wsync_grpc.tools.cuda_ipc_check --out $(GPU_CHECK_OUT)
+
+## gpu-bench: the benchmark's CUDA IPC case on one GPU (bench/cuda_ipc_case.py), from a plain checkout as for
+## gpu-check, about a minute on one H100; writes GPU_BENCH_OUT, which `python -m bench.report_cuda_ipc FILE` puts
+## into bench/results.json and BENCHMARKS.md on the host that runs `make bench`.
+GPU_BENCH_OUT ?= gpu-bench.json
+gpu-bench:
+	$(GPU_INSTALL)
+	PYTHONPATH=$(GPU_SITE):.:generated $(GPU_PYTHON) -m bench.cuda_ipc_case --out $(GPU_BENCH_OUT)
 
 ## gpu-wheels: on a host that reaches the package registry, download into GPU_WHEELS (git ignores .whl/) the wheels
 ## `make gpu-check` needs beyond torch and transformers, at the versions of this venv, for CPython

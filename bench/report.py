@@ -17,6 +17,7 @@ from typing import Any
 from bench import (
     digest_case,
     report_colocated,
+    report_cuda_ipc,
     report_delta,
     report_detection,
     report_disk,
@@ -69,6 +70,8 @@ def markdown(results: dict[str, Any], cks: list[Check]) -> str:
         parts.append(report_vllm_tail.section(results["vllm_tail"]))
     if results.get("colocated"):
         parts.append(report_colocated.section(results["colocated"]))
+    if results.get("cuda_ipc"):
+        parts.append(report_cuda_ipc.section(results["cuda_ipc"]))
     if results.get("delta"):
         parts.append(report_delta.section(results["delta"]))
     if results.get("ray"):

@@ -7,6 +7,7 @@ from typing import Any
 
 from bench import (
     report_colocated,
+    report_cuda_ipc,
     report_delta,
     report_detection,
     report_disk,
@@ -175,6 +176,8 @@ def checks(results: dict[str, Any]) -> list[Check]:
     if results.get("colocated"):
         colocated = report_colocated.checks(results["colocated"])
         out += [Check(t, m, ok, "colocated", "colocated") for t, m, ok in colocated]
+    if results.get("cuda_ipc"):
+        out += [Check(t, m, ok, "cuda_ipc", "smollm2") for t, m, ok in report_cuda_ipc.checks(results["cuda_ipc"])]
     if results.get("delta"):
         out += [Check(t, m, ok, "delta", "smollm2") for t, m, ok in report_delta.checks(results["delta"])]
     return out

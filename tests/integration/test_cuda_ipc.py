@@ -166,6 +166,11 @@ def test_the_cuda_runtime_is_found_among_the_loaded_libraries() -> None:
     )
     assert loaded_library(maps) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
     assert loaded_library("7f00-7f01 r--p 00000000 08:01 1 /usr/lib/libc.so.6\n") is None
+    # torchvision's own copy, mapped below PyTorch's (as transformers' import of it left it on the GPU machine)
+    vendored = "7e00-7e01 r-xp 00000000 08:01 3 /venv/torchvision.libs/libcudart.faf08d9a.so.13\n"
+    torchs = "7f02-7f03 r-xp 00000000 08:01 2 /venv/nvidia/cu13/lib/libcudart.so.13\n"
+    assert loaded_library(vendored + torchs) == "/venv/nvidia/cu13/lib/libcudart.so.13"
+    assert loaded_library(vendored) == "/venv/torchvision.libs/libcudart.faf08d9a.so.13"
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this host has a GPU: the check runs (see test_the_gpu_check_passes)")
@@ -215,6 +220,9 @@ def test_the_cuda_ring_holds_what_is_packed_and_is_freed() -> None:
         except CudaError as e:
             said = str(e)
         print(f"CUDA runtime {rt.path}; opening this process's own handle: {said}")
+        # a refused call leaves nothing behind for PyTorch's next check of the runtime's last error to raise
+        assert torch.equal((data.to(torch.int32) + 1).cpu(), data.cpu().to(torch.int32) + 1)
+        torch.cuda.synchronize(dev)
     finally:
         ring.close()
     ring.close()  # idempotent

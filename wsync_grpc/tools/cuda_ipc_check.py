@@ -15,7 +15,8 @@ under 4 minutes on one H100, start-up included:
    streaming, then staged), each checked bit-exact by the engine's ``GetWeightChecksums`` against the trainer's
    tensors, and timed (``SyncResult.total_seconds``, Prepare to the last Complete reply);
 5. times a device-to-device copy of the same bytes (``Tensor.copy_``, median of 5) as the ceiling;
-6. prints a table (device, bytes, seconds, GB/s, ratio to the copy) and writes it as JSON to ``--out``.
+6. prints a table (device, bytes, seconds, GB/s, ratio to the copy, and each sync's phases: :data:`PHASES`) and
+   writes it as JSON to ``--out``.
 
 Exit status: 0 every sync bit-exact; 1 a check failed (the line says which); 2 a bad option; 3 packages missing;
 4 no CUDA device.
@@ -75,6 +76,11 @@ SHAPES = "smollm2-shapes"
 
 MODES: tuple[ApplyMode, ...] = ("staged", "streaming", "staged")
 """The apply modes of the three syncs."""
+
+PHASES = ("prepare", "broadcast", "pack", "verify", "complete")
+"""The phases of :class:`~wsync_grpc.trainer.SyncResult` each row gives (``<phase>_s``, seconds): ``broadcast``
+is the transfer through the ring (first bucket packed to the last acknowledged), ``pack`` the trainer's share of it
+spent packing, ``verify`` and ``complete`` a staged update's two Completes."""
 
 COPY_REPEATS = 5
 """Device-to-device copies timed (the median is kept)."""
@@ -265,7 +271,16 @@ def run_check(
                 wrong = sorted(n for n, digest in served.items() if digest != tensor_sha256(ours[n]))
                 if wrong or not served:
                     raise RuntimeError(f"sync {version} ({mode}): {len(wrong)} tensor(s) differ, e.g. {wrong[:3]}")
-                rows.append({"sync": version, "mode": mode, "bytes": result.payload_bytes, "s": result.total_seconds})
+                rows.append(
+                    {
+                        "sync": version,
+                        "mode": mode,
+                        "bytes": result.payload_bytes,
+                        "s": result.total_seconds,
+                        "buckets": result.bucket_count,
+                        **{f"{phase}_s": getattr(result, f"{phase}_seconds") for phase in PHASES},
+                    }
+                )
         copy_s = copy_seconds(rows[0]["bytes"], device)
     except BaseException:
         if log.is_file():  # the engine's side of the failure (its log goes with the temporary directory)
@@ -299,11 +314,12 @@ def run_check(
     print(f"device: {name} (torch {torch.__version__}, CUDA {torch.version.cuda}, transport {transport})")
     if "cudart" in report:
         print(f"CUDA runtime called: {report['cudart']}")
-    print(f"{'what':<10} {'mode':<10} {'bytes':>12} {'seconds':>9} {'GB/s':>8} {'ratio':>7}")
+    print(f"{'what':<10} {'mode':<10} {'bytes':>12} {'seconds':>9} {'GB/s':>8} {'ratio':>7}  phases (seconds)")
     for r in report["rows"]:
+        phases = " ".join(f"{p} {r[p + '_s']:.4f}" for p in PHASES if p + "_s" in r)
         print(
             f"{r['sync']:<10} {r['mode']:<10} {r['bytes']:>12} {r['s']:>9.4f} {r['gb_per_s']:>8.2f} "
-            f"{r['ratio_to_copy']:>7.3f}"
+            f"{r['ratio_to_copy']:>7.3f}  {phases}"
         )
     if out is not None:
         out.write_text(json.dumps(report, indent=2) + "\n")

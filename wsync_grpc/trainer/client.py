@@ -316,7 +316,7 @@ class TrainerClient(Settings, OperatorCalls, MemberCalls):
                 :meth:`init`) or ``"shared_memory"`` (engines on this host: each bucket packed into a
                 shared-memory segment the engines' workers map read-only; no group, flattened layout only:
                 :mod:`wsync_grpc.transports.shared_memory`) or ``"cuda_ipc"`` (tensors on a GPU, engines on that
-                GPU: the same ring in GPU memory, :mod:`wsync_grpc.transports.cuda_ipc`; not yet verified on a GPU).
+                GPU: the same ring in GPU memory, :mod:`wsync_grpc.transports.cuda_ipc`; verified on one H100).
                 Or a mixed fleet, target -> ``"broadcast"`` or ``"shared_memory"`` (targets not named:
                 ``"broadcast"``): both in one fleet commit, staged and flattened (:mod:`wsync_grpc.trainer.mixed`).
                 Never chosen by the client itself.

@@ -11,7 +11,8 @@ context as PyTorch's does.
 
 Every call names the device it works on (:class:`CudaRuntime.on_device`): the runtime's current device is per
 thread, and a receiver runs on a thread of its own. Errors raise :class:`CudaError` with the runtime's own words
-(``cudaGetErrorString``). Nothing here is called unless an update names ``TRANSPORT_CUDA_IPC``: importing it needs
+(``cudaGetErrorString``), once the thread's last error is reset (else PyTorch would raise it after its next kernel
+launch). Nothing here is called unless an update names ``TRANSPORT_CUDA_IPC``: importing it needs
 no GPU.
 
 Units: sizes in bytes.
@@ -53,8 +54,13 @@ class IpcMemHandle(ctypes.Structure):
 
 
 def loaded_library(maps: str, name: str = LIBRARY) -> str | None:
-    """The path of the first shared library mapped in ``maps`` (a ``/proc/<pid>/maps`` text) whose file name starts
-    with ``name`` (``libcudart.so.12``, ``libcudart-1a2b3c4d.so.12``; not a static archive); ``None`` when none is."""
+    """The path of the shared library mapped in ``maps`` (a ``/proc/<pid>/maps`` text) whose file name starts with
+    ``name`` (``libcudart.so.12``, ``libcudart-1a2b3c4d.so.12``; not a static archive); ``None`` when none is.
+
+    Where several are mapped, a copy another wheel vendors for itself (in a ``<package>.libs`` directory, auditwheel's
+    convention: ``torchvision.libs/libcudart.faf08d9a.so.13``) comes after the others: PyTorch's own runtime (the
+    ``nvidia-cuda-runtime`` wheel's, or ``torch/lib``'s) is the one whose per-thread state PyTorch reads."""
+    found: list[str] = []
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
         if len(fields) < 6:
@@ -63,9 +69,10 @@ def loaded_library(maps: str, name: str = LIBRARY) -> str | None:
         if not path.startswith("/") or path.endswith(" (deleted)"):
             continue
         file = Path(path).name
-        if file.startswith(name) and ".so" in file:
-            return path
-    return None
+        if file.startswith(name) and ".so" in file and path not in found:
+            found.append(path)
+    found.sort(key=lambda p: Path(p).parent.name.endswith(".libs"))  # stable: maps order otherwise
+    return found[0] if found else None
 
 
 def wheel_libraries(name: str = LIBRARY) -> list[str]:
@@ -111,6 +118,7 @@ class CudaRuntime:
         vp, err = ctypes.c_void_p, ctypes.c_int
         self._sigs = {
             "cudaGetErrorString": (ctypes.c_char_p, [err]),
+            "cudaGetLastError": (err, []),
             "cudaGetDevice": (err, [ctypes.POINTER(ctypes.c_int)]),
             "cudaSetDevice": (err, [ctypes.c_int]),
             "cudaMalloc": (err, [ctypes.POINTER(vp), ctypes.c_size_t]),
@@ -126,7 +134,12 @@ class CudaRuntime:
             self._f[fname] = f
 
     def _check(self, result: int, call: str) -> None:
+        """Raise :class:`CudaError` unless ``result`` is ``cudaSuccess``, first resetting this thread's last error
+        (``cudaGetLastError``): the runtime keeps a failed call's error for the thread, and PyTorch's next check of
+        it (after a kernel launch) would raise it as its own, far from here. An error that corrupted the context
+        (sticky) stays: CUDA keeps that one whatever is reset."""
         if result != 0:
+            self._f["cudaGetLastError"]()
             words = self._f["cudaGetErrorString"](result)
             raise CudaError(f"{call} failed: CUDA error {result} ({words.decode(errors='replace') if words else '?'})")
 
