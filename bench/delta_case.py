@@ -113,6 +113,10 @@ def _vllm(rounds: int) -> dict[str, Any]:
                     "delta": bool(d is not None and d.base_version),
                     "wall_s": end - start,
                     "wire_bytes": r.wire_bytes,
+                    "phases": r.phases,
+                    "total_s": r.total_seconds,
+                    "init_s": r.init_seconds,
+                    "diff_s": d.diff_seconds if d is not None else 0.0,
                     **_during(stream.arrivals, start, end),
                 }
             )
