@@ -305,3 +305,24 @@ def test_disallowed_rpcs_fail_fast_and_change_nothing(state: State) -> None:
                 assert after.weight_version == before.weight_version
         finally:
             h.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_watch_of_the_update_that_failed_the_engine_says_why_and_ends() -> None:
+    """A held Watch opened after its update already failed (the trainer opens it after Prepare's reply; the update
+    may fail first): one message, the last, naming the failure, as an open call would have seen; the engine stays
+    FAILED. Another update's Watch is still refused."""
+    with tensor_server(seed=0) as (_, _, stub):
+        h = Harness(stub)
+        try:
+            h.to(State.FAILED)
+            messages = list(stub.Watch(pb.WatchRequest(update_id=h.update_id, hold=True), timeout=10))  # type: ignore[attr-defined]
+            assert [(m.ended, m.state, m.last_error.reason) for m in messages] == [
+                (True, State.FAILED.value, "UPDATE_CANCELLED")
+            ]
+            assert status(stub).state == State.FAILED.value  # type: ignore[arg-type]
+            with pytest.raises(grpc.RpcError) as e:
+                next(stub.Watch(pb.WatchRequest(update_id="another", hold=True), timeout=10))  # type: ignore[attr-defined]
+            assert (code_of(e.value), error_reason(e.value)) == (grpc.StatusCode.FAILED_PRECONDITION, "WRONG_STATE")
+        finally:
+            h.close()

@@ -245,10 +245,17 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
 
     @grpc_errors
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchResponse]:
-        """Stream the progress of the update in flight until it ends; with ``hold``, its end fails the update."""
+        """Stream the progress of the update in flight until it ends; with ``hold``, its end fails the update. The
+        update that failed the engine (FAILED) answers one last message saying why, as an open call would have
+        seen: a held Watch opened just after Prepare's reply may come after the update failed on its own."""
         st = self.controller.state
         interval_s = self.bounds.interval(seconds(request.interval, DEFAULT_WATCH_INTERVAL_S))
         with st.lock:
+            failed = st.failed_update if st.failed_error(request.update_id) is not None else None
+            if failed is not None and st.lifecycle.state == State.FAILED:
+                if request.hold:
+                    st.check_owner(credential_of(context), "Watch with hold")
+                return watch_stream(st, failed, interval_s, context)  # ended: one message, the last
             st.lifecycle.check(Rpc.WATCH)
             session = st.current(request.update_id)
             if request.hold:

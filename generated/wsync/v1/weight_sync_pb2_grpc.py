@@ -336,7 +336,9 @@ class WeightSyncServiceServicer:
         with hold = true, is the trainer's proof of life for that update.
 
         Precondition: the update named by update_id is in flight (after its
-        Prepare replied): FAILED_PRECONDITION (NO_UPDATE, UPDATE_ID_MISMATCH)
+        Prepare replied), or is the one that failed the engine (state FAILED:
+        one message, the last, says why, as an open call would have seen):
+        FAILED_PRECONDITION (NO_UPDATE, UPDATE_ID_MISMATCH, WRONG_STATE)
         otherwise. The engine sends one message at once and one every
         `interval`, and ends the stream with OK once the update has ended
         (applied, failed or cancelled; the last message says which state it left
