@@ -4,7 +4,7 @@
 
 ``make bench`` cannot run it on a host without a GPU: its figures are those of the last GPU run merged, with the
 device they came from. It needs what :mod:`wsync_grpc.tools.cuda_ipc_check` needs (that module's packages, from a
-plain checkout with ``PYTHONPATH=.:generated``), and imports nothing else of ``bench``.
+plain checkout with ``PYTHONPATH=.:generated``), and :func:`bench.colocated_case.p95`.
 
 One engine (``wsync serve --engine reference --device cuda:0 --dtype bfloat16``, another process, serving the
 check's model: SmolLM2-135M's shapes, randomly initialized, 269 MB in bfloat16) and the trainer (this process, the
@@ -21,7 +21,6 @@ Times in seconds, sizes in bytes.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -51,9 +50,10 @@ PHASES = ("plan", "prepare", "broadcast", "pack", "verify", "complete", "total")
 
 
 def _spread(xs: list[float]) -> dict[str, float]:
-    """Median, p95 (linear between order statistics) and max of ``xs``."""
-    p95 = statistics.quantiles(xs, n=20, method="inclusive")[18] if len(xs) > 1 else max(xs)
-    return {"median": statistics.median(xs), "p95": p95, "max": max(xs)}
+    """Median, p95 (:func:`bench.colocated_case.p95`) and max of ``xs``."""
+    from bench.colocated_case import p95
+
+    return {"median": statistics.median(xs), "p95": p95(xs), "max": max(xs)}
 
 
 def run(workdir: Path, device_name: str = "cuda:0", transport: str = "cuda_ipc") -> dict[str, Any]:
@@ -66,18 +66,10 @@ def run(workdir: Path, device_name: str = "cuda:0", transport: str = "cuda_ipc")
     """
     import torch
 
-    from wsync_grpc.core.checksums import tensor_sha256
     from wsync_grpc.tools import cuda_ipc_check as check
     from wsync_grpc.trainer import TrainerClient
 
-    model_dir, port_file, log = workdir / "model", workdir / "port", workdir / "engine.log"
-    check.write_model(model_dir, seed=0)
-    engine = check.start_engine(model_dir, port_file, log, device_name)
-    try:
-        transformers: Any = importlib.import_module("transformers")
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-        model.to(device=device_name, dtype=torch.bfloat16)
-        target = f"127.0.0.1:{check.wait_port(engine, port_file, log)}"
+    with check.colocated_pair(workdir, device_name) as (model, target):
         configs: dict[str, Any] = {}
         nbytes = 0
         for name, settings in CONFIGS.items():
@@ -85,9 +77,7 @@ def run(workdir: Path, device_name: str = "cuda:0", transport: str = "cuda_ipc")
                 for mode in MODES:
                     syncs = []
                     for i in range(SYNCS):
-                        with torch.no_grad():
-                            for p in model.parameters():
-                                p.add_(torch.randn_like(p), alpha=1e-3)
+                        check.next_version(model)
                         r = client.sync(
                             model.named_parameters(),
                             f"{name}-{mode}-{i}",
@@ -96,11 +86,7 @@ def run(workdir: Path, device_name: str = "cuda:0", transport: str = "cuda_ipc")
                         )
                         syncs.append({p: getattr(r, f"{p}_seconds") for p in PHASES} | {"buckets": r.bucket_count})
                         nbytes = r.payload_bytes
-                    served = client.checksums()[target].by_name
-                    ours = model.state_dict()
-                    wrong = [n for n, d in served.items() if d != tensor_sha256(ours[n])]
-                    if wrong or not served:
-                        raise RuntimeError(f"{name}, {mode}: {len(wrong)} tensor(s) differ, e.g. {wrong[:3]}")
+                    check.check_served(client, target, model, f"{name}, {mode}")
                     configs[f"{name}/{mode}"] = {
                         "settings": settings,
                         "mode": mode,
@@ -111,13 +97,6 @@ def run(workdir: Path, device_name: str = "cuda:0", transport: str = "cuda_ipc")
                     }
                     print(f"{name}, {mode}: {configs[f'{name}/{mode}']['steady']['total']}", flush=True)
         copy_s = check.copy_seconds(nbytes, torch.device(device_name))
-    except BaseException:
-        if log.is_file():
-            print(f"the engine's log ends with:\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
-        raise
-    finally:
-        engine.terminate()
-        engine.wait(30)
     return {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0) if device_name.startswith("cuda") else device_name,

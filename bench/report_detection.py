@@ -10,18 +10,13 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from bench.colocated_case import p95
+
 DETECTION_LIMIT_S = 1.0
 """Target: every kill of a mode noticed (``FAILED``, ``PEER_LOST``) within this many seconds of the SIGKILL."""
 MIN_KILLS = 3
 """Target: at least this many kills per apply mode noticed by the ``Watch`` window (when the results do not say)."""
 MODES = ("staged", "streaming")
-
-
-def p95(xs: Sequence[float]) -> float:
-    """The 95th percentile of ``xs`` (linear between order statistics; the value itself for one)."""
-    if len(xs) == 1:
-        return float(xs[0])
-    return statistics.quantiles(xs, n=20, method="inclusive")[18]
 
 
 def noticed(r: dict[str, Any]) -> bool:

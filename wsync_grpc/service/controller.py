@@ -373,7 +373,7 @@ class UpdateController:
         st = self.state
         with self._lock:
             st.check_owner(credential, "Update")
-            ended = st.failed_error(update_id) if st.lifecycle.state == State.FAILED else None
+            ended = st.failed_error(update_id)
             if ended is not None:
                 raise ended
             st.lifecycle.check(Rpc.UPDATE)

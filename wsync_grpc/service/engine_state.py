@@ -245,12 +245,23 @@ class EngineState(Generic[UpdateT]):
         elif auto_paused:
             self.dirty_paused = True  # the update's own freeze now holds because of the dirt
 
-    def failed_error(self, update_id: str) -> WsyncError | None:
-        """The error that ended update ``update_id``, when it is the last update and it failed; else ``None``."""
+    def update_that_failed(self, update_id: str) -> UpdateT | None:
+        """In FAILED: update ``update_id`` when it is the one that failed the engine; else ``None``. Lock held."""
         failed = self.failed_update
-        if failed is not None and failed.error is not None and update_id == failed.header.update_id:
-            return failed.error
+        if (
+            self.lifecycle.state == State.FAILED
+            and failed is not None
+            and failed.error is not None
+            and update_id == failed.header.update_id
+        ):
+            return failed
         return None
+
+    def failed_error(self, update_id: str) -> WsyncError | None:
+        """In FAILED: the error that ended update ``update_id``, when it is the one that failed the engine; else
+        ``None``. Lock held."""
+        failed = self.update_that_failed(update_id)
+        return failed.error if failed is not None else None
 
     def failure_of(self, update_id: str) -> WsyncError:
         """In FAILED: the error that ended update ``update_id``, or WRONG_STATE when it names no failed update."""

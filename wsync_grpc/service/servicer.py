@@ -251,16 +251,14 @@ class WeightSyncServicer(weight_sync_pb2_grpc.WeightSyncServiceServicer):
         st = self.controller.state
         interval_s = self.bounds.interval(seconds(request.interval, DEFAULT_WATCH_INTERVAL_S))
         with st.lock:
-            failed = st.failed_update if st.failed_error(request.update_id) is not None else None
-            if failed is not None and st.lifecycle.state == State.FAILED:
-                if request.hold:
-                    st.check_owner(credential_of(context), "Watch with hold")
-                return watch_stream(st, failed, interval_s, context)  # ended: one message, the last
-            st.lifecycle.check(Rpc.WATCH)
-            session = st.current(request.update_id)
+            failed = st.update_that_failed(request.update_id)  # ended: its stream is one message, the last
+            if failed is None:
+                st.lifecycle.check(Rpc.WATCH)
+            session = failed if failed is not None else st.current(request.update_id)
             if request.hold:
                 st.check_owner(credential_of(context), "Watch with hold")
-                hold(session, context)
+                if failed is None:
+                    hold(session, context)
         return watch_stream(st, session, interval_s, context)
 
     @grpc_errors

@@ -27,6 +27,7 @@ Units: sizes in bytes, times in seconds, throughputs in GB/s (10^9 bytes per sec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -227,6 +229,68 @@ def copy_seconds(nbytes: int, device: Any) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def colocated_pair(workdir: Path, device_name: str = "cuda:0") -> Iterator[tuple[Any, str]]:
+    """The check's engine and trainer (steps 2 and 3 of the module): the model written into ``workdir``, an engine
+    serving it on ``device_name`` in another process, and the trainer's copy of it in this process on the same
+    device, in bfloat16. Yields ``(model, target)``: the trainer's ``torch.nn.Module`` and the engine's address.
+
+    When the block raises, the engine's log ends on standard error (it goes with ``workdir``); the engine is stopped
+    however the block ends.
+
+    Raises:
+        RuntimeError: the engine exited, or did not serve in time (:func:`wait_port`).
+    """
+    import torch
+
+    model_dir = workdir / "model"
+    write_model(model_dir, seed=0)
+    port_file, log = workdir / "port", workdir / "engine.log"
+    engine = start_engine(model_dir, port_file, log, device_name)
+    try:
+        transformers: Any = importlib.import_module("transformers")
+        # Loaded, then converted: the keyword that picks the dtype at load has changed across transformers' releases.
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        model.to(device=device_name, dtype=torch.bfloat16)
+        yield model, f"127.0.0.1:{wait_port(engine, port_file, log)}"
+    except BaseException:
+        if log.is_file():  # the engine's side of the failure (its log goes with the temporary directory)
+            tail = log.read_text(errors="replace")[-4000:]
+            print(f"cuda_ipc_check: the engine's log ends with:\n{tail}", file=sys.stderr)
+        raise
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+
+
+def next_version(model: Any) -> None:
+    """Change every parameter of ``model`` (a ``torch.nn.Module``) a little, in place: a new weight version."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=1e-3)
+
+
+def check_served(client: Any, target: str, model: Any, what: str) -> None:
+    """The engine at ``target`` serves ``model``'s tensors bit for bit (its ``GetWeightChecksums`` through
+    ``client``, a :class:`~wsync_grpc.trainer.TrainerClient`, against ``model.state_dict()``).
+
+    Raises:
+        RuntimeError: it serves nothing, or some tensor differs (``what`` names the sync in the message).
+    """
+    from wsync_grpc.core.checksums import tensor_sha256
+
+    served = client.checksums()[target].by_name
+    ours = model.state_dict()
+    wrong = sorted(n for n, digest in served.items() if digest != tensor_sha256(ours[n]))
+    if wrong or not served:
+        raise RuntimeError(f"{what}: {len(wrong)} tensor(s) differ, e.g. {wrong[:3]}")
+
+
 def run_check(
     out: Path | None, workdir: Path, *, device_name: str = "cuda:0", transport: str = "cuda_ipc"
 ) -> dict[str, Any]:
@@ -239,26 +303,14 @@ def run_check(
     """
     import torch
 
-    from wsync_grpc.core.checksums import tensor_sha256
     from wsync_grpc.trainer import TrainerClient
 
-    model_dir = workdir / "model"
-    write_model(model_dir, seed=0)
-    port_file, log = workdir / "port", workdir / "engine.log"
-    engine = start_engine(model_dir, port_file, log, device_name)
     device = torch.device(device_name)
-    try:
-        transformers: Any = importlib.import_module("transformers")
-        # Loaded, then converted: the keyword that picks the dtype at load has changed across transformers' releases.
-        trainer = transformers.AutoModelForCausalLM.from_pretrained(model_dir).to(device=device, dtype=torch.bfloat16)
-        port = wait_port(engine, port_file, log)
-        target = f"127.0.0.1:{port}"
+    with colocated_pair(workdir, device_name) as (trainer, target):
         rows: list[dict[str, Any]] = []
         with TrainerClient([target], device=device) as client:
             for i, mode in enumerate(MODES):
-                with torch.no_grad():
-                    for p in trainer.parameters():
-                        p.add_(torch.randn_like(p), alpha=1e-3)  # a new version: every tensor changes
+                next_version(trainer)
                 version = f"v{i + 1}"
                 result = client.sync(
                     trainer.named_parameters(),
@@ -266,11 +318,7 @@ def run_check(
                     apply_mode=mode,
                     transport=transport,  # type: ignore[arg-type]
                 )
-                served = client.checksums()[target].by_name
-                ours = trainer.state_dict()
-                wrong = sorted(n for n, digest in served.items() if digest != tensor_sha256(ours[n]))
-                if wrong or not served:
-                    raise RuntimeError(f"sync {version} ({mode}): {len(wrong)} tensor(s) differ, e.g. {wrong[:3]}")
+                check_served(client, target, trainer, f"sync {version} ({mode})")
                 rows.append(
                     {
                         "sync": version,
@@ -282,17 +330,6 @@ def run_check(
                     }
                 )
         copy_s = copy_seconds(rows[0]["bytes"], device)
-    except BaseException:
-        if log.is_file():  # the engine's side of the failure (its log goes with the temporary directory)
-            tail = log.read_text(errors="replace")[-4000:]
-            print(f"cuda_ipc_check: the engine's log ends with:\n{tail}", file=sys.stderr)
-        raise
-    finally:
-        engine.terminate()
-        try:
-            engine.wait(30)
-        except subprocess.TimeoutExpired:
-            engine.kill()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     for r in rows:
         r["gb_per_s"] = r["bytes"] / r["s"] / 1e9
