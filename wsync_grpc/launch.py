@@ -57,6 +57,7 @@ __all__ = [
     "spawn_process",
     "spawn_vllm_engine",
     "stop_all",
+    "vllm_cpu_binds",
     "wait_all",
 ]
 
@@ -372,6 +373,34 @@ VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 VLLM_CPU_TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 """Added for tensor parallel workers on a host with fewer cores than workers (no core pinning, one thread each)."""
+
+
+def vllm_cpu_binds(count: int, cpus: Sequence[int] | None = None) -> list[dict[str, str]]:
+    """Environment for ``count`` single-worker vLLM CPU engines started on one host: each its own cores.
+
+    vLLM's CPU backend binds each worker's forward to cores it picks itself (``VLLM_CPU_OMP_THREADS_BIND=auto``:
+    the first cores of a NUMA node, one left to the engine's other processes), the same ones for every engine on
+    the host, so engines started side by side would share one core and leave the others idle. Here engine ``i``
+    gets its own contiguous share of ``cpus`` as ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's ``"0,1"`` list form), or
+    one core round-robin where there are fewer cores than engines. Nothing is set for one engine, or where the
+    caller's environment already sets ``VLLM_CPU_OMP_THREADS_BIND`` (its choice stands).
+
+    Args:
+        count: engines to start (each with tensor parallel size 1).
+        cpus: the cores to share out; default this process's CPU affinity (``os.sched_getaffinity``).
+
+    Returns:
+        ``count`` dicts, engine ``i``'s variables at ``[i]`` (pass each as ``spawn_vllm_engine(env=...)``).
+    """
+    if count <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return [{} for _ in range(count)]
+    pool = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(pool) < count:
+        shares = [[pool[i % len(pool)]] for i in range(count)]
+    else:
+        shares = [pool[i * len(pool) // count : (i + 1) * len(pool) // count] for i in range(count)]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))} for share in shares]
+
 
 VLLM_TEST_ARGS = "--enforce-eager --max-model-len 1024"
 """vLLM arguments for tests, demo and bench: no torch.compile warm-up (a minute on a cold CPU host)."""

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
@@ -165,3 +166,11 @@ def hand_over(engine: Vllm) -> pb.GetStatusResponse:
     status = engine.status()
     assert in_known_state(engine, status), status
     return status
+
+
+def sample(state: dict[str, torch.Tensor], also: tuple[str, ...] = ()) -> list[str]:
+    """The tensors of the first and the last decoder layer (every part of the fused ``qkv_proj`` and ``gate_up_proj``,
+    ``o_proj``, ``down_proj``, both norms) and the final norm, then ``also``."""
+    last = max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
+    layers = ("model.layers.0.", f"model.layers.{last}.", "model.norm.")
+    return list(dict.fromkeys([n for n in state if n.startswith(layers)] + list(also)))

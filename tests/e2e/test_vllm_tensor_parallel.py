@@ -47,7 +47,7 @@ def test_every_rank_receives_and_serves_its_slices(engine_tp3: Vllm, smollm2_dir
         # host costs seconds), the answers changing and coming back.
         result = c.sync(new.items(), "tp3-staged", apply_mode="staged", flush_cache=True)
         assert result.engines[engine_tp3.target].tensor_count == len(new)
-        assert_serves(c, engine_tp3.target, new, "tp3-staged")
+        assert_serves(c, engine_tp3.target, new, "tp3-staged", whole=True)
         assert engine_tp3.complete()[1] != before[1]
         c.sync(originals.items(), CHECKPOINT_VERSION, apply_mode="streaming", flush_cache=True)
         assert_serves(c, engine_tp3.target, originals, CHECKPOINT_VERSION)
@@ -73,7 +73,7 @@ def test_every_rank_applies_a_delta_to_its_copy_and_loads_its_slices(engine_tp3:
             r = c.sync(new.items(), f"tp3-delta-{i}", dtype=SERVED, apply_mode=apply_mode)  # type: ignore[arg-type]
             assert r.delta is not None and r.delta.base_version == f"tp3-delta-{i - 1}", r.delta
             assert r.wire_bytes < 0.1 * first.wire_bytes
-            assert_serves(c, engine_tp3.target, new, f"tp3-delta-{i}")
+            assert_serves(c, engine_tp3.target, new, f"tp3-delta-{i}", whole=i == 2)
         c.sync(originals.items(), CHECKPOINT_VERSION, delta=False)
         assert_serves(c, engine_tp3.target, originals, CHECKPOINT_VERSION)
 
@@ -109,7 +109,7 @@ def test_every_rank_maps_the_shared_memory_segment_and_loads_its_slices(engine_t
             assert result.engines[engine_tp3.target].buckets_verified == result.bucket_count  # on every worker
             assert armed == [workers], armed  # every worker maps the segment, nothing else of the engine does
             assert segment_holders(engine_tp3.proc.pid) == {}  # no mapping outlives the update
-            assert_serves(c, engine_tp3.target, state, version)
+            assert_serves(c, engine_tp3.target, state, version, whole=state is new)
             assert (engine_tp3.complete() == before) == (state is originals)
         st = engine_tp3.status()
         assert st.state == pb.LIFECYCLE_STATE_UNINITIALIZED and st.engine.workers == 3  # no group was formed
@@ -136,7 +136,7 @@ def test_checksums_are_hashed_where_the_slices_live(engine_tp3: Vllm, smollm2_di
         c.sync(new.items(), "tp3-digests")  # a new version: nothing cached
         Path(f"/proc/{front}/clear_refs").write_text("5")  # the peak starts again from the current size
         start = _peak_rss(front)
-        assert_serves(c, engine_tp3.target, new, "tp3-digests")
+        assert_serves(c, engine_tp3.target, new, "tp3-digests", whole=True)
         grown = _peak_rss(front) - start
     assert grown < model_bytes / 8, (
         f"the front's peak grew by {grown / 2**20:.0f} MiB ({model_bytes / 2**20:.0f} MiB model)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from wsync_grpc.engines.vllm.front import background_cpus
@@ -30,3 +31,18 @@ def test_unbound_workers_and_workers_with_no_core_left_stay_where_they_run() -> 
     assert background_cpus([_worker(0, [0, 1], [0, 1]), _worker(1, [0, 1], [0, 1])]) == {}  # nobind, GPU
     assert background_cpus([_worker(0, [0], [0, 1]), _worker(1, [1], [0, 1])]) == {}  # every core bound
     assert background_cpus([_worker(0, [], [])]) == {}  # no affinity on this platform
+
+
+def test_engines_started_side_by_side_each_get_cores_of_their_own(monkeypatch: Any) -> None:
+    """``vllm_cpu_binds``: vLLM's own auto binding would put every engine's forward on the same cores."""
+    from wsync_grpc.launch import vllm_cpu_binds
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    bind = "VLLM_CPU_OMP_THREADS_BIND"
+    assert vllm_cpu_binds(2, [0, 1]) == [{bind: "0"}, {bind: "1"}]
+    assert vllm_cpu_binds(2, [4, 5, 6, 7, 8]) == [{bind: "4,5"}, {bind: "6,7,8"}]
+    assert vllm_cpu_binds(3, [0, 1]) == [{bind: "0"}, {bind: "1"}, {bind: "0"}]  # fewer cores than engines
+    assert vllm_cpu_binds(1, [0, 1]) == [{}]  # one engine: vLLM's own choice
+    assert len({b[bind] for b in vllm_cpu_binds(2)}) == min(2, len(os.sched_getaffinity(0)))  # this host's cores
+    monkeypatch.setenv(bind, "nobind")
+    assert vllm_cpu_binds(2, [0, 1]) == [{}, {}]  # the caller's binding stands

@@ -4,7 +4,8 @@
 
 1. starts ``--engines`` vLLM engines (default 2) with ``wsync serve --engine vllm``,
    each serving SmolLM2-135M-Instruct's safetensors directory, ``wsync.v1`` on a free
-   gRPC port and vLLM's OpenAI-compatible API on a free HTTP port;
+   gRPC port and vLLM's OpenAI-compatible API on a free HTTP port, its worker's forward
+   on cores of its own (:func:`~wsync_grpc.launch.vllm_cpu_binds`);
 2. loads the same model in this process as the policy and runs ``--steps`` supervised
    steps that teach it a fixed answer (the same as ``make demo``);
 3. after each step syncs every weight into all engines with
@@ -33,7 +34,7 @@ import torch
 
 from wsync_grpc.core.dtypes import parse_dtype
 from wsync_grpc.group.process_group import free_port
-from wsync_grpc.launch import EngineProcess, spawn_vllm_engine, stop_all, wait_all
+from wsync_grpc.launch import EngineProcess, spawn_vllm_engine, stop_all, vllm_cpu_binds, wait_all
 from wsync_grpc.tools.demo import PROMPT, training_batch
 from wsync_grpc.trainer import TrainerClient
 
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="wsync-demo-vllm-") as tmp:
         try:
             https = []
-            for i in range(args.engines):
+            for i, bind in enumerate(vllm_cpu_binds(args.engines)):  # the engines' forwards on cores of their own
                 port = free_port()
                 https.append(f"http://127.0.0.1:{port}")
                 procs.append(
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                         port_file=Path(tmp) / f"{i}.port",
                         http_port=port,
                         log=Path(tmp) / f"{i}.log",
+                        env=bind,
                         wait=False,
                     )
                 )

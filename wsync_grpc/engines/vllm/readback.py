@@ -22,7 +22,7 @@ the layer's kernel, which is not thread-safe against a running step).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,14 +87,21 @@ def _shard(dim: int, rank: int, count: int) -> Shard | None:
     return Shard(dim, rank, count) if count > 1 else None
 
 
-def _linear(name: str, module: Any, packed: dict[str, list[str]]) -> Iterator[ServedTensor]:
-    """The checkpoint tensors of one linear layer (fused ones split into their parts)."""
+def _linear(name: str, module: Any, packed: dict[str, list[str]], wanted: Collection[str]) -> Iterator[ServedTensor]:
+    """The checkpoint tensors of one linear layer (fused ones split into their parts).
+
+    A layer none of whose checkpoint tensors is in ``wanted`` (when it is not empty) is not read: its probe
+    through the kernel is skipped, as is everything else.
+    """
     kind = type(module).__name__
     tp_rank, tp_size = int(getattr(module, "tp_rank", 0)), int(getattr(module, "tp_size", 1))
     prefix, _, leaf = name.rpartition(".")
     parts = packed.get(leaf, [leaf])
+    pnames = ["weight"] + (["bias"] if getattr(module, "bias", None) is not None else [])
+    if wanted and not any(_part_name(prefix, part, p) in wanted for part in parts for p in pnames):
+        return
     params = [("weight", _weight(module))]
-    if getattr(module, "bias", None) is not None:
+    if "bias" in pnames:
         params.append(("bias", module.bias.detach()))
     for pname, value in params:
         if "QKVParallelLinear" in kind:
@@ -113,7 +120,12 @@ def _linear(name: str, module: Any, packed: dict[str, list[str]]) -> Iterator[Se
             sizes = [value.shape[0]]
             shards = [None if row and pname == "bias" else _shard(1 if row else 0, tp_rank, tp_size)]
         for part, piece, shard in zip(parts, torch.split(value, sizes, dim=0), shards, strict=True):
-            yield ServedTensor(f"{prefix}.{part}.{pname}" if prefix else f"{part}.{pname}", piece, shard)
+            yield ServedTensor(_part_name(prefix, part, pname), piece, shard)
+
+
+def _part_name(prefix: str, part: str, pname: str) -> str:
+    """The checkpoint name of parameter ``pname`` of part ``part`` of a layer under ``prefix``."""
+    return f"{prefix}.{part}.{pname}" if prefix else f"{part}.{pname}"
 
 
 def _embedding(name: str, module: Any) -> ServedTensor:
@@ -125,8 +137,12 @@ def _embedding(name: str, module: Any) -> ServedTensor:
     return ServedTensor(f"{name}.weight", w, _shard(0, int(getattr(module, "tp_rank", 0)), int(module.tp_size)))
 
 
-def served_tensors(model: torch.nn.Module) -> Iterator[ServedTensor]:
-    """Every checkpoint tensor the worker's ``model`` serves, read back, in module order.
+def served_tensors(model: torch.nn.Module, names: Collection[str] = ()) -> Iterator[ServedTensor]:
+    """The checkpoint tensors the worker's ``model`` serves, read back, in module order.
+
+    ``names`` selects checkpoint names (empty: every tensor). A layer is read only when one of its
+    tensors is selected, so asking for a few names costs only their layers' probes. A selected layer
+    may yield its other parts too (a fused layer's siblings): the caller filters by name.
 
     Names are the module paths of vLLM's model with fused layers named by
     their parts (the model's ``packed_modules_mapping``), which for the
@@ -143,9 +159,10 @@ def served_tensors(model: torch.nn.Module) -> Iterator[ServedTensor]:
             continue
         name = path.replace(".base_layer", "")
         if hasattr(module, "shard_indices"):
-            yield _embedding(name, module)
+            if not names or f"{name}.weight" in names:
+                yield _embedding(name, module)
         elif kind.endswith("Linear") and hasattr(module, "weight"):
-            yield from _linear(name, module, packed)
+            yield from _linear(name, module, packed, names)
         else:
             for pname, p in module.named_parameters(recurse=False):
                 yield ServedTensor(f"{name}.{pname}" if name else pname, p.detach(), None)

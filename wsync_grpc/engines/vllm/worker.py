@@ -92,7 +92,7 @@ class VllmWorker:
         tp = None if want_data else tensor_parallel_group()
         wanted = set(names)
         out: list[dict[str, Any]] = []
-        for t in served_tensors(model):
+        for t in served_tensors(model, wanted):
             if wanted and t.name not in wanted:
                 continue
             data = t.tensor.detach().cpu().contiguous()
