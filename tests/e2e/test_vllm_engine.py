@@ -382,6 +382,7 @@ def _minor_faults(pid: int) -> int:
     return total
 
 
+@pytest.mark.soak  # asserts nothing where it fails (below): `make soak` runs it, CI does not
 @pytest.mark.xfail(
     strict=False,
     reason=(

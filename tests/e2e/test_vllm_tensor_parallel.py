@@ -36,7 +36,10 @@ def engine_tp3(engine: Vllm) -> Vllm:
     return engine
 
 
+@pytest.mark.vllm_engines("tp3")
 def test_every_rank_receives_and_serves_its_slices(engine_tp3: Vllm, smollm2_dir: Path) -> None:
+    """Staged new weights, then the originals streaming, into 3 workers. On the plain engine only: the LoRA-wrapped
+    layers' base sync is the single worker's (``test_vllm_lora``), their slices are these."""
     originals: dict[str, torch.Tensor] = dict(safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")))
     before = engine_tp3.complete()
     new = perturbed(originals, seed=5)
