@@ -18,6 +18,7 @@ have; the check is the same one-line comparison on both sides.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -760,7 +761,10 @@ TORCH_SHM = "/dev/shm/torch_"
 
 
 def torch_shm_fds() -> int:
-    """This process's descriptors of torch shared-memory storages (torch keeps one per storage it shared)."""
+    """This process's descriptors of torch shared-memory storages (torch keeps one per storage it shared), counted
+    after a garbage collection: a storage an earlier test left in a reference cycle (its error's traceback) would
+    otherwise be freed, and its descriptor closed, between two counts of a later test."""
+    gc.collect()
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
@@ -902,14 +906,27 @@ def test_with_zero_copy_off_a_model_in_shared_memory_is_packed_into_the_ring(
         assert torch_shm_fds() == fds_before
 
 
+@pytest.mark.parametrize("cancel_first", [False, True], ids=["engine-first", "cancel-first"])
 def test_a_storage_truncated_under_the_engines_read_fails_cleanly_with_the_old_weights_kept(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, cancel_first: bool
 ) -> None:
     """The trainer's storage is truncated to nothing (by its owner's descriptor) after the engine checked its size
     and before it reads: the read comes short, the engine fails the update with DATA_LOSS SHARED_MEMORY_STORAGE (no
     crash: it never mapped the storage), keeps serving its old weights and holds no descriptor; the next sync
-    applies."""
+    applies. ``cancel_first``: the engine hears of its receiver's end a second late, so the trainer's Cancel (its
+    send broke when the receiver quit) comes first; the engine and the trainer's error still name the finding."""
+    from wsync_grpc.service.session import UpdateSession
     from wsync_grpc.transports.shared_memory import storages
+
+    if cancel_first:
+        heard = UpdateSession._on_receiver_event
+
+        def late(self: Any, r: Any) -> None:
+            if r.error is not None:
+                time.sleep(1.0)
+            heard(self, r)
+
+        monkeypatch.setattr(UpdateSession, "_on_receiver_event", late)
 
     aliases = synthetic.aliases("tiny")
     base = synthetic.build("tiny", seed=7)

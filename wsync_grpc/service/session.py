@@ -587,12 +587,17 @@ class UpdateSession:
         """Abandon the update: stop its receivers, leave the group, move to FAILED, record ``err``.
 
         Idempotent, and a no-op once the update is no longer the engine's
-        update (applied, or failed already). Takes the lock.
+        update (applied, or failed already). Takes the lock. A cancel (UPDATE_CANCELLED) that
+        follows a receiver's own finding (a :class:`WsyncError` it raised: a digest mismatch, a
+        shrunk shared-memory storage) records that finding: the receiver quit first, and the
+        trainer's cancel only answered the transfer it broke.
         """
         eng = self.state
         with eng.lock:
             if self.error is not None or eng.update is not self:
                 return
+            if err.reason == "UPDATE_CANCELLED":
+                err = next((r.error for r in self.receivers if isinstance(r.error, WsyncError)), err)
             self.error = err
             self.cancel.set()
             self.feed.close_digests()

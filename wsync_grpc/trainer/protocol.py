@@ -379,17 +379,20 @@ class UpdateProtocol:
 
     # ------------------------------------------------------------------ the failure protocol
 
-    def _name_ended(self, update_id: str, targets: Sequence[str], failures: dict[str, EngineFailure]) -> None:
-        """Name why the update ended on engines that had ended it on their own (Cancel found nothing to cancel)
-        and are not named yet: their ``GetStatus`` last error, when it is this update's (e.g. a bucket
-        that arrived corrupted, which may break the trainer's send before the engine's held ``Watch`` ends)."""
-        unnamed = [e for e in self._fleet.engines if e.target in targets and e.target not in failures]
+    def _name_ended(self, update_id: str, cancelled: Mapping[str, bool], failures: dict[str, EngineFailure]) -> None:
+        """Name why the update ended on engines not named yet: their ``GetStatus`` last error, when it is this
+        update's and not the trainer's own cancel. An engine may have ended it on its own (Cancel found nothing
+        to cancel), or its receiver may have quit on a finding of its own (a bucket that arrived corrupted, a
+        storage that shrank) which broke the trainer's send before the engine's held ``Watch`` ended: the engine
+        records that finding, not the cancel that followed it."""
+        unnamed = [e for e in self._fleet.engines if e.target in cancelled and e.target not in failures]
         if not unnamed:
             return
         statuses, _ = self._fleet.gather("GetStatus", self._fleet.start_get_status, unnamed)
         for t, st in statuses.items():
             err = st.last_error
-            if st.HasField("last_error") and err.update_id == update_id and err.reason:
+            ours = cancelled[t] and err.reason == "UPDATE_CANCELLED"
+            if st.HasField("last_error") and err.update_id == update_id and err.reason and not ours:
                 failures[t] = EngineFailure(t, "update", None, err.reason, err.message)
 
     def abandon(
@@ -431,7 +434,7 @@ class UpdateProtocol:
             )
             cancelled = {t: r.cancelled for t, r in replies.items()}
             if broadcast_started:
-                self._name_ended(update_id, [t for t, c in cancelled.items() if not c], all_failures)
+                self._name_ended(update_id, cancelled, all_failures)
         had_group = self._membership.group is not None
         self._membership.drop()
         self._release()  # a send abandoned half-way may still read its buffers
