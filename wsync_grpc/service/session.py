@@ -43,6 +43,7 @@ from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.engine import PauseMode, RemoteWorkers
 from wsync_grpc.core.errors import (
     Aborted,
+    DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -588,16 +589,19 @@ class UpdateSession:
 
         Idempotent, and a no-op once the update is no longer the engine's
         update (applied, or failed already). Takes the lock. A cancel (UPDATE_CANCELLED) that
-        follows a receiver's own finding (a :class:`WsyncError` it raised: a digest mismatch, a
-        shrunk shared-memory storage) records that finding: the receiver quit first, and the
-        trainer's cancel only answered the transfer it broke.
+        follows a receiver's finding about what the trainer sent (a :class:`DataLoss` it raised: a
+        digest mismatch, a shrunk shared-memory storage; an :class:`InvalidArgument`: a storage that
+        is no shared-memory file) records that finding: the receiver quit first, and the trainer's
+        cancel only answered the transfer it broke. A receiver's other
+        errors (the trainer's socket closed, a peer lost) may follow from the trainer's own abort:
+        the cancel stands.
         """
         eng = self.state
         with eng.lock:
             if self.error is not None or eng.update is not self:
                 return
             if err.reason == "UPDATE_CANCELLED":
-                err = next((r.error for r in self.receivers if isinstance(r.error, WsyncError)), err)
+                err = next((r.error for r in self.receivers if isinstance(r.error, DataLoss | InvalidArgument)), err)
             self.error = err
             self.cancel.set()
             self.feed.close_digests()
