@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -135,12 +137,15 @@ def _port_in_use(port: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_readmes_vllm_commands_run_as_written(smollm2_dir: Path) -> None:
+def test_the_readmes_vllm_commands_run_as_written(smollm2_dir: Path, request: pytest.FixtureRequest) -> None:
     """``wsync serve --engine vllm ... --vllm-args "--enforce-eager"``, the ``curl`` and ``wsync status``, by a shell.
 
     An engine of its own: the command that starts it, on the guide's ports, is what is checked. The ``pip``
     lines are the environment this suite already runs in; every
-    other line runs exactly as the vLLM guide prints it.
+    other line runs exactly as the vLLM guide prints it. The engine runs with a temporary directory
+    (``TMPDIR``) of its own, empty again once it stopped: vLLM's IPC sockets went in a directory of the
+    server's, removed at its end (torch's caches may stay). A directory a SIGKILLed server left there is removed by
+    the engine's start.
     """
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
     commands = _readme_block("wsync serve --engine vllm")
@@ -150,7 +155,14 @@ def test_the_readmes_vllm_commands_run_as_written(smollm2_dir: Path) -> None:
         pytest.skip("the guide's ports 50051/8000 are taken on this host")
     serve, curl, status = (next(c for c in commands if word in c) for word in ("wsync serve", "curl ", "wsync status"))
     assert all(c.startswith("pip ") for c in commands if c not in (serve, curl, status)), commands
-    env = {**ENV, "PATH": f"{Path(sys.executable).parent}:{ENV.get('PATH', os.defpath)}"}
+    tmp = Path(tempfile.mkdtemp(prefix="t"))  # short: a socket's path takes at most 107 bytes
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    stale = tmp / f"wsync-vllm-{os.stat('/proc/self/ns/pid').st_ino}-999999999-x"  # a SIGKILLed server's (no such pid)
+    stale.mkdir()
+    with socket.socket(socket.AF_UNIX) as left_behind:
+        left_behind.bind(str(stale / "0b7e5a2c"))  # one of vLLM's sockets in it
+    env = {**ENV, "PATH": f"{Path(sys.executable).parent}:{ENV.get('PATH', os.defpath)}", "TMPDIR": str(tmp)}
+    env.pop("VLLM_RPC_BASE_PATH", None)
     proc = subprocess.Popen(
         ["bash", "-c", serve],
         env=env,
@@ -174,6 +186,9 @@ def test_the_readmes_vllm_commands_run_as_written(smollm2_dir: Path) -> None:
         answer = json.loads(out.stdout)
         assert answer["model"] == str(smollm2_dir) and answer["choices"][0]["text"].strip(), answer
         assert answer["usage"]["completion_tokens"] == 8
+        assert not stale.exists()
+        rpc = [p.name for p in tmp.iterdir() if p.name.startswith("wsync-vllm-")]
+        assert len(rpc) == 1 and any((tmp / rpc[0]).iterdir()), "vLLM's sockets are in the server's directory"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -182,3 +197,5 @@ def test_the_readmes_vllm_commands_run_as_written(smollm2_dir: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
     assert shlex.split(serve)[-2:] == ["--vllm-args", "--enforce-eager"]
+    left = sorted(p.name for p in tmp.iterdir() if p.is_socket() or p.name.startswith("wsync-vllm-"))
+    assert left == [], f"the stopped engine left these in its temporary directory: {sorted(os.listdir(tmp))}"

@@ -13,10 +13,17 @@ the weight version of every token span); trainers and operators call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import re
 import shlex
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from wsync_grpc.engines.vllm import BACKEND_NAME, WORKER_EXTENSION
@@ -99,8 +106,85 @@ def serve(o: VllmServeOptions) -> int:
     args = parser.parse_args(vllm_argv(o))
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(o, args))
+    with private_rpc_dir():
+        uvloop.run(_serve(o, args))
     return 0
+
+
+RPC_DIR_PREFIX = "wsync-vllm-"
+"""The name of :func:`private_rpc_dir`'s directory, before the server's pid and ``mkdtemp``'s suffix."""
+
+SOCKET_NAME_BYTES = 36
+"""The length of the name vLLM gives a socket file (``str(uuid.uuid4())``; ``get_open_zmq_ipc_path``)."""
+
+SUN_PATH_BYTES = 107
+"""The longest path of a Unix socket, in bytes (``sizeof(sockaddr_un.sun_path)`` less its NUL, on Linux)."""
+
+
+@contextlib.contextmanager
+def private_rpc_dir() -> Iterator[Path | None]:
+    """A directory of this server's own for vLLM's ZeroMQ IPC sockets (``VLLM_RPC_BASE_PATH``), removed at the end.
+
+    vLLM names a socket file ``<uuid>`` in ``VLLM_RPC_BASE_PATH`` (default: the temporary directory,
+    ``tempfile.gettempdir()``) for each of its engine-core and worker queues, and leaves the files there when it
+    ends, even cleanly: every engine started would leave a few in ``/tmp``. Here they go in
+    ``<tmp>/wsync-vllm-<pid namespace>-<pid>-<random>`` (mode 0700, ``mkdtemp``), which the engine's processes
+    inherit through the environment and which is removed once the server ends. A server that was SIGKILLed cannot
+    remove its own: the next one started in the same pid namespace (a container sharing ``/tmp`` has its own)
+    removes those whose pid no longer runs. Nothing is changed (and
+    ``None`` yielded) where the caller's environment sets ``VLLM_RPC_BASE_PATH`` (its choice stands), or where a
+    socket's path in the directory would pass the 107 bytes of a Unix socket address (``sun_path``), which vLLM's
+    own paths, one directory shorter, might not.
+    """
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        yield None
+        return
+    _remove_dead_servers_dirs(Path(tempfile.gettempdir()))
+    path = Path(tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
+    if len(os.fsencode(path)) + 1 + SOCKET_NAME_BYTES > SUN_PATH_BYTES:
+        path.rmdir()
+        yield None
+        return
+    os.environ["VLLM_RPC_BASE_PATH"] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_dead_servers_dirs(tmp: Path) -> None:
+    """Remove the :func:`private_rpc_dir` directories in ``tmp`` of this user and pid namespace whose server's pid
+    no longer runs."""
+    ns = _pid_namespace()
+    if not ns:
+        return  # another namespace's pids are not seen from here: which server runs is unknown
+    pattern = re.compile(rf"{re.escape(RPC_DIR_PREFIX)}{ns}-(\d+)-")
+    for d in tmp.glob(f"{RPC_DIR_PREFIX}{ns}-*"):
+        m = pattern.match(d.name)
+        with contextlib.suppress(OSError):
+            if m is None or not d.is_dir() or d.stat().st_uid != os.getuid() or _runs(int(m.group(1))):
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace, as the inode of ``/proc/self/ns/pid``; 0 where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _runs(pid: int) -> bool:
+    """Whether a process ``pid`` exists (of any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def _serve(o: VllmServeOptions, args: Any) -> None:
