@@ -139,8 +139,9 @@ def private_rpc_dir() -> Iterator[Path | None]:
     if "VLLM_RPC_BASE_PATH" in os.environ:
         yield None
         return
-    _remove_dead_servers_dirs(Path(tempfile.gettempdir()))
-    path = Path(tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
+    ns = _pid_namespace()
+    _remove_dead_servers_dirs(Path(tempfile.gettempdir()), ns)
+    path = Path(tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{ns}-{os.getpid()}-"))
     if len(os.fsencode(path)) + 1 + SOCKET_NAME_BYTES > SUN_PATH_BYTES:
         path.rmdir()
         yield None
@@ -153,17 +154,18 @@ def private_rpc_dir() -> Iterator[Path | None]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _remove_dead_servers_dirs(tmp: Path) -> None:
-    """Remove the :func:`private_rpc_dir` directories in ``tmp`` of this user and pid namespace whose server's pid
-    no longer runs."""
-    ns = _pid_namespace()
+def _remove_dead_servers_dirs(tmp: Path, ns: int) -> None:
+    """Remove the :func:`private_rpc_dir` directories in ``tmp`` of this user and of pid namespace ``ns`` (this
+    process's) whose server's pid no longer runs (``psutil.pid_exists``; a zombie's directory stays)."""
+    import psutil  # a dependency of vLLM's, which this server runs
+
     if not ns:
         return  # another namespace's pids are not seen from here: which server runs is unknown
     pattern = re.compile(rf"{re.escape(RPC_DIR_PREFIX)}{ns}-(\d+)-")
     for d in tmp.glob(f"{RPC_DIR_PREFIX}{ns}-*"):
         m = pattern.match(d.name)
         with contextlib.suppress(OSError):
-            if m is None or not d.is_dir() or d.stat().st_uid != os.getuid() or _runs(int(m.group(1))):
+            if m is None or not d.is_dir() or d.stat().st_uid != os.getuid() or psutil.pid_exists(int(m.group(1))):
                 continue
             shutil.rmtree(d, ignore_errors=True)
 
@@ -174,17 +176,6 @@ def _pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
-
-
-def _runs(pid: int) -> bool:
-    """Whether a process ``pid`` exists (of any user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def _serve(o: VllmServeOptions, args: Any) -> None:
