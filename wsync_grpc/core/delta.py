@@ -213,10 +213,12 @@ def _changes(flat: torch.Tensor, base: torch.Tensor) -> _Changes:
         words = wa != wb
         if wa.numel() and int(torch.count_nonzero(words)) <= SPARSE_WORDS * words.numel():
             changed = torch.nonzero(words).squeeze(1)
-            # The lanes (elements) of each changed word whose bits differ, in memory order.
-            lane = (wa[changed] ^ wb[changed]).view(a.dtype).view(-1, lanes) != 0
-            row, col = torch.nonzero(lane, as_tuple=True)
-            idx = changed[row] * lanes + col
+            # The lanes (elements) of each changed word whose bits differ, in memory order (take: a faster gather
+            # than indexing).
+            lane = (wa.take(changed) ^ wb.take(changed)).view(a.dtype) != 0
+            at = torch.nonzero(lane).squeeze(1)  # lane i of changed word j at j * lanes + i (lanes: 2, 4 or 8)
+            shift = lanes.bit_length() - 1
+            idx = (changed.take(at >> shift) << shift) | (at & (lanes - 1))
             if body < flat.numel():
                 idx = torch.cat([idx, torch.nonzero(a[body:] != b[body:]).squeeze(1) + body])
             return _Changes(idx, True, idx.numel(), flat.numel())
@@ -287,8 +289,11 @@ def delta_of(
         return EncodedTensor(coding, payload, k), k
     idx = changes.positions()
     gaps = torch.diff(idx, prepend=_BEFORE_FIRST) if k else idx  # between changed positions, the first from -1
-    bridges = {p: (gaps - 1) // limit for p, limit in _GAP_LIMITS.items()} if k else {}
-    counts = {p: k + (int(bridges[p].sum()) if k else 0) for p in _GAP_LIMITS}
+    # The bridging entries of each gaps encoding, over the few gaps past GAP_LIMIT only (gaps are >= 1).
+    long_at = torch.nonzero(gaps > GAP_LIMIT).squeeze(1) if k else gaps
+    long_gaps = gaps.take(long_at)
+    long_bridges = {p: torch.div(long_gaps - 1, limit, rounding_mode="floor") for p, limit in _GAP_LIMITS.items()}
+    counts = {p: k + int(b.sum()) for p, b in long_bridges.items()}
     entry_counts = {Positions.INDICES: k, **counts, Positions.BITMAP: k}
     sizes: dict[Positions, float] = {
         Positions.INDICES: 4 * k if numel < _INDEX_LIMIT else math.inf,
@@ -311,7 +316,9 @@ def delta_of(
     pos = payload[_align(vbytes) :]
     if chosen in _GAP_LIMITS and k:
         limit = _GAP_LIMITS[chosen]
-        steps = _gap_steps(gaps, bridges[chosen], n, limit)
+        bridges = torch.zeros_like(gaps)
+        bridges[long_at] = long_bridges[chosen]
+        steps = _gap_steps(gaps, bridges, n, limit)
         entries = idx if n == k else torch.cumsum(steps, 0) - 1  # bridges: entries at unchanged positions too
         pos.copy_(steps.to(torch.int16 if chosen is Positions.GAPS16 else torch.uint8).view(torch.uint8))
     elif chosen is Positions.BITMAP:
@@ -322,7 +329,7 @@ def delta_of(
         if k:
             pos.copy_(entries.to(torch.int32).view(torch.uint8))
     if vbytes:
-        payload[:vbytes] = flat[entries].view(torch.uint8)
+        payload[:vbytes] = flat.take(entries).view(torch.uint8)
     return EncodedTensor(coding, payload, k), k
 
 
