@@ -120,7 +120,8 @@ def section(c: dict[str, Any]) -> str:
         "whole update's; limit: the changed values plus one byte of position each, over the whole update's; "
         "positions/values: the delta entries' bytes; time: a sync plus the trainer's diff over the whole sync's; "
         "fell back: the syncs of the client with deltas on that went whole for it. Medians over steps 2 and later, "
-        "step 1 apart; p95 and max over the steps.",
+        "step 1 apart; p95 and max over the steps"
+        + (f"; measured {c['date']} (`--cases delta`)." if c.get("date") else "."),
         "",
         "| lr | changed median (step 1) | wire median (step 1, max) | limit median | positions/values | "
         "forced delta s median (diff s) | whole s median | forced x whole median (p95, max) | "
@@ -229,6 +230,24 @@ def section(c: dict[str, Any]) -> str:
                     f"| {statistics.median(x['max_gap_s'] for x in xs):.2f} ({max(x['max_gap_s'] for x in xs):.2f}) "
                     f"| {statistics.median(x['wire_bytes'] for x in xs) / 1e6:.1f} |"
                 )
+            idle = "; ".join(
+                f"lr {lr}: {statistics.median(r['forced']['diff_s'] for r in _later(rows)):.2f} ("
+                f"{statistics.median(r['forced']['changed'] / r['forced']['elements'] for r in _later(rows)):.2%} "
+                "changed)"
+                for lr, rows in c["lrs"].items()
+                if all("forced" in r for r in _later(rows))
+            )
+            lines += [
+                "",
+                "Where the delta syncs' extra time goes (medians, seconds): the trainer's diff "
+                f"{statistics.median(x['diff_s'] for x in d):.2f} (whole syncs: converting to bfloat16, "
+                f"{statistics.median(x['diff_s'] for x in w):.2f}), where the same model's diff beside an idle engine "
+                f"took {idle} above: here its torch operations share the two cores with vLLM's generation; "
+                "Complete's verifying phase "
+                f"{statistics.median(x['phases']['verify'] for x in d):.2f} against "
+                f"{statistics.median(x['phases']['verify'] for x in w):.2f} (the worker rebuilds its kept copy, then "
+                "loads every tensor through vLLM's weight processing as for a whole update).",
+            ]
     elif v and v.get("error"):
         lines += ["", f"The vLLM part did not run: {v['error'][:300]}"]
     return "\n".join(lines)

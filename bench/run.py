@@ -844,7 +844,8 @@ def merge(old: dict[str, Any], new: dict[str, Any], cases: Sequence[str]) -> dic
     """``old`` (a previous run's results) with the results, timings and background load of ``cases`` from ``new``.
 
     Everything else in ``old`` (its date, machine and the other cases) is kept; the total time is the old
-    one with the cases' new times in place of their old ones.
+    one with the cases' new times in place of their old ones. A merged case that records no date of its own gets
+    ``new``'s (its section says when it was measured).
     """
     out = dict(old)
     replaced = sum(old.get("timings", {}).get(c, 0.0) for c in cases)
@@ -852,7 +853,8 @@ def merge(old: dict[str, Any], new: dict[str, Any], cases: Sequence[str]) -> dic
     for key in ("timings", "background_cores"):
         out[key] = {**old.get(key, {}), **new.get(key, {})}
     for case in cases:
-        out[case] = new[case]
+        c = new[case]
+        out[case] = {**c, "date": new["date"]} if isinstance(c, dict) and "date" not in c and "date" in new else c
     out["total_seconds"] = float(old.get("total_seconds", 0.0)) - replaced + added
     return out
 
