@@ -36,9 +36,11 @@ import enum
 import logging
 import math
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -47,6 +49,7 @@ import torch
 
 from wsync_grpc.core.delta import DeltaCoding, EncodedTensor, delta_of
 from wsync_grpc.core.digests import BucketHasher, Digest
+from wsync_grpc.core.lanes import lanes
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.trainer.results import DeltaSummary, EngineSyncResult, SyncError, SyncResult
 from wsync_grpc.trainer.source import WholeTensors
@@ -173,7 +176,7 @@ class DeltaTracker:
             ValueError: a name appears twice.
             Exception: the source's, reading a tensor (a sharded trainer's rank lost mid-gather).
         """
-        return self.encode_tensors(source.whole_tensors(), dtype, whole=whole)
+        return self.encode_tensors(source.whole_tensors(), dtype, whole=whole, read_ahead=source.holds_tensors)
 
     def encode_tensors(
         self,
@@ -181,10 +184,15 @@ class DeltaTracker:
         dtype: torch.dtype | None,
         rank: int = 0,
         whole: bool = False,
+        read_ahead: bool | None = None,
     ) -> DeltaPayload:
         """As :meth:`encode`, for ``tensors`` by name (or ``(name, tensor)`` pairs, read once, in order): a
         process's whole tensors, or a sharded trainer rank's own pieces (``rank``: that rank, in a direct send).
         ``DeltaSummary.diff_seconds`` is the time of the whole call, reading the tensors included.
+
+        ``read_ahead``: whether the next tensor may be read before the last one is converted (tensors the caller
+        holds anyway); ``False``: each is dropped first (a gathering source's memory bound); ``None``: whether
+        ``tensors`` is a mapping.
         """
         t0 = time.monotonic()
         anchor = self.anchor_every > 0 and self._deltas_in_a_row >= self.anchor_every
@@ -193,40 +201,52 @@ class DeltaTracker:
         entries: dict[str, EncodedTensor] = {}
         count = changed = total = whole_bytes = values = positions = 0
         pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
-        with torch.no_grad():
-            for name, given in pairs:
-                w = wires[name] = self._wire(name, given, dtype)
-                del given  # a tensor the source materialised (gathered) goes before the next is read
-                count += 1
-                total += w.numel()
-                whole_bytes += w.nbytes
-                base = self._base.get(name) if diff else None
-                if base is None or base.dtype != w.dtype or base.shape != w.shape:
-                    changed += w.numel()
-                    continue
-                entry, k = delta_of(w, base)
-                changed += k
-                if entry is None:
-                    continue
+        # Each tensor converted and diffed on a lane of its own (wsync_grpc.core.lanes): torch's own parallel
+        # operations would wait on any core another process keeps busy. The source is read here, in order (a
+        # gathering source's collectives); without read-ahead the next tensor once the last one is converted and
+        # dropped (a gathered bucket goes before the next is gathered), while the diffs of those before it go on.
+        ahead = isinstance(tensors, Mapping) if read_ahead is None else read_ahead
+        pool, width = lanes()
+        pending: deque[tuple[str, Future[tuple[torch.Tensor, EncodedTensor | None, int]]]] = deque()
+
+        def take() -> None:
+            nonlocal count, changed, total, whole_bytes, values, positions
+            name, future = pending.popleft()
+            w, entry, k = future.result()
+            wires[name] = w
+            count += 1
+            total += w.numel()
+            whole_bytes += w.nbytes
+            changed += k
+            if entry is not None:
                 values += entry.coding.values_bytes(w.element_size())
                 positions += entry.coding.positions_bytes
                 entries[name] = entry
+
+        try:
+            for name, given in pairs:
+                spare = self._spare.pop(name, None)
+                base = self._base.get(name) if diff else None
+                converted = threading.Event()
+                if given.device.type == "cpu":
+                    task = pool.submit(_diffed, [given], base, (spare, dtype), converted)
+                else:  # copied to the host here, on this thread's current stream, as the trainer ordered its work
+                    task = pool.submit(_diffed, [_to_wire(given, spare, dtype)], base, None, converted)
+                del given
+                pending.append((name, task))
+                if not ahead:
+                    converted.wait()
+                while len(pending) > (2 if ahead else 1) * width or (pending and pending[0][1].done()):
+                    take()
+            while pending:
+                take()
+        finally:
+            wait([f for _, f in pending])  # a failed read or lane: the others end before the error goes up
         version = self.version if diff else ""
         summary = DeltaSummary(
             version, count, len(entries), changed, total, time.monotonic() - t0, whole_bytes, values, positions
         )
         return DeltaPayload(wires, version, {}, entries, summary, rank=rank)
-
-    def _wire(self, name: str, given: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        """``given`` in the wire dtype, contiguous, on the CPU: converted into the spare copy of ``name`` when it
-        fits (memory already touched), into a fresh copy otherwise."""
-        t = given.detach()
-        wire_dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
-        w = self._spare.pop(name, None)
-        if w is not None and w.dtype == wire_dtype and w.shape == t.shape:
-            w.copy_(t)
-            return w
-        return t.to(device="cpu", dtype=wire_dtype, copy=True).contiguous()
 
     def for_targets(self, encoded: DeltaPayload, targets: Sequence[str], mixed: bool = False) -> DeltaPayload:
         """``encoded`` (:meth:`encode`) for the engines ``targets``: a delta to those at the base, each named by its
@@ -263,6 +283,39 @@ class DeltaTracker:
             return
         for t in targets:
             self._identities.pop(t, None)
+
+
+def _to_wire(given: torch.Tensor, spare: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """``given`` in the wire dtype, contiguous, on the CPU: converted into ``spare`` when it fits (memory already
+    touched), into a fresh copy otherwise."""
+    with torch.no_grad():
+        t = given.detach()
+        wire_dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
+        if spare is not None and spare.dtype == wire_dtype and spare.shape == t.shape:
+            return spare.copy_(t)
+        return t.to(device="cpu", dtype=wire_dtype, copy=True).contiguous()
+
+
+def _diffed(
+    box: list[torch.Tensor],
+    base: torch.Tensor | None,
+    convert: tuple[torch.Tensor | None, torch.dtype | None] | None,
+    converted: threading.Event,
+) -> tuple[torch.Tensor, EncodedTensor | None, int]:
+    """The tensor in ``box`` (taken out, so that nothing here holds it once converted: converted first by
+    :func:`_to_wire` with ``convert``'s spare and dtype, if given; ``converted`` set then), its delta against
+    ``base`` (``None``: whole) and its changed elements' count (every element without a base of its dtype and
+    shape)."""
+    try:
+        w = box.pop()
+        if convert is not None:
+            w = _to_wire(w, *convert)
+    finally:
+        converted.set()
+    if base is None or base.dtype != w.dtype or base.shape != w.shape:
+        return w, None, w.numel()
+    entry, k = delta_of(w, base)
+    return w, entry, k
 
 
 class SyncPlan(enum.Enum):

@@ -75,6 +75,10 @@ class WholeTensors(WeightSource, Protocol):
     (:class:`~wsync_grpc.trainer.sharded.source.LockstepSource`, every rank gathering with it).
     """
 
+    holds_tensors: bool
+    """Whether :meth:`whole_tensors` hands out tensors the source holds anyway (nothing materialised for the
+    caller: it may read ahead without holding more memory); ``False``: each tensor is made for the caller."""
+
     def metadata(self) -> Sequence[TensorMeta]:
         """See :meth:`WeightSource.metadata` (whole tensors, never pieces)."""
         ...
@@ -101,6 +105,9 @@ class NamedTensors:
     Args:
         named_tensors: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()``.
     """
+
+    holds_tensors = True
+    """The tensors handed out are the pairs' own (:attr:`WholeTensors.holds_tensors`)."""
 
     def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._pairs = named_tensors

@@ -123,6 +123,9 @@ class ShardedTensors(NamedTensors):
             names, dtypes and global shapes, in the same order, on every rank.
     """
 
+    holds_tensors = False
+    """A ``DTensor`` is gathered whole for the caller (``full_tensor()``; :attr:`WholeTensors.holds_tensors`)."""
+
     def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
         """See :meth:`WeightSource.bucket_tensors`: the bucket's tensors whole, ``DTensor`` s gathered.
 
@@ -307,6 +310,9 @@ class LockstepSource:
             :meth:`Follower.call <wsync_grpc.trainer.sharded.follower.Follower.call>`), asked for by
             :meth:`whole_tensors` only; ``None``: no delta to diff.
     """
+
+    holds_tensors = False
+    """Each bucket is gathered for the caller (:attr:`~wsync_grpc.trainer.source.WholeTensors.holds_tensors`)."""
 
     def __init__(
         self, source: ShardedTensors, ranks: TrainerRanks, plan: Callable[[], Sequence[Bucket]] | None = None
