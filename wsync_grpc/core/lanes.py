@@ -30,6 +30,9 @@ _pid = 0
 MAX_LANES = 8
 """The most threads :func:`lanes` starts."""
 
+_START_S = 60.0
+"""How long :func:`lanes` waits for its threads to start, in seconds (``threading.BrokenBarrierError`` then)."""
+
 
 def _single() -> None:
     torch.get_num_threads()  # torch's per-thread set-up first (it would later reset the count from the default)
@@ -43,6 +46,9 @@ def lanes() -> tuple[ThreadPoolExecutor, int]:
     most the cores this process may run on; each runs torch's CPU operations on one thread. Submit work that
     releases the GIL (torch operations on large tensors) and wrap it in ``torch.no_grad()`` where needed: grad
     mode is per thread. A process forked after the first call starts lanes of its own at its first call.
+
+    Raises:
+        threading.BrokenBarrierError: the threads did not start within a minute.
     """
     global _pool, _width, _pid
     with _lock:
@@ -52,13 +58,20 @@ def lanes() -> tuple[ThreadPoolExecutor, int]:
             started = threading.Barrier(width + 1)
 
             def start() -> None:
-                _single()
-                started.wait()
+                try:
+                    _single()
+                finally:
+                    started.wait(_START_S)
 
             pool = ThreadPoolExecutor(width, thread_name_prefix="wsync-lane", initializer=start)
             for _ in range(width):  # a new thread per submit while none is idle: each blocks in start until all run
                 pool.submit(lambda: None)
-            started.wait()
-            torch.set_num_threads(before)  # the process-wide default and this thread's count, as they were
+            try:
+                started.wait(_START_S)
+            except threading.BrokenBarrierError:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            finally:
+                torch.set_num_threads(before)  # the process-wide default and this thread's count, as they were
             _pool, _width, _pid = pool, width, os.getpid()
         return _pool, _width
