@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from bench import report_colocated, report_detection, report_fleet
+from bench import report_colocated, report_delta, report_detection, report_fleet
 from bench.profile import PYTHON
 from bench.report_checks import LARGE_RATIO, MOE_SPEEDUP, PREPARE_LIMITS, Check, limit_text, slower_than_naive
 from bench.report_stats import col, control_label, cores, label, med, mib, ratios, secs, shared, tensor_sizes
@@ -300,4 +300,7 @@ def missed(results: dict[str, Any], cks: list[Check]) -> list[str]:
     colocated = [c.target for c in failed if c.kind == "colocated"]
     if colocated:
         out.append(report_colocated.missed(results["colocated"], colocated))
-    return out
+    delta = [c.target for c in failed if c.kind == "delta"]
+    if delta:
+        out.append(report_delta.missed(results["delta"], delta))
+    return [p for p in out if p]

@@ -251,3 +251,43 @@ def section(c: dict[str, Any]) -> str:
     elif v and v.get("error"):
         lines += ["", f"The vLLM part did not run: {v['error'][:300]}"]
     return "\n".join(lines)
+
+
+def missed(c: dict[str, Any], failed: Sequence[str]) -> str:
+    """Section 8's paragraph on the missed delta targets (``failed``: their target texts): by how much, where the
+    time goes, what would close it."""
+    out: list[str] = []
+    link = c.get("link")
+    if any("link" in f for f in failed) and link and link.get("rows"):
+        later = _later(link["rows"])
+        diff = statistics.median(r["delta"]["diff_s"] for r in later)
+        sync = statistics.median(r["delta"]["total_s"] for r in later)
+        verify = statistics.median(r["delta"]["phases"]["verify"] for r in later)
+        whole = statistics.median(r["whole"]["total_s"] for r in later)
+        out.append(
+            f"Over the rate-limited link a delta sync takes {statistics.median(_time(r) for r in later):.2f} x the "
+            f"whole one (target {LINK_RATIO:g} x): the trainer's diff {diff:.2f} s and the sync {sync:.2f} s (of "
+            f"which the engine's rebuild and digest {verify:.2f} s) against {whole:.2f} s for the whole update on "
+            f"the wire. The delta's own bytes ({statistics.median(r['delta']['wire_bytes'] for r in later) / 1e6:.1f}"
+            f" MB) are a small part of it: what is left is passes over the whole model on this host's two cores "
+            f"(converting and diffing on the trainer; copying, patching and hashing on the engine), which would have "
+            f"to fit in {LINK_RATIO * whole:.2f} s. What would close it: fewer passes (an engine that patches the "
+            "memory it swapped out at the last apply instead of copying the served tensor, a diff fused with the "
+            "conversion)."
+        )
+    v = c.get("vllm")
+    if any("vLLM" in f for f in failed) and v and v.get("syncs"):
+        d, w = _vllm_split(v)
+        if d and w:
+            rates = [x["tokens_per_s"] for x in d + w]
+            out.append(
+                f"During vLLM syncs the stream made {statistics.median(x['tokens_per_s'] for x in d):.1f} tokens/s "
+                f"during a delta against {statistics.median(x['tokens_per_s'] for x in w):.1f} during a whole one, "
+                f"while single syncs of either kind ranged from {min(rates):.1f} to {max(rates):.1f}: a difference "
+                f"this run's {len(d)} and {len(w)} syncs cannot resolve. A delta sync does more CPU work in the "
+                "worker here (Complete's verifying phase "
+                f"{statistics.median(x['phases']['verify'] for x in d):.2f} s against "
+                f"{statistics.median(x['phases']['verify'] for x in w):.2f} s: the same full load through vLLM's "
+                "weight processing, with no wire to overlap it) and the trainer's diff shares the host's two cores."
+            )
+    return "**Delta.** " + " ".join(out) if out else ""
