@@ -229,8 +229,6 @@ def _changes(flat: torch.Tensor, base: torch.Tensor) -> _Changes:
 def _gap_steps(gaps: torch.Tensor, bridges: torch.Tensor, count: int, limit: int) -> torch.Tensor:
     """The steps of a gaps encoding whose steps hold at most ``limit``: ``gaps`` (between the changed positions,
     the first from -1) with ``bridges[i]`` steps of ``limit`` before gap ``i``'s rest, ``count`` steps in all."""
-    if count == gaps.numel():
-        return gaps
     counts = bridges + 1
     steps = torch.full((count,), limit, dtype=torch.int64)
     steps[torch.cumsum(counts, 0) - 1] = gaps - limit * bridges
@@ -315,11 +313,13 @@ def delta_of(
     payload[vbytes : _align(vbytes)] = 0
     pos = payload[_align(vbytes) :]
     if chosen in _GAP_LIMITS and k:
-        limit = _GAP_LIMITS[chosen]
-        bridges = torch.zeros_like(gaps)
-        bridges[long_at] = long_bridges[chosen]
-        steps = _gap_steps(gaps, bridges, n, limit)
-        entries = idx if n == k else torch.cumsum(steps, 0) - 1  # bridges: entries at unchanged positions too
+        if n == k:  # no gap past the limit: the steps are the gaps
+            steps, entries = gaps, idx
+        else:  # bridges: entries at unchanged positions too
+            bridges = torch.zeros_like(gaps)
+            bridges[long_at] = long_bridges[chosen]
+            steps = _gap_steps(gaps, bridges, n, _GAP_LIMITS[chosen])
+            entries = torch.cumsum(steps, 0) - 1
         pos.copy_(steps.to(torch.int16 if chosen is Positions.GAPS16 else torch.uint8).view(torch.uint8))
     elif chosen is Positions.BITMAP:
         entries = idx
