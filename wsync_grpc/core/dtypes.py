@@ -58,6 +58,12 @@ def element_size(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+def wire_dtype(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels in when an update's wire dtype is ``wire``: ``wire`` for a floating
+    tensor (e.g. fp32 master weights sent as ``torch.bfloat16``), its own otherwise or when ``wire`` is ``None``."""
+    return wire if wire is not None and dtype.is_floating_point else dtype
+
+
 def can_convert(wire: torch.dtype, served: torch.dtype) -> bool:
     """Whether bytes of dtype ``wire`` may be applied to a parameter served as ``served``.
 

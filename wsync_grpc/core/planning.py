@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from wsync_grpc.core.delta import DeltaCoding
-from wsync_grpc.core.dtypes import dtype_name, element_size
+from wsync_grpc.core.dtypes import dtype_name, element_size, wire_dtype
 from wsync_grpc.core.layout import Bucket, Piece, TensorSlot
 
 DEFAULT_BUCKET_BYTES = 1024 * 1024 * 1024
@@ -424,7 +424,7 @@ def _wire_entries(metas: Iterable[TensorMeta], alignment: int, dtype: torch.dtyp
         seen_names.add(name)
         info = wire_info.get(tdtype)
         if info is None:
-            wire = dtype if dtype is not None and tdtype.is_floating_point else tdtype
+            wire = wire_dtype(tdtype, dtype)
             dtype_name(wire)  # ValueError for dtypes weight sync does not carry
             esize = element_size(wire)
             info = wire_info[tdtype] = (wire, esize, math.lcm(alignment, esize))

@@ -49,6 +49,7 @@ import torch
 
 from wsync_grpc.core.delta import DeltaCoding, EncodedTensor, delta_of
 from wsync_grpc.core.digests import BucketHasher, Digest
+from wsync_grpc.core.dtypes import wire_dtype
 from wsync_grpc.core.lanes import lanes
 from wsync_grpc.core.layout import Bucket, Layout
 from wsync_grpc.trainer.results import DeltaSummary, EngineSyncResult, SyncError, SyncResult
@@ -290,10 +291,10 @@ def _to_wire(given: torch.Tensor, spare: torch.Tensor | None, dtype: torch.dtype
     touched), into a fresh copy otherwise."""
     with torch.no_grad():
         t = given.detach()
-        wire_dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
-        if spare is not None and spare.dtype == wire_dtype and spare.shape == t.shape:
+        wire = wire_dtype(t.dtype, dtype)
+        if spare is not None and spare.dtype == wire and spare.shape == t.shape:
             return spare.copy_(t)
-        return t.to(device="cpu", dtype=wire_dtype, copy=True).contiguous()
+        return t.to(device="cpu", dtype=wire, copy=True).contiguous()
 
 
 def _diffed(
@@ -400,7 +401,7 @@ def fallen_back(source: WholeTensors, dtype: torch.dtype | None) -> DeltaSummary
     element counted as changed, no diff, ``fell_back``."""
     metas = source.metadata()
     total = sum(math.prod(m.shape) for m in metas)
-    wire = [dtype if dtype is not None and m.dtype.is_floating_point else m.dtype for m in metas]
+    wire = [wire_dtype(m.dtype, dtype) for m in metas]
     nbytes = sum(math.prod(m.shape) * d.itemsize for m, d in zip(metas, wire, strict=True))
     return DeltaSummary("", len(metas), 0, total, total, 0.0, nbytes, fell_back=True)
 
