@@ -721,6 +721,22 @@ def test_a_packed_delta_update_expands_into_the_new_tensors() -> None:
     assert all(same_bits(served[n], kept[n]) for n in served)
 
 
+def test_a_corrupt_entry_among_others_fails_the_bucket_and_leaves_the_served_weights() -> None:
+    """The entries of a bucket are rebuilt on lanes: one corrupt entry (a zero gap) fails the whole bucket with
+    DELTA_CORRUPT once the entries rebuilt beside it ended, and the served weights are untouched."""
+    served = model(torch.bfloat16)
+    kept = {n: t.clone() for n, t in served.items()}
+    new = changed(served)
+    (bucket,), (flat,) = delta_update(served, new, bucket_bytes=1 << 20)
+    c = next(t for t in bucket.tensors if t.name == "c")
+    assert c.delta is not None and sum(t.delta is not None for t in bucket.tensors) >= 3
+    flat[c.end - 1] = 0  # the last gap
+    with pytest.raises(InvalidArgument) as e:
+        expand(flat, bucket, Served(served), hasher=BucketHasher())
+    assert e.value.reason == "DELTA_CORRUPT" and "'c'" in str(e.value)
+    assert all(same_bits(served[n], kept[n]) for n in served)
+
+
 def test_a_delta_applies_to_weights_served_in_another_dtype() -> None:
     """Served fp32 weights are read in the bf16 wire dtype, the delta applied to that copy, fp32 left untouched."""
     served = model(torch.float32)

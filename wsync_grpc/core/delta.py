@@ -24,7 +24,9 @@ tensor by :func:`encode` as the smallest (densities for bfloat16):
 
 A tensor whose delta would take at least :data:`DENSE_SHARE` of its whole bytes travels whole.
 
-Pure torch, no I/O; sizes in bytes. Decoding checks everything a caller could get wrong
+No I/O; sizes in bytes. The passes over a tensor's elements run in NumPy on the tensor's memory (no copy): a
+delta is diffed and applied on a lane (:mod:`wsync_grpc.core.lanes`), one thread per tensor, where NumPy's
+single-threaded operations cost less per call than torch's. Decoding checks everything a caller could get wrong
 (positions out of range or out of order, a bitmap with the wrong count), so a corrupt entry
 raises :class:`~wsync_grpc.core.errors.InvalidArgument` instead of writing anywhere.
 """
@@ -35,6 +37,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from wsync_grpc.core.errors import InvalidArgument
@@ -52,10 +55,12 @@ GAP_LIMIT = 255
 _INDEX_LIMIT = 2**32
 """``INDICES`` hold ``uint32`` positions: tensors of fewer elements only."""
 
-_BITS = torch.arange(8, dtype=torch.uint8)
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of each element size, to view any tensor's elements as bit patterns."""
 
-_BEFORE_FIRST = torch.tensor([-1], dtype=torch.int64)
-"""Where the gap to the first changed position starts from."""
+_NO_MASK = np.empty(0, dtype=np.bool_)
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 SPARSE_WORDS = 0.15
 """The share of changed 8-byte words below which :func:`delta_of` finds the changed elements word by word (one
@@ -152,11 +157,12 @@ def bitmap_bytes(numel: int) -> int:
     return -(-numel // 8)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous, any dtype) as a flat tensor of same-size integers, to compare bit patterns."""
-    flat = t.reshape(-1)
-    size = t.element_size()
-    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """``t`` (contiguous, any dtype, on the CPU) as a flat NumPy array of same-size integers sharing its memory,
+    to compare and move bit patterns (NumPy: these passes run on one thread, a lane's, where torch's per-call
+    overhead is most of a small tensor's time)."""
+    flat = t.detach().reshape(-1)
+    return flat.view(_INTS[flat.element_size()]).numpy()
 
 
 def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -166,80 +172,47 @@ def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     the base plus the delta is the new tensor exactly.
 
     Args:
-        new, base: tensors of the same dtype and shape, contiguous, on the same device.
+        new, base: tensors of the same dtype and shape, on the CPU.
 
     Raises:
         ValueError: dtypes or shapes differ.
     """
     if new.dtype != base.dtype or new.shape != base.shape:
         raise ValueError(f"cannot diff {new.dtype} {tuple(new.shape)} against {base.dtype} {tuple(base.shape)}")
-    return _changes(new.contiguous().reshape(-1), base.contiguous().reshape(-1)).positions()
+    idx, mask = _changes(_bits(new.contiguous()), _bits(base.contiguous()))
+    return torch.from_numpy(idx if idx is not None else np.flatnonzero(mask))
 
 
-@dataclass(frozen=True)
-class _Changes:
-    """Where two flat tensors of ``numel`` elements differ: ``found`` is the positions (``int64``, increasing) when
-    ``sparse``, else a boolean per element; ``k`` elements differ."""
-
-    found: torch.Tensor
-    sparse: bool
-    k: int
-    numel: int
-
-    def positions(self) -> torch.Tensor:
-        """The positions that differ (``int64``, increasing)."""
-        return self.found if self.sparse else torch.nonzero(self.found).squeeze(1)
-
-    def mask(self) -> torch.Tensor:
-        """A boolean per element: whether it differs."""
-        if not self.sparse:
-            return self.found
-        mask = torch.zeros(self.numel, dtype=torch.bool)
-        mask[self.found] = True
-        return mask
-
-
-def _changes(flat: torch.Tensor, base: torch.Tensor) -> _Changes:
-    """Where the flat, contiguous, same-dtype ``flat`` and ``base`` differ bit for bit: found word by word while
-    few 8-byte words changed (:data:`SPARSE_WORDS`), else element by element."""
-    a, b = _bits(flat), _bits(base)
-    lanes = 8 // flat.element_size()
-    body = flat.numel() - flat.numel() % lanes
+def _changes(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """Where the flat, same-dtype integer arrays ``a`` and ``b`` differ: ``(positions, empty)`` (``int64``,
+    increasing) when found word by word, while few 8-byte words changed (:data:`SPARSE_WORDS`); ``(None, mask)``
+    (a boolean per element) otherwise."""
+    lanes = 8 // a.itemsize
+    body = a.size - a.size % lanes
     if lanes > 1 and body:
-        try:
-            wa, wb = a[:body].view(torch.int64), b[:body].view(torch.int64)
-        except RuntimeError:  # a view whose start is not 8-byte aligned: compared element by element
-            wa = wb = torch.empty(0, dtype=torch.int64)
-        words = wa != wb
-        if wa.numel() and int(torch.count_nonzero(words)) <= SPARSE_WORDS * words.numel():
-            changed = torch.nonzero(words).squeeze(1)
-            # The lanes (elements) of each changed word whose bits differ, in memory order (take: a faster gather
-            # than indexing).
+        wa, wb = a[:body].view(np.int64), b[:body].view(np.int64)
+        changed = np.flatnonzero(wa != wb)
+        if changed.size <= SPARSE_WORDS * wa.size:
+            # The lanes (elements) of each changed word whose bits differ, in memory order.
             lane = (wa.take(changed) ^ wb.take(changed)).view(a.dtype) != 0
-            at = torch.nonzero(lane).squeeze(1)  # lane i of changed word j at j * lanes + i (lanes: 2, 4 or 8)
+            at = np.flatnonzero(lane)  # lane i of changed word j at j * lanes + i (lanes: 2, 4 or 8)
             shift = lanes.bit_length() - 1
             idx = (changed.take(at >> shift) << shift) | (at & (lanes - 1))
-            if body < flat.numel():
-                idx = torch.cat([idx, torch.nonzero(a[body:] != b[body:]).squeeze(1) + body])
-            return _Changes(idx, True, idx.numel(), flat.numel())
-    mask = a != b
-    return _Changes(mask, False, int(torch.count_nonzero(mask)), flat.numel())  # count_nonzero: faster than a sum
+            if body < a.size:
+                idx = np.concatenate([idx, np.flatnonzero(a[body:] != b[body:]) + body])
+            return idx, _NO_MASK
+    return None, a != b
 
 
-def _gap_steps(gaps: torch.Tensor, bridges: torch.Tensor, count: int, limit: int) -> torch.Tensor:
-    """The steps of a gaps encoding whose steps hold at most ``limit``: ``gaps`` (between the changed positions,
-    the first from -1) with ``bridges[i]`` steps of ``limit`` before gap ``i``'s rest, ``count`` steps in all."""
-    counts = bridges + 1
-    steps = torch.full((count,), limit, dtype=torch.int64)
-    steps[torch.cumsum(counts, 0) - 1] = gaps - limit * bridges
-    return steps
+def _mask_of(idx: np.ndarray, numel: int) -> np.ndarray:
+    mask = np.zeros(numel, dtype=np.bool_)
+    mask[idx] = True
+    return mask
 
 
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+def _pack_bits(mask: np.ndarray) -> np.ndarray:
     """A flat boolean ``mask`` as a ``BITMAP`` (element i in bit i % 8 of byte i / 8)."""
-    bits = torch.zeros(bitmap_bytes(mask.numel()) * 8, dtype=torch.uint8)
-    bits[: mask.numel()] = mask
-    return (bits.view(-1, 8) << _BITS).sum(1, dtype=torch.uint8)
+    return np.packbits(mask, bitorder="little")
 
 
 def delta_of(
@@ -248,10 +221,10 @@ def delta_of(
     """The delta of ``new`` against ``base`` (``None`` when ``new`` should travel whole) and the number of elements
     whose bits differ, counted once for both.
 
-    The changed elements are found word by word while few changed (:data:`SPARSE_WORDS`), and counted first
-    otherwise: a tensor that changed too densely for any encoding to save
-    :data:`DENSE_SHARE` is answered without finding their positions, and one dense enough for the bitmap to be the
-    smallest is encoded from the comparison's mask directly.
+    The changed elements are found word by word while few changed (:data:`SPARSE_WORDS`), and element by element
+    otherwise: a tensor that changed too densely for any encoding to save :data:`DENSE_SHARE` is answered
+    without listing their positions, and one dense enough for the bitmap to be the smallest is encoded from the
+    comparison's mask directly.
 
     Args:
         new: the tensor to send, in its wire dtype, on CPU.
@@ -268,10 +241,10 @@ def delta_of(
     """
     if new.dtype != base.dtype or new.shape != base.shape:
         raise ValueError(f"cannot diff {new.dtype} {tuple(new.shape)} against {base.dtype} {tuple(base.shape)}")
-    flat = new.detach().contiguous().reshape(-1)
-    changes = _changes(flat, base.detach().contiguous().reshape(-1))
-    k = changes.k
-    numel, esize = flat.numel(), flat.element_size()
+    flat = _bits(new.contiguous())
+    idx, mask = _changes(flat, _bits(base.contiguous()))
+    k = idx.size if idx is not None else int(np.count_nonzero(mask))
+    numel, esize = flat.size, flat.itemsize
     whole = numel * esize
     bitmap = bitmap_bytes(numel)
     if positions is None and _align(k * esize) + min(k, bitmap) >= DENSE_SHARE * whole:
@@ -279,18 +252,19 @@ def delta_of(
     if positions is Positions.BITMAP or (positions is None and k >= bitmap):
         # Every gaps or indices encoding takes at least k >= the bitmap's bytes: the bitmap is the smallest.
         coding = DeltaCoding(Positions.BITMAP, k, bitmap)
-        payload = torch.empty(coding.nbytes(esize), dtype=torch.uint8)
+        payload = np.empty(coding.nbytes(esize), dtype=np.uint8)
         vbytes = coding.values_bytes(esize)
-        payload[:vbytes] = flat[changes.found].view(torch.uint8)  # by positions or by mask: the same order
+        mask = _mask_of(idx, numel) if idx is not None else mask
+        payload[:vbytes] = flat[mask].view(np.uint8)
         payload[vbytes : _align(vbytes)] = 0
-        payload[_align(vbytes) :] = _pack_bits(changes.mask())
-        return EncodedTensor(coding, payload, k), k
-    idx = changes.positions()
-    gaps = torch.diff(idx, prepend=_BEFORE_FIRST) if k else idx  # between changed positions, the first from -1
+        payload[_align(vbytes) :] = _pack_bits(mask)
+        return EncodedTensor(coding, torch.from_numpy(payload), k), k
+    idx = idx if idx is not None else np.flatnonzero(mask)
+    gaps = np.diff(idx, prepend=-1)  # between changed positions, the first from -1
     # The bridging entries of each gaps encoding, over the few gaps past GAP_LIMIT only (gaps are >= 1).
-    long_at = torch.nonzero(gaps > GAP_LIMIT).squeeze(1) if k else gaps
+    long_at = np.flatnonzero(gaps > GAP_LIMIT)
     long_gaps = gaps.take(long_at)
-    long_bridges = {p: torch.div(long_gaps - 1, limit, rounding_mode="floor") for p, limit in _GAP_LIMITS.items()}
+    long_bridges = {p: (long_gaps - 1) // limit for p, limit in _GAP_LIMITS.items()}
     counts = {p: k + int(b.sum()) for p, b in long_bridges.items()}
     entry_counts = {Positions.INDICES: k, **counts, Positions.BITMAP: k}
     sizes: dict[Positions, float] = {
@@ -308,29 +282,28 @@ def delta_of(
     total = coding.nbytes(esize)
     if positions is None and total >= DENSE_SHARE * whole:
         return None, k
-    payload = torch.empty(total, dtype=torch.uint8)
+    payload = np.empty(total, dtype=np.uint8)
     vbytes = coding.values_bytes(esize)
     payload[vbytes : _align(vbytes)] = 0
     pos = payload[_align(vbytes) :]
+    entries = idx
     if chosen in _GAP_LIMITS and k:
-        if n == k:  # no gap past the limit: the steps are the gaps
-            steps, entries = gaps, idx
-        else:  # bridges: entries at unchanged positions too
-            bridges = torch.zeros_like(gaps)
+        limit = _GAP_LIMITS[chosen]
+        steps = gaps
+        if n > k:  # bridges: entries at unchanged positions too, each a step of the limit before its gap's rest
+            bridges = np.zeros_like(gaps)
             bridges[long_at] = long_bridges[chosen]
-            steps = _gap_steps(gaps, bridges, n, _GAP_LIMITS[chosen])
-            entries = torch.cumsum(steps, 0) - 1
-        pos.copy_(steps.to(torch.int16 if chosen is Positions.GAPS16 else torch.uint8).view(torch.uint8))
+            steps = np.full(n, limit, dtype=np.int64)
+            steps[np.cumsum(bridges + 1) - 1] = gaps - limit * bridges
+            entries = np.cumsum(steps) - 1
+        pos[:] = steps.astype(np.uint16 if chosen is Positions.GAPS16 else np.uint8).view(np.uint8)
     elif chosen is Positions.BITMAP:
-        entries = idx
-        pos.copy_(_pack_bits(changes.mask()))
-    else:
-        entries = idx
-        if k:
-            pos.copy_(entries.to(torch.int32).view(torch.uint8))
+        pos[:] = _pack_bits(_mask_of(idx, numel))
+    elif k:
+        pos[:] = idx.astype(np.uint32).view(np.uint8)
     if vbytes:
-        payload[:vbytes] = flat.take(entries).view(torch.uint8)
-    return EncodedTensor(coding, payload, k), k
+        payload[:vbytes] = flat.take(entries).view(np.uint8)
+    return EncodedTensor(coding, torch.from_numpy(payload), k), k
 
 
 def encode(new: torch.Tensor, base: torch.Tensor, positions: Positions | None = None) -> EncodedTensor | None:
@@ -349,39 +322,45 @@ def _corrupt(name: str, why: str) -> InvalidArgument:
 def decode_positions(coding: DeltaCoding, raw: torch.Tensor, numel: int, name: str = "") -> torch.Tensor:
     """The flat positions (``int64``, increasing, below ``numel``) an entry's position bytes ``raw`` say.
 
+    Args:
+        raw: the position bytes (1-D ``uint8``, on the CPU).
+
     Raises:
         InvalidArgument: DELTA_CORRUPT: positions out of order or out of range, a zero gap, a bitmap whose set
             bits are not ``coding.changed`` or that sets bits past ``numel``.
     """
+    return torch.from_numpy(_positions(coding, raw.numpy(), numel, name))
+
+
+def _positions(coding: DeltaCoding, raw: np.ndarray, numel: int, name: str) -> np.ndarray:
+    """:func:`decode_positions` on a NumPy array of the position bytes."""
     k = coding.changed
-    if raw.numel() != coding.positions_bytes or coding.positions_bytes != coding.expected_positions_bytes(numel):
+    if raw.size != coding.positions_bytes or coding.positions_bytes != coding.expected_positions_bytes(numel):
         raise _corrupt(
             name,
-            f"{raw.numel()} bytes of positions, {coding.positions_bytes} declared, "
+            f"{raw.size} bytes of positions, {coding.positions_bytes} declared, "
             f"{coding.expected_positions_bytes(numel)} for {k} {coding.positions.name} entries",
         )
     if coding.positions is Positions.BITMAP:
-        bits = ((raw.reshape(-1, 1) >> _BITS) & 1).reshape(-1)
+        # torch here: its parallel passes decode a dense bitmap faster than NumPy's one thread.
+        bits = ((torch.from_numpy(raw).reshape(-1, 1) >> _BIT_SHIFTS) & 1).reshape(-1)
         if bool(bits[numel:].any()):
             raise _corrupt(name, "the bitmap sets bits past the tensor's end")
-        pos = torch.nonzero(bits[:numel]).squeeze(1)
-        if pos.numel() != k:
-            raise _corrupt(name, f"the bitmap sets {pos.numel()} bits, {k} values declared")
-        return pos
+        found = torch.nonzero(bits[:numel]).squeeze(1)
+        if found.numel() != k:
+            raise _corrupt(name, f"the bitmap sets {found.numel()} bits, {k} values declared")
+        return found.numpy()
     if k == 0:
-        return torch.empty(0, dtype=torch.int64)
+        return np.empty(0, dtype=np.int64)
     if coding.positions is Positions.INDICES:
-        pos = raw.clone().view(torch.int32).to(torch.int64) % _INDEX_LIMIT
-        if bool((torch.diff(pos) <= 0).any()):
+        pos = raw.view(np.uint32).astype(np.int64)
+        if bool((np.diff(pos) <= 0).any()):
             raise _corrupt(name, "the indices are not strictly increasing")
     else:
-        if coding.positions is Positions.GAPS16:
-            gaps = raw.clone().view(torch.int16).to(torch.int64) % 65536
-        else:
-            gaps = raw.to(torch.int64)
-        if bool((gaps == 0).any()):
+        gaps = raw.view(np.uint16) if coding.positions is Positions.GAPS16 else raw
+        if not gaps.all():
             raise _corrupt(name, "a gap is 0")
-        pos = torch.cumsum(gaps, 0) - 1
+        pos = np.cumsum(gaps, dtype=np.int64) - 1
     if int(pos[-1]) >= numel:
         raise _corrupt(name, f"position {int(pos[-1])} is past the tensor's {numel} elements")
     return pos
@@ -414,15 +393,20 @@ def apply_delta(
     if entry.numel() != coding.nbytes(esize):
         raise _corrupt(name, f"{entry.numel()} bytes, {coding.nbytes(esize)} declared")
     vbytes = coding.values_bytes(esize)
-    raw_pos = entry[_align(vbytes) :].to("cpu")
-    pos = decode_positions(coding, raw_pos, base.numel(), name)
+    raw = entry[_align(vbytes) :].to("cpu")  # no copy on a CPU engine
+    pos = _positions(coding, raw.numpy(), base.numel(), name)
     whole = base.detach().clone(memory_format=torch.contiguous_format) if out is None else out
     if out is not None and out is not base:
         out.copy_(base)
-    if pos.numel():
+    if not pos.size:
+        return whole
+    if whole.device.type == "cpu" and entry.device.type == "cpu":
+        flat = _bits(whole)
+        flat[pos] = entry[:vbytes].numpy().view(flat.dtype)
+    else:
         values = entry[:vbytes]
         if values.storage_offset() % esize:
             values = values.clone()
-        flat = _bits(whole)
-        flat[pos.to(whole.device)] = values.view(flat.dtype).to(whole.device)
+        bits = whole.detach().reshape(-1).view(_INTS[esize])
+        bits[torch.from_numpy(pos).to(whole.device)] = values.view(bits.dtype).to(whole.device)
     return whole

@@ -12,6 +12,7 @@ the entries applied into that copy instead, saving a copy of every changed tenso
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -19,6 +20,7 @@ from wsync_grpc.core.delta import apply_delta
 from wsync_grpc.core.digests import BucketHasher
 from wsync_grpc.core.engine import WeightTarget
 from wsync_grpc.core.errors import FailedPrecondition
+from wsync_grpc.core.lanes import lanes
 from wsync_grpc.core.layout import Bucket, TensorSlot
 from wsync_grpc.core.packing import NamedTensors
 from wsync_grpc.core.pieces import PieceAssembler
@@ -60,7 +62,8 @@ def expand(
             pool got back from the last swap (:class:`~wsync_grpc.worker.swaps.SwapIn`), already touched, where a
             new tensor of hundreds of MB page-faults on every 4 KiB. ``None``: always a new tensor.
         hasher: the bucket's digest, when it is checked: every whole tensor is hashed in order as soon as it is
-            made, while it is still in the CPU's cache (the bucket's digest: of its whole tensors' bytes, in order).
+            made, while the lanes rebuild the ones after it (the bucket's digest: of its whole tensors' bytes, in
+            order).
 
     Returns:
         ``(slot, tensor)`` for every slot, in order, tied aliases included; each tensor in the wire dtype and shape
@@ -70,31 +73,38 @@ def expand(
         InvalidArgument: DELTA_CORRUPT.
         FailedPrecondition: DELTA_BASE_UNREADABLE.
     """
-    out: list[tuple[TensorSlot, torch.Tensor]] = []
     writable = bool(getattr(target, "base_writable", False))
-    for t in bucket.tensors:
-        entry = flat[t.offset : t.end]
-        if t.delta is None:
-            out.append((t, entry.view(t.dtype).view(t.shape)))
-        else:
-            out.append((t, _rebuilt(entry, t, target, writable, buffer_for)))
-        if hasher is not None:
-            hasher.update(out[-1][1])
-    return out
+    # Each delta entry rebuilt on a lane (wsync_grpc.core.lanes: a copy and a scatter that release the GIL), the
+    # served tensors and the buffers taken here, in order; the results hashed here, in order, as each is ready.
+    # A CUDA worker rebuilds on this thread, on its current stream.
+    pool = lanes()[0] if flat.device.type == "cpu" else None
+    made: list[tuple[TensorSlot, torch.Tensor | Future[torch.Tensor]]] = []
+    try:
+        for t in bucket.tensors:
+            entry = flat[t.offset : t.end]
+            if t.delta is None:
+                made.append((t, entry.view(t.dtype).view(t.shape)))
+                continue
+            args = (entry, t, _served(target, t), None if writable or buffer_for is None else buffer_for(t), writable)
+            made.append((t, pool.submit(_rebuilt, *args) if pool is not None else _rebuilt(*args)))
+        out: list[tuple[TensorSlot, torch.Tensor]] = []
+        for t, w in made:
+            whole = w.result() if isinstance(w, Future) else w
+            out.append((t, whole))
+            if hasher is not None:
+                hasher.update(whole)
+        return out
+    finally:
+        wait([w for _, w in made if isinstance(w, Future)])  # a corrupt entry: the others end before it goes up
 
 
 def _rebuilt(
-    entry: torch.Tensor,
-    t: TensorSlot,
-    target: WeightTarget,
-    writable: bool,
-    buffer_for: Callable[[TensorSlot], torch.Tensor | None] | None,
+    entry: torch.Tensor, t: TensorSlot, served: torch.Tensor, buf: torch.Tensor | None, writable: bool
 ) -> torch.Tensor:
-    """The whole tensor delta entry ``t`` (its bytes ``entry``) stands for (see :func:`expand`)."""
+    """The whole tensor delta entry ``t`` (its bytes ``entry``) stands for, from the tensor the engine serves for
+    it (see :func:`expand`): rebuilt in ``buf`` when given."""
     assert t.delta is not None
-    served = _served(target, t)
     source = served if t.piece is None else served[t.piece.index(t.shape)]  # a piece: its place in the tensor
-    buf = None if writable or buffer_for is None else buffer_for(t)
     if buf is not None:
         whole = buf.view(t.dtype).view(t.shape)
         whole.copy_(source)
