@@ -271,10 +271,28 @@ def missed(c: dict[str, Any], failed: Sequence[str]) -> str:
             f"the wire. The delta's own bytes ({statistics.median(r['delta']['wire_bytes'] for r in later) / 1e6:.1f}"
             f" MB) are a small part of it: what is left is passes over the whole model on this host's two cores "
             f"(converting and diffing on the trainer; copying, patching and hashing on the engine), which would have "
-            f"to fit in {LINK_RATIO * whole:.2f} s. What would close it: fewer passes (an engine that patches the "
-            "memory it swapped out at the last apply instead of copying the served tensor, a diff fused with the "
-            "conversion)."
+            f"to fit in {LINK_RATIO * whole:.2f} s. Each pass already runs one tensor per thread and is bound by the "
+            "host's memory bandwidth; patching the memory the engine swapped out at the last apply instead of "
+            "copying the served tensor would not shorten it (its scattered writes and reads miss the cache and cost "
+            "about what the copy does)."
         )
+    if any("loopback" in f for f in failed):
+        for lr, rows in c["lrs"].items():
+            later = _later(rows)
+            if statistics.median(_time(r) for r in later) <= TIME_RATIO:
+                continue
+            plain = [r for r in later if r["delta"]["fell_back"]]
+            if not plain:
+                continue
+            spread = [r["delta"]["total_s"] / r["whole"]["total_s"] for r in plain]
+            out.append(
+                f"On loopback at lr {lr} the client with deltas on sent {len(plain)} of its {len(later)} syncs after "
+                f"step 1 whole, as with deltas off (a delta with its diff cost more there: the forced client's took "
+                f"{statistics.median(_time(r, 'forced') for r in later):.2f} x), and a try of a delta every "
+                f"eight syncs; those whole syncs took {statistics.median(spread):.2f} x the other client's "
+                f"({min(spread):.2f} to {max(spread):.2f} x), the same work on another engine process: the median "
+                f"of {statistics.median(_time(r) for r in later):.2f} x is that spread and the tries."
+            )
     v = c.get("vllm")
     if any("vLLM" in f for f in failed) and v and v.get("syncs"):
         d, w = _vllm_split(v)
