@@ -191,8 +191,10 @@ def _changes(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray | None, np.ndarra
     body = a.size - a.size % lanes
     if lanes > 1 and body:
         wa, wb = a[:body].view(np.int64), b[:body].view(np.int64)
-        changed = np.flatnonzero(wa != wb)
-        if changed.size <= SPARSE_WORDS * wa.size:
+        words = wa != wb
+        # Counted first (a fraction of listing them): a dense tensor's list of words would be as large as it is.
+        if np.count_nonzero(words) <= SPARSE_WORDS * wa.size:
+            changed = np.flatnonzero(words)
             # The lanes (elements) of each changed word whose bits differ, in memory order.
             lane = (wa.take(changed) ^ wb.take(changed)).view(a.dtype) != 0
             at = np.flatnonzero(lane)  # lane i of changed word j at j * lanes + i (lanes: 2, 4 or 8)
