@@ -415,6 +415,63 @@ def test_a_trainer_killed_while_the_engine_reads_a_checkpoint(tmp_path: Path, mo
         engine.stop()
 
 
+PREPARED_TRAINER = r"""
+import sys, time, grpc
+from wsync.v1 import weight_sync_pb2 as pb, weight_sync_pb2_grpc
+from wsync_grpc.wire.lease import lease_channel
+
+target, root = sys.argv[1], sys.argv[2]
+stub = weight_sync_pb2_grpc.WeightSyncServiceStub(lease_channel(grpc.insecure_channel(target))[0])
+header = pb.PrepareHeader(weight_version="new", transport=pb.TRANSPORT_DISK, checkpoint_path=root + "/new")
+stub.Prepare(iter([pb.PrepareRequest(header=header)]), timeout=30)  # claims the lease: the credential is kept
+keepalive = stub.KeepAlive(pb.KeepAliveRequest())
+next(keepalive)
+print("prepared", flush=True)  # and never a held Watch: a trainer caught between Prepare's reply and its Watch
+time.sleep(120)
+"""
+
+
+def test_a_trainer_killed_before_its_held_watch_is_noticed_by_its_keepalive(tmp_path: Path) -> None:
+    """A trainer SIGKILLed after Prepare's reply and before it opened its held Watch (the engine reads the
+    checkpoint on its own from Prepare on): the end of its KeepAlive call stands for it, and the staged update is
+    abandoned within 2 s (PEER_LOST) with the old weights served, clean."""
+    from wsync_grpc.transports.disk.writer import save_checkpoint
+
+    root = tmp_path / "root"
+    old_tensors = synthetic.build("tiny", seed=1, dtype=torch.bfloat16)
+    save_checkpoint(old_tensors.items(), root / "old")
+    save_checkpoint(synthetic.build("tiny", seed=2, dtype=torch.bfloat16).items(), root / "new")
+    old = {n: tensor_sha256(t) for n, t in old_tensors.items()}
+    engine = spawn_engine(
+        ["--synthetic", "tiny", "--dtype", "bfloat16", "--checkpoint-root", str(root)],
+        port_file=tmp_path / "engine.port",
+        log=tmp_path / "engine.log",
+        env=ENV,
+        cwd=ROOT,
+    )
+    stub = weight_sync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(engine.target))
+    try:
+        with TrainerClient([engine.target], rpc_timeout_s=30) as c:
+            c.sync_from_disk(root / "old", "old")
+        cmd = [sys.executable, "-c", PREPARED_TRAINER, engine.target, str(root)]
+        pipe = subprocess.PIPE
+        trainer = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, env=ENV, cwd=ROOT)
+        try:
+            wait_for(trainer, "prepared", 60)
+        except BaseException:
+            trainer.kill()
+            raise
+        assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).update.weight_version == "new"
+        st, noticed = kill_and_wait_for_the_end(trainer, stub)
+        print(f"the engine ended it {noticed:.2f} s after the kill")
+        assert st.state == pb.LIFECYCLE_STATE_FAILED and st.last_error.reason == "PEER_LOST", st
+        assert "KeepAlive" in st.last_error.message
+        status, sums = served(engine.target)
+        assert status.weight_version == "old" and sums == old and not status.dirty and not status.paused
+    finally:
+        engine.stop()
+
+
 NAMES = ("model.norm.weight", "model.layers.1.input_layernorm.weight")
 
 

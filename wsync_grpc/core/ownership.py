@@ -250,13 +250,20 @@ class Ownership:
         self._renewed_at = self._clock()
         return self.generation
 
-    def keepalive_closed(self, generation: int) -> None:
-        """A KeepAlive call opened in ``generation`` ended; the owner's last one ends the lease at once."""
+    def keepalive_closed(self, generation: int) -> bool:
+        """A KeepAlive call opened in ``generation`` ended; the owner's last one ends the lease at once.
+
+        Returns:
+            Whether it was the current owner's last KeepAlive call (the caller then fails an update of the owner's
+            that no held ``Watch`` stands for: :func:`wsync_grpc.service.watch.owner_gone`).
+        """
         if generation != self.generation or self._keepalives == 0:
-            return
+            return False
         self._keepalives -= 1
         if self._keepalives == 0:
             self._renewed_at = self._clock() - self._ttl_s  # expired, unless an update is in flight
+            return True
+        return False
 
     def view(self, busy: bool) -> OwnerView | None:
         """The live owner; ``None`` when there is none."""

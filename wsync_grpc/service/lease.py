@@ -24,6 +24,7 @@ from wsync_grpc.core.ownership import Lease, describe
 from wsync_grpc.service.engine_state import EngineState
 from wsync_grpc.service.session import UpdateSession
 from wsync_grpc.service.status import owner_info
+from wsync_grpc.service.watch import owner_gone
 from wsync_grpc.wire.convert import state_to_proto
 from wsync_grpc.wire.lease import presented
 from wsync_grpc.wire.status import to_status
@@ -62,10 +63,13 @@ def open_keepalive(
 
     def on_call_end() -> None:
         with engine.lock:
-            engine.ownership.keepalive_closed(generation)
+            last = engine.ownership.keepalive_closed(generation)
             released = engine.ownership.generation == generation and engine.owner_view() is None
+            update = engine.update
         if released:
             log.info("the owner %s closed its last KeepAlive call: its lease is released", clip(owner))
+        if last and update is not None:  # the owner's update, held by no Watch yet: the trainer may have died
+            owner_gone(update)
 
     if not context.add_callback(on_call_end):
         on_call_end()

@@ -63,16 +63,38 @@ def hold(session: UpdateSession, context: grpc.ServicerContext) -> None:
             session.held_watches -= 1
             if session.ended.is_set() or session.completing or session.held_watches > 0:
                 return
-        if session.transport.needs_group:  # the trainer sends the bytes: their arrival proves it alive
-            threading.Thread(target=_confirm_lost, args=(session,), name="wsync-hold", daemon=True).start()
-        else:
-            _peer_lost(session)
+        _unheld(session, "Watch")
 
     if not context.add_callback(on_call_end):  # the call has already ended
         on_call_end()
 
 
-def _confirm_lost(session: UpdateSession) -> None:
+def owner_gone(session: UpdateSession) -> None:
+    """The owner's last ``KeepAlive`` call ended while ``session`` was the engine's update. Lock not held.
+
+    A trainer opens its held ``Watch`` only once Prepare replied: one killed in between (while an engine reads a
+    checkpoint on its own from Prepare on, say) leaves no held call whose end would tell. Its KeepAlive, open
+    since its first call, ends with it. So an update that no held ``Watch`` stands for is taken for lost as at
+    the end of the last one (:func:`hold`); one that a held ``Watch`` stands for is left to that call's end.
+    """
+    with session.state.lock:
+        if session.ended.is_set() or session.completing or session.held_watches > 0:
+            return
+        if session.state.update is not session:
+            return
+    _unheld(session, "KeepAlive")
+
+
+def _unheld(session: UpdateSession, call: str) -> None:
+    """No call of the trainer holds ``session`` any more (the last to end: its ``call``, ``"Watch"`` or
+    ``"KeepAlive"``): fail it, at once or once it shows no progress."""
+    if session.transport.needs_group:  # the trainer sends the bytes: their arrival proves it alive
+        threading.Thread(target=_confirm_lost, args=(session, call), name="wsync-hold", daemon=True).start()
+    else:
+        _peer_lost(session, call)
+
+
+def _confirm_lost(session: UpdateSession, call: str) -> None:
     """Fail ``session`` once a period of :data:`REATTACH_S` passed with no bucket and no new held Watch."""
     mark = session.progress_mark()
     while not session.ended.wait(REATTACH_S):
@@ -81,17 +103,17 @@ def _confirm_lost(session: UpdateSession) -> None:
                 return
         current = session.progress_mark()
         if current == mark:
-            _peer_lost(session)
+            _peer_lost(session, call)
             return
         mark = current
 
 
-def _peer_lost(session: UpdateSession) -> None:
-    log.warning("update %s: the trainer's Watch call ended before the update did", clip(session.header.update_id))
+def _peer_lost(session: UpdateSession, call: str) -> None:
+    log.warning("update %s: the trainer's %s call ended before the update did", clip(session.header.update_id), call)
     session.fail(
         Unavailable(
             "PEER_LOST",
-            "the trainer's Watch call ended before the update did (did the trainer die?); the update is abandoned",
+            f"the trainer's {call} call ended before the update did (did the trainer die?); the update is abandoned",
         )
     )
 
