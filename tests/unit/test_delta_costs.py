@@ -37,28 +37,28 @@ D, K, P = SyncPlan.DELTA, SyncPlan.KEEP, SyncPlan.PLAIN
 
 
 def test_deltas_that_cost_more_than_whole_syncs_fall_back_and_are_tried_again_every_probe_every_syncs() -> None:
-    """First whole, then a delta (both timed); the delta lost: plain whole syncs, one that keeps its tensors, then a
-    delta again, every probe_every syncs."""
+    """First whole (timed), then a delta (the client's first, not counted) and another (timed); the delta lost:
+    plain whole syncs, one that keeps its tensors, then a delta again, every probe_every syncs."""
     plans = run(DeltaCosts(probe_every=4), delta_s=2.0, whole_s=lambda i: 1.0, syncs=14)
-    assert plans == [D, D, P, P, K, D, P, P, K, D, P, P, K, D]
+    assert plans == [D, D, D, P, P, K, D, P, P, K, D, P, P, K]
 
 
 def test_deltas_that_cost_less_go_on_and_a_whole_sync_is_timed_again_now_and_then() -> None:
     """Deltas win by less than half: a whole sync again after probe_every deltas; by more: after four times as many."""
     close = run(DeltaCosts(probe_every=3), delta_s=0.8, whole_s=lambda i: 1.0, syncs=10)
-    assert close == [D, D, D, D, K, D, D, D, K, D]
+    assert close == [D, D, D, D, D, K, D, D, D, K]  # the first delta (sync 1) not counted
     far = run(DeltaCosts(probe_every=2), delta_s=0.1, whole_s=lambda i: 1.0, syncs=12)
-    assert far == [D, D, D, D, D, D, D, D, D, K, D, D]
+    assert far == [D, D, D, D, D, D, D, D, D, D, K, D]
 
 
 def test_a_slow_first_whole_sync_is_outvoted_once_whole_syncs_are_timed_again() -> None:
     """The first sync, slowed by the engines' first touch of their memory, makes deltas look 4x faster; whole syncs
     timed again later take the median below the deltas' time, and the client falls back."""
     costs = DeltaCosts(probe_every=2, window=3)
-    plans = run(costs, delta_s=1.2, whole_s=lambda i: 5.0 if i == 0 else 1.0, syncs=22)
-    assert plans[:11] == [D] * 9 + [K, D]  # 8 deltas, then a whole sync timed: median 3.0 s, deltas still win
-    assert plans[11:19] == [D] * 7 + [K]  # 8 more, timed again: median 1.0 s, deltas lose
-    assert plans[19:] == [D, K, D]  # the delta that was due; then every probe_every syncs
+    plans = run(costs, delta_s=1.2, whole_s=lambda i: 5.0 if i == 0 else 1.0, syncs=23)
+    assert plans[:12] == [D] * 10 + [K, D]  # 9 deltas (8 counted), then a whole sync timed: median 3.0 s
+    assert plans[12:20] == [D] * 7 + [K]  # 8 more, timed again: median 1.0 s, deltas lose
+    assert plans[20:] == [D, K, D]  # the delta that was due; then every probe_every syncs
     delta, whole = costs.seconds_per_byte()
     assert whole == pytest.approx(1.0 / WHOLE_BYTES) and delta == pytest.approx(1.2 / WHOLE_BYTES)
 

@@ -160,3 +160,22 @@ def test_leftovers_too_small_are_released_before_allocating() -> None:
     pool.give(big)
     pool.trim()
     assert pool.free_bytes == 1000
+
+
+def test_a_delta_update_keeps_the_whole_updates_buffers_for_the_next_one() -> None:
+    """A delta (``trim(keep_earlier=True)``) keeps what the whole update before it kept besides its own; the whole
+    update after it uses those buffers again and keeps only what it used."""
+    pool = BufferPool(CPU, keep=True)
+    flat = pool.take(1000)
+    pool.give(flat)
+    pool.trim()  # a whole update: its 1000-byte receive buffer kept
+    rebuilt = pool.take_exact(40)  # a delta: a rebuilt tensor; the served one it replaces given back
+    pool.give(torch.empty(40, dtype=torch.uint8), used=True)
+    pool.trim(keep_earlier=True)
+    assert pool.free_bytes == 1040
+    again = pool.take(900)  # the next whole update
+    assert again.data_ptr() == flat.data_ptr(), "the whole update's buffer is taken again, memory already touched"
+    pool.give(again)
+    pool.trim()
+    assert pool.free_bytes == 1000
+    del rebuilt

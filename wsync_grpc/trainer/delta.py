@@ -340,7 +340,10 @@ class DeltaCosts:
     keeps its tensors, :attr:`SyncPlan.KEEP`). While deltas cost less, a whole sync is timed again after
     :attr:`probe_every` deltas when they take more than half a whole sync's time, after four times as many
     otherwise (the first sync, whose time includes the engines' first touch of their memory, would otherwise
-    decide for good). Mixed syncs (some engines whole) and syncs that failed are not counted.
+    decide for good). The client's first delta is not counted either: it converts into memory the client never
+    touched before and the engines rebuild into memory of their own touched for the first time, so its time
+    says little of the next ones' (the next sync is a delta again). Mixed syncs (some engines whole) and syncs
+    that failed are not counted.
 
     Args:
         probe_every: syncs between two tries of the kind that is losing (at least 2).
@@ -359,6 +362,7 @@ class DeltaCosts:
         self._whole: deque[float] = deque(maxlen=window)
         self._since = 0  # syncs of the winning kind since the losing one was last tried
         self._try_delta = False  # the last sync kept its tensors to try a delta next
+        self._first_delta = True  # no delta of this client counted yet: the first is not
 
     def seconds_per_byte(self) -> tuple[float | None, float | None]:
         """The median time of a delta and of a whole sync, in seconds per byte of the whole update (``None``: not
@@ -386,6 +390,9 @@ class DeltaCosts:
         if summary.whole_targets or summary.whole_bytes <= 0:
             return
         ran_delta = bool(summary.base_version)
+        if ran_delta and self._first_delta:
+            self._first_delta = False
+            return
         if ran_delta:
             self._delta.append((sync_seconds + summary.diff_seconds) / summary.whole_bytes)
         else:

@@ -39,6 +39,7 @@ class BufferPool:
         self._free: dict[int, list[torch.Tensor]] = {}  # free buffers by size in bytes, oldest first
         self._free_ptrs: set[int] = set()  # data_ptr of every free buffer
         self._used: set[int] = set()  # data_ptr of every buffer handed out since the last trim
+        self._kept: set[int] = set()  # data_ptr of every free buffer the last trim kept
         self._lock = threading.Lock()
 
     def _pop(self, nbytes: int) -> torch.Tensor:
@@ -108,10 +109,21 @@ class BufferPool:
             if used:
                 self._used.add(ptr)
 
-    def trim(self) -> None:
-        """End of an update: keep only the free buffers it used (none unless the pool keeps them)."""
+    def trim(self, keep_earlier: bool = False) -> None:
+        """End of an update: keep only the free buffers it used (none unless the pool keeps them).
+
+        Args:
+            keep_earlier: also keep, in a CPU pool, the free buffers the last trim kept: at the end of a delta
+                update, whose buckets and rebuilt tensors differ from a whole update's, the whole update's
+                receive buffers stay for the next one (which would otherwise page-fault fresh memory of the
+                update's size); what the pool holds is then bounded by a whole update's buffers plus a delta's.
+        """
         with self._lock:
-            self._keep_only(self._used if self.keep else None)
+            keep = self._used if self.keep else None
+            if keep is not None and keep_earlier and self.device.type == "cpu":
+                keep = keep | self._kept
+            self._keep_only(keep)
+            self._kept = set(self._free_ptrs)
             self._used = set()
 
     @property

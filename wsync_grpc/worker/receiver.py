@@ -157,6 +157,8 @@ class ReceiverThread(threading.Thread, ReceiverState):
         self.cancel = site.cancel
         self.on_event = site.on_event
         self.streaming = plan.streaming
+        self.delta = any(b.has_delta for b in plan.buckets)
+        """The update is a delta (a bucket of it has a delta entry)."""
 
 
 class StagedApart:

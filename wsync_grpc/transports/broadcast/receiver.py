@@ -415,4 +415,4 @@ class BroadcastReceiver(ReceiverThread):
         if reuse:
             for buf in held:
                 self.pool.give(buf)
-        self.pool.trim()
+        self.pool.trim(keep_earlier=self.delta)  # a delta: the last whole update's buffers stay
