@@ -61,7 +61,7 @@ def hold(session: UpdateSession, context: grpc.ServicerContext) -> None:
     def on_call_end() -> None:
         with session.state.lock:
             session.held_watches -= 1
-            if session.ended.is_set() or session.completing or session.held_watches > 0:
+            if _still_held(session):
                 return
         _unheld(session, "Watch")
 
@@ -78,11 +78,15 @@ def owner_gone(session: UpdateSession) -> None:
     the end of the last one (:func:`hold`); one that a held ``Watch`` stands for is left to that call's end.
     """
     with session.state.lock:
-        if session.ended.is_set() or session.completing or session.held_watches > 0:
-            return
-        if session.state.update is not session:
+        if _still_held(session) or session.state.update is not session:
             return
     _unheld(session, "KeepAlive")
+
+
+def _still_held(session: UpdateSession) -> bool:
+    """Whether ``session`` needs no failing now: it ended, Complete was called, or a held Watch is still open.
+    Lock held."""
+    return session.ended.is_set() or session.completing or session.held_watches > 0
 
 
 def _unheld(session: UpdateSession, call: str) -> None:
@@ -99,7 +103,7 @@ def _confirm_lost(session: UpdateSession, call: str) -> None:
     mark = session.progress_mark()
     while not session.ended.wait(REATTACH_S):
         with session.state.lock:
-            if session.completing or session.held_watches > 0:
+            if _still_held(session):
                 return
         current = session.progress_mark()
         if current == mark:
