@@ -21,7 +21,7 @@ import torch
 from wsync.v1 import weight_sync_pb2 as pb
 from wsync.v1 import weight_sync_pb2_grpc
 
-from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.checksums import tensor_sha256s
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.tensor import TensorEngine
 from wsync_grpc.service.server import WsyncServer
@@ -213,7 +213,7 @@ def served(targets: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
 
 def assert_serve(targets: list[str], version: str, tensors: dict[str, torch.Tensor]) -> None:
     """Every engine of ``targets`` serves ``version`` with ``tensors`` bit for bit (by SHA-256)."""
-    expected = {n: tensor_sha256(t) for n, t in tensors.items()}
+    expected = dict(zip(tensors, tensor_sha256s(tensors.values()), strict=True))
     for target, (v, sums) in served(targets).items():
         assert v == version, (target, v)
         assert {n: sums[n] for n in expected} == expected, target

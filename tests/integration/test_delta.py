@@ -25,7 +25,7 @@ import torch
 from support import ENV, ROOT, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 
-from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.checksums import tensor_sha256s
 from wsync_grpc.engines import synthetic
 from wsync_grpc.engines.reference import ReferenceEngine
 from wsync_grpc.engines.tensor import TensorEngine
@@ -57,7 +57,7 @@ def perturb(tensors: dict[str, torch.Tensor], density: float, seed: int) -> None
 
 def expected(tensors: dict[str, torch.Tensor], served: torch.dtype = torch.bfloat16) -> dict[str, str]:
     """The SHA-256 an engine serving ``served`` reports for each tensor the trainer sent in bfloat16."""
-    return {n: tensor_sha256(t.to(torch.bfloat16).to(served)) for n, t in tensors.items()}
+    return dict(zip(tensors, tensor_sha256s(t.to(torch.bfloat16).to(served) for t in tensors.values()), strict=True))
 
 
 def served(client: TrainerClient) -> dict[str, dict[str, str]]:
@@ -99,7 +99,8 @@ def test_real_training_synced_as_deltas_is_served_bit_exact(smollm2_dir: Path, s
             e = r.engines[srv.address]
             assert e.bytes_received == r.wire_bytes and e.buckets_verified == e.bucket_count == r.bucket_count
             params = dict(trainer.named_parameters())
-            want = {n: tensor_sha256(params[n].detach().to(torch.bfloat16).float()) for n in names}
+            sent = (params[n].detach().to(torch.bfloat16).float() for n in names)
+            want = dict(zip(names, tensor_sha256s(sent), strict=True))
             assert served(client)[srv.address] == want
             st = status(stub)
             assert (st.weight_version, st.weight_identity) == (f"step-{step}", e.weight_identity)

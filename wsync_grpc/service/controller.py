@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from opentelemetry.context import Context
 
-from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.checksums import tensor_sha256s
 from wsync_grpc.core.digests import Digest
 from wsync_grpc.core.engine import Engine, FusedGroups, ServedChecksums
 from wsync_grpc.core.errors import Aborted, AlreadyExists, InvalidArgument, Phase, domain_error
@@ -502,11 +502,11 @@ class UpdateController:
         if isinstance(self.engine, ServedChecksums):
             fresh = self.engine.weight_checksums(missing) if missing else []
         else:
-            with self.engine.weights_lock():
-                fresh = []
-                for n in missing:
-                    t = self.engine.get_weight(n)
-                    fresh.append((n, t.dtype, tuple(t.shape), tensor_sha256(t)))
+            with self.engine.weights_lock():  # read between two steps, hashed on lanes (one tensor each)
+                served = [self.engine.get_weight(n) for n in missing]
+                shas = tensor_sha256s(served)
+                fresh = [(n, t.dtype, tuple(t.shape), sha) for n, t, sha in zip(missing, served, shas, strict=True)]
+                del served
         digests = {**known, **{c[0]: c for c in fresh}}
         if key is not None and key == self._weights_key():  # nothing changed the weights meanwhile
             self._digests, self._digests_key = digests, key

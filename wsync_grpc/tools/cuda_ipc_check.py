@@ -282,11 +282,12 @@ def check_served(client: Any, target: str, model: Any, what: str) -> None:
     Raises:
         RuntimeError: it serves nothing, or some tensor differs (``what`` names the sync in the message).
     """
-    from wsync_grpc.core.checksums import tensor_sha256
+    from wsync_grpc.core.checksums import tensor_sha256s
 
     served = client.checksums()[target].by_name
     ours = model.state_dict()
-    wrong = sorted(n for n, digest in served.items() if digest != tensor_sha256(ours[n]))
+    mine = dict(zip(served, tensor_sha256s(ours[n] for n in served), strict=True))
+    wrong = sorted(n for n, digest in served.items() if digest != mine[n])
     if wrong or not served:
         raise RuntimeError(f"{what}: {len(wrong)} tensor(s) differ, e.g. {wrong[:3]}")
 

@@ -41,7 +41,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from wsync.v1 import generation_pb2, generation_pb2_grpc
 
-from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.checksums import tensor_sha256s
 from wsync_grpc.launch import EngineProcess, spawn_engine, stop_all, wait_all
 from wsync_grpc.tools.options import OneLineParser
 from wsync_grpc.trainer import SyncProgress, SyncResult, TrainerClient
@@ -215,7 +215,7 @@ def _print_delta(result: SyncResult) -> None:
 def _check_checksums(client: TrainerClient, named: list[tuple[str, torch.Tensor]], version: str) -> list[str]:
     """Every engine serves ``version`` with exactly the trainer's bytes; returns the failures."""
     failures = []
-    want = {n: tensor_sha256(p) for n, p in named}
+    want = dict(zip([n for n, _ in named], tensor_sha256s(p for _, p in named), strict=True))
     for t, sums in client.checksums().items():
         got = {c.name: c.sha256 for c in sums.checksums}
         bad = [n for n, s in want.items() if got.get(n) != s]

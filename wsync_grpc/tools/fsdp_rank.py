@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wsync_grpc.core.checksums import tensor_sha256
+from wsync_grpc.core.checksums import tensor_sha256s
 from wsync_grpc.tools.options import OneLineParser
 from wsync_grpc.trainer.settings import add_setting_options
 
@@ -115,7 +115,8 @@ def _check(
         )
         served = {c.name: parse_dtype(c.dtype) for c in sums.checksums}
         got = {c.name: c.sha256 for c in sums.checksums}
-        bad = [n for n, t in sent.items() if got.get(n) != tensor_sha256(t.to(served.get(n, t.dtype)))]
+        mine = tensor_sha256s(t.to(served.get(n, t.dtype)) for n, t in sent.items())
+        bad = [n for (n, _), sha in zip(sent.items(), mine, strict=True) if got.get(n) != sha]
         if sums.weight_version != version or bad:
             failures.append(f"{target} serves {sums.weight_version!r}; {len(bad)} tensors differ ({bad[:3]})")
     if local is None:
