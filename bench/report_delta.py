@@ -284,14 +284,22 @@ def missed(c: dict[str, Any], failed: Sequence[str]) -> str:
             plain = [r for r in later if r["delta"]["fell_back"]]
             if not plain:
                 continue
-            spread = [r["delta"]["total_s"] / r["whole"]["total_s"] for r in plain]
+            # A whole sync right after a delta (the step before ran one) against the others.
+            ran = {r["step"]: r["delta"]["delta"] for r in rows}
+            after = [r for r in plain if ran.get(r["step"] - 1)]
+            rest = [r for r in plain if not ran.get(r["step"] - 1)]
+            ratio = lambda rs: statistics.median(r["delta"]["total_s"] / r["whole"]["total_s"] for r in rs)  # noqa: E731
+            split = f"those right after a delta {ratio(after):.2f} x the other client's, " if after else ""
+            others = f"the others {ratio(rest):.2f} x" if rest else ""
             out.append(
                 f"On loopback at lr {lr} the client with deltas on sent {len(plain)} of its {len(later)} syncs after "
                 f"step 1 whole, as with deltas off (a delta with its diff cost more there: the forced client's took "
                 f"{statistics.median(_time(r, 'forced') for r in later):.2f} x), and a try of a delta every "
-                f"eight syncs; those whole syncs took {statistics.median(spread):.2f} x the other client's "
-                f"({min(spread):.2f} to {max(spread):.2f} x), the same work on another engine process: the median "
-                f"of {statistics.median(_time(r) for r in later):.2f} x is that spread and the tries."
+                f"eight syncs. Of those whole syncs, {split}{others}: an engine that kept only the receive buffers "
+                "its last update used received the whole update after a delta into freshly allocated memory, a "
+                "page fault every 4 KiB (since this run an engine on CPU keeps the last whole update's buffers through a delta: "
+                f"`BufferPool.trim`); the median of {statistics.median(_time(r) for r in later):.2f} x is those "
+                "syncs and the tries."
             )
     v = c.get("vllm")
     if any("vLLM" in f for f in failed) and v and v.get("syncs"):
