@@ -297,9 +297,9 @@ def missed(c: dict[str, Any], failed: Sequence[str]) -> str:
                 f"{statistics.median(_time(r, 'forced') for r in later):.2f} x), and a try of a delta every "
                 f"eight syncs. Of those whole syncs, {split}{others}: an engine that kept only the receive buffers "
                 "its last update used received the whole update after a delta into freshly allocated memory, a "
-                "page fault every 4 KiB (since this run an engine on CPU keeps the last whole update's buffers through a delta: "
-                f"`BufferPool.trim`); the median of {statistics.median(_time(r) for r in later):.2f} x is those "
-                "syncs and the tries."
+                "page fault every 4 KiB (since this run an engine on CPU keeps the last whole update's buffers "
+                "through a delta: `BufferPool.trim`); the median of "
+                f"{statistics.median(_time(r) for r in later):.2f} x is those syncs and the tries."
             )
     v = c.get("vllm")
     if any("vLLM" in f for f in failed) and v and v.get("syncs"):
