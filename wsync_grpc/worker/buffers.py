@@ -17,9 +17,11 @@ class BufferPool:
     applied (streaming) or after Complete (staged).
 
     What it holds stays bounded by what the last update needed: at the end
-    of an update (:meth:`trim`) it keeps only the buffers that update used,
-    and a buffer left over from an earlier update that is too small for a
-    request is released before a new one is allocated. With streaming apply
+    of an update (:meth:`trim`) it keeps only the buffers that update used
+    (after a delta on CPU, also those the last whole update kept: then a
+    whole update's buffers plus a delta's), and a buffer left over from an
+    earlier update that is too small for a request is released before a new
+    one is allocated. With streaming apply
     the receiver asks for buffers of the update's largest bucket
     (``capacity``), so that two buffers serve every bucket of the update
     however their sizes differ.
