@@ -12,6 +12,7 @@ The engines are the shared ``tp3`` and ``tp3-lora`` of ``shared_engines``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,28 @@ def test_every_rank_maps_the_shared_memory_segment_and_loads_its_slices(engine_t
             assert (engine_tp3.complete() == before) == (state is originals)
         st = engine_tp3.status()
         assert st.state == pb.LIFECYCLE_STATE_UNINITIALIZED and st.engine.workers == 3  # no group was formed
+
+
+@pytest.mark.vllm_engines("tp3")
+def test_no_communicator_segment_of_the_workers_keeps_a_name_in_dev_shm(engine_tp3: Vllm) -> None:
+    """vLLM's CPU workers exchange activations through a shared-memory segment per rank, whose ``/dev/shm`` names
+    vLLM unlinks only in a destructor an ended worker never runs (every TP3 engine stopped left three behind). The
+    wsync worker unlinks them once every rank has them open: each worker still maps all three (``(deleted)`` in its
+    maps), none has a name left, so no end of the engine, SIGKILL included, leaves one; and the workers still
+    compute together (a completion reads the same as before the check)."""
+    before = engine_tp3.complete()
+    workers = vllm_workers(engine_tp3)
+    assert len(workers) == 3
+    for pid in workers:
+        mapped = {
+            line.split(None, 5)[5]
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if "-cpushm_" in line and "/dev/shm/" in line
+        }
+        assert len(mapped) == 3 and all(m.endswith(" (deleted)") for m in mapped), (pid, mapped)
+        names = {Path(m.removesuffix(" (deleted)")).name for m in mapped}
+        assert not names & set(os.listdir("/dev/shm")), names
+    assert engine_tp3.complete() == before
 
 
 def _peak_rss(pid: int) -> int:

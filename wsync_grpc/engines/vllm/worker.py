@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import glob
 import hashlib
 import os
 import socket
@@ -117,6 +118,33 @@ class VllmWorker:
         return out
 
 
+def unlink_cpu_communicator_segments() -> list[str]:
+    """Unlink the ``/dev/shm`` names of vLLM's CPU communicator segments of this worker's engine; returns them.
+
+    vLLM's CPU tensor-parallel workers exchange activations through one POSIX shared-memory segment per rank
+    (``{VLLM_DIST_IDENT}-{group}-cpushm_{rank}``, created by its ``init_shm_manager``; every rank opens all of them
+    as the group forms) and unlink the names only in a destructor that a worker ended by its engine never runs: each
+    engine that stops would leave its workers' segments in ``/dev/shm``. Once every rank has opened them (the front
+    asks :meth:`WsyncWorkerExtension.wsync_describe` after vLLM's warm-up, its collectives done) the names serve no
+    one: unlinked, the segments stay mapped in the workers and the kernel frees them with the last worker, however
+    it ends (the same rule as a shared-memory ring's segment: unlinked once opened). Every worker calls it; the
+    first unlinks, the others find nothing.
+
+    Returns:
+        The names this call unlinked (empty where vLLM runs no CPU tensor-parallel group, or another worker's call
+        came first).
+    """
+    ident = os.environ.get("VLLM_DIST_IDENT")  # set by vLLM's CPU worker before its groups form
+    if not ident:
+        return []
+    done = []
+    for path in glob.glob(f"/dev/shm/{glob.escape(ident)}-*-cpushm_*"):
+        with contextlib.suppress(FileNotFoundError):  # another worker unlinked it first
+            os.unlink(path)
+            done.append(os.path.basename(path))
+    return done
+
+
 class WsyncWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.weight_transfer_engine``, ``self.device``)."""
 
@@ -143,7 +171,8 @@ class WsyncWorkerExtension:
         return dispatch(VllmWorker(self._wsync()), method, args)
 
     def wsync_describe(self) -> dict[str, Any]:
-        """This worker's global rank, device, model's fused layers and CPUs; and its start-up heap frozen.
+        """This worker's global rank, device, model's fused layers and CPUs; its start-up heap frozen, and vLLM's
+        CPU communicator segments unlinked (:func:`unlink_cpu_communicator_segments`).
 
         The front asks once, after vLLM's warm-up. The objects alive then (the model, vLLM's own) are moved
         out of the garbage collector's reach (``gc.freeze``, as vLLM's GPU worker does after its warm-up and
@@ -161,6 +190,7 @@ class WsyncWorkerExtension:
         if gc.get_freeze_count() == 0:
             gc.collect()
             gc.freeze()
+        unlink_cpu_communicator_segments()
         packed = getattr(e.model, "packed_modules_mapping", {}) or {}
         cpus: set[int] = set()
         host_cpus: set[int] = set()
