@@ -1,16 +1,19 @@
-"""vLLM in a Ray engine actor (issue 42): it serves where other nodes reach it, takes a sync, and ends with its actor.
+"""vLLM in Ray engine actors (issue 42): they serve where other nodes reach them, take a sync, and end with their actor.
 
-A real one-node Ray cluster (an 80 MiB object store, no dashboard) and a real ``wsync serve --engine vllm`` on
-SmolLM2-135M started by :class:`wsync_grpc.ray.EngineActor` (``launch_engines``). Its own engine, not a shared
-one: the test kills it. A trainer built from the handle syncs perturbed weights into it, and every checksum
-equals the trainer's tensor in the served dtype; ``ray.kill`` of the actor then leaves none of its processes
-(the server, vLLM's ``EngineCore`` and worker) running.
+A real one-node Ray cluster (2 CPUs, an 80 MiB object store, no dashboard) and two real ``wsync serve --engine
+vllm`` on SmolLM2-135M started by :class:`wsync_grpc.ray.EngineActor` (``launch_engines``, a bundle of one CPU
+each). Their own engines, not shared ones: the test kills one. Each binds its forward to a core of its own; a
+trainer built from the handles syncs perturbed weights into both, and every checksum equals the trainer's tensor in
+the served dtype; ``ray.kill`` of one actor then leaves none of its processes (the server, vLLM's ``EngineCore``
+and worker) running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -64,9 +67,27 @@ def cluster() -> Iterator[object]:
             c.shutdown()
 
 
-def test_a_vllm_engine_actor_serves_on_its_node_takes_a_sync_and_ends_whole_with_its_actor(
+def _bound_cores(pid: int) -> set[int]:
+    """The cores the threads of ``pid`` and the processes below it are bound to: every thread whose affinity is
+    narrower than this host's (vLLM binds its forward's threads; the others run anywhere)."""
+    every = os.sched_getaffinity(0)
+    bound: set[int] = set()
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for t in p.threads():
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    cores = os.sched_getaffinity(t.id)
+                    if cores < every:
+                        bound |= cores
+    return bound
+
+
+def test_vllm_engine_actors_serve_on_their_node_bound_apart_take_a_sync_and_end_whole_with_their_actor(
     cluster: object, smollm2_dir: Path
 ) -> None:
+    """Two vLLM engine actors of one placement group on the one node (a bundle of one CPU each): each binds its
+    forward to cores of its own (vLLM alone binds every engine of a node to the same ones), both take one sync
+    bit-exact, and ``ray.kill`` of one actor ends its processes and leaves the other serving."""
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
     safetensors_torch = pytest.importorskip("safetensors.torch")
     g = torch.Generator().manual_seed(7)
@@ -75,32 +96,39 @@ def test_a_vllm_engine_actor_serves_on_its_node_takes_a_sync_and_ends_whole_with
         for n, t in safetensors_torch.load_file(str(smollm2_dir / "model.safetensors")).items()
     }
     spec = EngineSpec(vllm_model=str(smollm2_dir), insecure=True)
-    (handle,) = launch_engines(1, spec, num_cpus=1, name="ray-vllm")
-    info: EngineInfo | None = None
+    handles = launch_engines(2, spec, num_cpus=1, name="ray-vllm")
+    infos: list[EngineInfo] = []
     try:
-        info = handle.info()
+        infos = [h.info() for h in handles]
         node_ip = ray.util.get_node_ip_address()
-        assert info.target.rsplit(":", 1)[0] == node_ip and info.http_target is not None
-        assert info.http_target.rsplit(":", 1)[0] == node_ip
-        health = handle.health()
-        assert health.running and health.serving, health
-        with urllib.request.urlopen(f"http://{info.http_target}/v1/models", timeout=30) as reply:
-            assert json.loads(reply.read())["data"][0]["id"] == str(smollm2_dir)
-        with trainer_client([handle], rpc_timeout_s=60, group_timeout_s=60) as client:
-            status = client.status()[info.target]
-            assert status.engine.workers == 1 and status.weight_version == ""
+        for info, handle in zip(infos, handles, strict=True):
+            assert info.target.rsplit(":", 1)[0] == node_ip and info.http_target is not None
+            assert info.http_target.rsplit(":", 1)[0] == node_ip
+            health = handle.health()
+            assert health.running and health.serving, health
+            with urllib.request.urlopen(f"http://{info.http_target}/v1/models", timeout=30) as reply:
+                assert json.loads(reply.read())["data"][0]["id"] == str(smollm2_dir)
+        bound = [_bound_cores(info.engine_pid) for info in infos]
+        if len(os.sched_getaffinity(0)) >= 2:  # a core each
+            assert bound[0] and bound[1] and not bound[0] & bound[1], bound
+        with trainer_client(handles, rpc_timeout_s=60, group_timeout_s=60) as client:
+            for info in infos:
+                status = client.status()[info.target]
+                assert status.engine.workers == 1 and status.weight_version == ""
             result = client.sync(state.items(), "ray-1", dtype=SERVED)
-            assert list(result.engines) == [info.target]
-            sums = client.checksums()[info.target]
-            assert sums.weight_version == "ray-1" and len(sums.checksums) == len(state)
-            wrong = [c.name for c in sums.checksums if c.sha256 != _sha(state[c.name])]
-            assert not wrong, f"{len(wrong)} tensors differ from the trainer's, e.g. {wrong[:3]}"
+            assert sorted(result.engines) == sorted(i.target for i in infos)
+            for info in infos:
+                sums = client.checksums()[info.target]
+                assert sums.weight_version == "ray-1" and len(sums.checksums) == len(state)
+                wrong = [c.name for c in sums.checksums if c.sha256 != _sha(state[c.name])]
+                assert not wrong, f"{len(wrong)} tensors differ from the trainer's, e.g. {wrong[:3]}"
 
+        info = infos[0]
         below = psutil.Process(info.engine_pid).children(recursive=True)
         titles = [(p.name(), " ".join(p.cmdline()).strip()) for p in below]  # vLLM renames its processes
         assert any(n.startswith("VLLM::") or "EngineCore" in t for n, t in titles), titles
         every = [info.engine_pid, *(p.pid for p in below)]
-        ray.kill(handle.actor, no_restart=True)
+        ray.kill(handles[0].actor, no_restart=True)
         killed = time.monotonic()
         while any(_running(p) for p in every):
             left = [p for p in every if _running(p)]
@@ -108,7 +136,9 @@ def test_a_vllm_engine_actor_serves_on_its_node_takes_a_sync_and_ends_whole_with
             time.sleep(0.05)
         print(f"\n{len(every)} engine processes (server, EngineCore, workers) ended "
               f"{time.monotonic() - killed:.2f} s after ray.kill")  # fmt: skip
+        other = handles[1].health()
+        assert other.running and other.serving, other
     finally:
-        stop_engines([handle], grace_s=None)
-        if info is not None:  # a killed engine's files stay for a post-mortem: this test's go
+        stop_engines(handles, grace_s=None)
+        for info in infos:  # a killed engine's files stay for a post-mortem: this test's go
             shutil.rmtree(Path(info.log).parent, ignore_errors=True)

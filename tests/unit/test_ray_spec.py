@@ -50,3 +50,12 @@ def test_the_trainer_helpers_refuse_bad_arguments_before_touching_ray() -> None:
         join_trainer_group(TrainerRendezvous(actor=None, world_size=2), 2)
     with pytest.raises(ValueError, match="no engine handles"):
         sharded_trainer_client([], master_address="10.0.0.1")
+
+
+def test_bundles_on_one_node_are_numbered_apart_and_alone_ones_keep_vllms_choice() -> None:
+    """``node_shares``: each bundle's place among its node's bundles (an engine actor binds vLLM's forward by it)."""
+    from wsync_grpc.ray.placement import node_shares
+
+    assert node_shares({0: "a", 1: "b", 2: "a", 3: "a"}, 4) == [(0, 3), (0, 1), (1, 3), (2, 3)]
+    assert node_shares({0: "a"}, 1) == [(0, 1)]
+    assert node_shares({0: "a"}, 2) == [(0, 1), (0, 1)]  # a bundle not placed (yet) counts alone

@@ -47,6 +47,7 @@ from wsync_grpc.launch import (
     child_env,
     spawn_engine,
     spawn_vllm_engine,
+    vllm_cpu_binds,
 )
 
 __all__ = ["RESERVED_ARGS", "RESERVED_VLLM_ARGS", "EngineActor", "EngineHealth", "EngineInfo", "EngineSpec"]
@@ -184,6 +185,12 @@ class EngineActor:
     Args:
         name: the engine's name (in messages, and its log file's name).
         spec: what to start and how it serves.
+        node_share: ``(index, count)``: this engine's place among the ``count`` engines of its placement group
+            on its node (:func:`~wsync_grpc.ray.placement.launch_engines` counts them). A vLLM engine on CPU
+            (tensor parallel size 1, no GPU assigned, ``VLLM_CPU_OMP_THREADS_BIND`` set by neither ``spec.env``
+            nor the actor's environment) binds its forward to share ``index`` of the node's cores
+            (:func:`~wsync_grpc.launch.vllm_cpu_binds`): vLLM's own choice is the same cores for every engine
+            of a node. ``(0, 1)`` (default): vLLM's choice.
 
     Raises:
         EngineStartError: the engine exited before it served, or did not serve within
@@ -191,9 +198,10 @@ class EngineActor:
         OSError: the engine's command could not be started.
     """
 
-    def __init__(self, name: str, spec: EngineSpec) -> None:
+    def __init__(self, name: str, spec: EngineSpec, node_share: tuple[int, int] = (0, 1)) -> None:
         self._name = name
         self._spec = spec
+        self._node_share = node_share
         self._stopping = threading.Event()
         context = ray.get_runtime_context()
         self._node_id: str = context.get_node_id()
@@ -224,6 +232,9 @@ class EngineActor:
                 host=self._host,
                 end_with_parent=True,
             )
+        index, count = self._node_share
+        if spec.tensor_parallel_size == 1 and not ray.get_gpu_ids() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            env = {**vllm_cpu_binds(count)[index], **env}  # the forward on cores no other engine here binds
         http_port = _free_port(bind or "0.0.0.0")
         self._http_target = _join(self._host, http_port)
         return spawn_vllm_engine(

@@ -20,18 +20,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from wsync_grpc.launch import DEFAULT_START_TIMEOUT_S, VLLM_START_TIMEOUT_S
 from wsync_grpc.ray.actor import EngineActor, EngineInfo, EngineSpec
 from wsync_grpc.ray.handles import EngineHandle
 
-__all__ = ["DEFAULT_PLACEMENT_TIMEOUT_S", "Strategy", "find_engines", "launch_engines", "stop_engines"]
+__all__ = ["DEFAULT_PLACEMENT_TIMEOUT_S", "Strategy", "find_engines", "launch_engines", "node_shares", "stop_engines"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ def launch_engines(
         strategy: the placement group's strategy: ``"PACK"`` (default: as few nodes as possible),
             ``"SPREAD"`` (as many as possible), ``"STRICT_PACK"`` (one node) or ``"STRICT_SPREAD"`` (one
             node each).
-        num_cpus: CPUs of each bundle (and its actor).
+        num_cpus: CPUs of each bundle (and its actor). vLLM engines on CPU whose bundles share a node bind their
+            forwards to cores of their own (:func:`node_shares`, the actor's ``node_share``), where vLLM alone
+            would bind them all to the same ones; engines of another call are not counted.
         num_gpus: GPUs of each bundle; ``None`` (default): 1 where the cluster has GPUs, else 0. Ray sets
             ``CUDA_VISIBLE_DEVICES`` in the actor, and its engine inherits it.
         max_restarts: how many times Ray restarts each actor that dies (``-1``: without end); each restart
@@ -122,6 +124,7 @@ def launch_engines(
             f"the cluster did not grant {n} bundle(s) of {bundle} ({strategy}) within {placement_timeout_s:g} s"
         ) from exc
     remote = ray.remote(EngineActor)
+    shares = node_shares(placement_group_table(group)["bundles_to_node_id"], n)
     actors = [
         remote.options(
             num_cpus=num_cpus,
@@ -129,7 +132,7 @@ def launch_engines(
             max_restarts=max_restarts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
             **({"name": f"{name}-{i}", **lifetime} if detached else {}),
-        ).remote(f"{name}-{i}", spec)
+        ).remote(f"{name}-{i}", spec, shares[i])
         for i in range(n)
     ]
     wait_s = start_timeout_s if start_timeout_s is not None else _start_timeout(spec) + 60.0
@@ -145,6 +148,22 @@ def launch_engines(
         EngineHandle(i.name, a, i.target, i.node_id, group, index, spec.token)
         for index, (a, i) in enumerate(zip(actors, infos, strict=True))
     ]
+
+
+def node_shares(bundles_to_node: Mapping[int, str], n: int) -> list[tuple[int, int]]:
+    """Each bundle's place among the bundles of its node: ``[(index, count)]`` in bundle order.
+
+    Args:
+        bundles_to_node: bundle index -> the id of the node it was placed on (Ray's
+            ``placement_group_table(group)["bundles_to_node_id"]``).
+        n: the bundles; one missing from ``bundles_to_node`` counts as alone on its node.
+
+    Returns:
+        ``n`` pairs: bundle ``i``'s position among the bundles on its node (in bundle order) and their count
+        (the :class:`~wsync_grpc.ray.actor.EngineActor` argument ``node_share``).
+    """
+    nodes = [bundles_to_node.get(i, f"unplaced-{i}") for i in range(n)]
+    return [(nodes[:i].count(node), nodes.count(node)) for i, node in enumerate(nodes)]
 
 
 def find_engines(
