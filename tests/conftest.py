@@ -3,7 +3,9 @@ use these fixtures run without it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,56 @@ from support import build_tiny_llama
 
 TIERS = ("unit", "integration", "e2e")
 """The tiers, one directory of ``tests/`` each, marked by that directory's name (``pytest -m unit``)."""
+
+
+DEV_SHM = Path("/dev/shm")
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
+"""Names vLLM's processes give POSIX shared memory (its message queues, multiprocessing's semaphores, its CPU
+communicator): a vLLM process SIGKILLed (what the suite's fault tests do) leaves its own behind."""
+_SHM_BEFORE = pytest.StashKey[set[str]]()
+
+
+def _shm_names() -> set[str]:
+    with contextlib.suppress(OSError):
+        return {p.name for p in DEV_SHM.iterdir()}
+    return set()
+
+
+def _shm_in_use() -> set[str]:
+    """The ``/dev/shm`` names some process on this host maps or holds open now."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # a process that ended meanwhile, or another user's
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    used.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        used.add(target.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+    return used
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SHM_BEFORE] = _shm_names()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Unlink the shared memory vLLM processes the suite killed left in ``/dev/shm`` (memory, on a tmpfs): names
+    of :data:`VLLM_SHM_PREFIXES` that appeared during the run and no process maps or holds; and say which."""
+    if hasattr(session.config, "workerinput") or _SHM_BEFORE not in session.config.stash:
+        return  # an xdist worker: its controller looks
+    new = _shm_names() - session.config.stash[_SHM_BEFORE]
+    left = sorted(n for n in new - _shm_in_use() if n.startswith(VLLM_SHM_PREFIXES))
+    for name in left:
+        with contextlib.suppress(FileNotFoundError):
+            (DEV_SHM / name).unlink()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if left and reporter is not None:
+        reporter.write_line(f"unlinked {len(left)} /dev/shm segment(s) killed vLLM processes left: {', '.join(left)}")
 
 
 @pytest.hookimpl(tryfirst=True)

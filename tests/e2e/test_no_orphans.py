@@ -33,19 +33,25 @@ import multiprocessing as mp, os, sys, threading, time
 import wsync_grpc.tools.engines  # what a spawned child of `wsync serve` imports (its parent's main module does)
 from wsync_grpc.tools.orphans import end_forked_children_with_this_process, end_spawned_children_with_this_process
 
-def grandchild():
+def grandchild(running):
+    running.set()  # started: past the start-up that arms its parent-death signal
     time.sleep(600)
 
 def child(path, method):
-    g = mp.get_context(method).Process(target=grandchild)
+    ctx = mp.get_context(method)
+    running = ctx.Event()
+    g = ctx.Process(target=grandchild, args=(running,))
     g.start()
+    running.wait(120)  # a spawned grandchild's imports take seconds on a loaded host
     with open(path, "w") as out:
         out.write(f"{os.getpid()} {g.pid}\\n")
     time.sleep(600)
 
 def from_a_thread(path):
-    c = mp.get_context("fork").Process(target=grandchild)
+    running = mp.get_context("fork").Event()
+    c = mp.get_context("fork").Process(target=grandchild, args=(running,))
     c.start()
+    running.wait(120)
     with open(path, "w") as out:
         out.write(f"{c.pid}\\n")
 
@@ -61,7 +67,7 @@ if __name__ == "__main__":
     time.sleep(600)
 """
 """Forks or spawns (``fork``, ``spawn``) a child that does the same with a grandchild, or forks one child from a
-thread that ends (``thread``); writes their pids, then waits to be killed."""
+thread that ends (``thread``); writes their pids once the last one runs (its start-up done), then waits to be killed."""
 
 
 def _gone(pid: int) -> bool:
