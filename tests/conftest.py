@@ -11,16 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import build_tiny_llama
+from support import VLLM_SHM_PREFIXES, build_tiny_llama
 
 TIERS = ("unit", "integration", "e2e")
 """The tiers, one directory of ``tests/`` each, marked by that directory's name (``pytest -m unit``)."""
 
 
 DEV_SHM = Path("/dev/shm")
-VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
-"""Names vLLM's processes give POSIX shared memory (its message queues, multiprocessing's semaphores, its CPU
-communicator): a vLLM process SIGKILLed (what the suite's fault tests do) leaves its own behind."""
 _SHM_BEFORE = pytest.StashKey[set[str]]()
 
 

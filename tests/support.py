@@ -49,6 +49,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = child_env()
 """The environment for child processes: this one's, with ``PYTHONPATH`` for the package and ``generated/``."""
 
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm")
+"""How the ``/dev/shm`` names of vLLM's processes begin (its message queues, Python multiprocessing's semaphores,
+its CPU communicator). A test counting wsync's own segments leaves them out (other jobs may run meanwhile); the
+suite unlinks those that vLLM processes it SIGKILLed left (``tests/conftest.py``)."""
+
 
 @contextmanager
 def tensor_server(

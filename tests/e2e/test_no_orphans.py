@@ -48,8 +48,9 @@ def child(path, method):
     time.sleep(600)
 
 def from_a_thread(path):
-    running = mp.get_context("fork").Event()
-    c = mp.get_context("fork").Process(target=grandchild, args=(running,))
+    ctx = mp.get_context("fork")
+    running = ctx.Event()
+    c = ctx.Process(target=grandchild, args=(running,))
     c.start()
     running.wait(120)
     with open(path, "w") as out:

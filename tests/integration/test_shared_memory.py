@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from support import ENV, ROOT, assert_serve, status, tensor_server
+from support import ENV, ROOT, VLLM_SHM_PREFIXES, assert_serve, status, tensor_server
 from wsync.v1 import weight_sync_pb2 as pb
 
 from wsync_grpc import transports
@@ -116,13 +116,10 @@ def listening_sockets() -> set[str]:
     return names
 
 
-FOREIGN_SHM = ("psm_", "sem.mp-", "vllm")
-"""``/dev/shm`` entries of other jobs that may run on the host meanwhile (Python multiprocessing's, vLLM's)."""
-
-
 def dev_shm() -> set[str]:
-    """``/dev/shm``'s entries, but those of other jobs (:data:`FOREIGN_SHM`)."""
-    return {n for n in os.listdir("/dev/shm") if not n.startswith(FOREIGN_SHM)}
+    """``/dev/shm``'s entries, but those of other jobs that may run on the host meanwhile (vLLM's and Python
+    multiprocessing's: :data:`support.VLLM_SHM_PREFIXES`)."""
+    return {n for n in os.listdir("/dev/shm") if not n.startswith(VLLM_SHM_PREFIXES)}
 
 
 def wait_for(predicate: Any, timeout: float = 20.0) -> None:
